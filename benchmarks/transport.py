@@ -1,0 +1,184 @@
+"""paratrain's wire against plain TCP sockets, between two processes on loopback, in one run.
+
+    python benchmarks/transport.py [--sizes 1K,64K,1M,64M,256M] [--seconds 1.0]
+
+one-way: the client sends frames back to back, the server receives each into a preallocated tensor,
+and a final round trip confirms the last one arrived. request/response: each request carries the
+payload and the reply carries it back (a round trip moves 2x the payload). The anchor does the same
+with sendall / recv_into on a plain socket (8-byte length prefix, no header, no MAC).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import struct
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from paratrain.transport.rpc import Handler, Request, RpcClient, RpcServer  # noqa: E402
+
+SECRET = bytes(range(32))  # the spawned server imports this module again: no random here
+LENGTH = struct.Struct("!Q")
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise EOFError
+        got += n
+
+
+# ------------------------------------------------------------------------------- plain TCP
+def tcp_server(listener: socket.socket, max_size: int) -> None:
+    buf = memoryview(bytearray(max_size))
+    head = memoryview(bytearray(LENGTH.size + 1))
+    while True:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while True:
+                recv_exact(conn, head)
+                (size,), mode = LENGTH.unpack_from(head), head[LENGTH.size]
+                recv_exact(conn, buf[:size])
+                if mode == 1:  # echo
+                    conn.sendall(buf[:size])
+                elif mode == 2:  # ack
+                    conn.sendall(b"k")
+        except (EOFError, ConnectionError):
+            conn.close()
+
+
+def tcp_client(port: int, size: int, iters: int, echo: bool) -> float:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload = memoryview(bytearray(size))
+    back = memoryview(bytearray(size))
+    start = time.perf_counter()
+    for i in range(iters):
+        mode = 1 if echo else (2 if i == iters - 1 else 0)
+        sock.sendall(LENGTH.pack(size) + bytes([mode]))
+        sock.sendall(payload)
+        if echo:
+            recv_exact(sock, back)
+    if not echo:
+        recv_exact(sock, memoryview(bytearray(1)))
+    elapsed = time.perf_counter() - start
+    sock.close()
+    return elapsed
+
+
+# ------------------------------------------------------------------------------- paratrain
+class BenchHandler(Handler):
+    """Receives every payload into one preallocated buffer, as a parameter server does."""
+
+    def __init__(self, max_size: int) -> None:
+        self.buf = torch.empty(max_size, dtype=torch.uint8)
+
+    def destinations(self, conn, header):  # noqa: ANN001
+        return [self.buf[: header.specs[0][1][0]]] if header.specs else None
+
+    def handle(self, request: Request) -> None:
+        if request.op == "echo":
+            request.reply({}, request.tensors)
+        else:
+            request.reply({})
+
+
+def paratrain_client(port: int, size: int, iters: int, echo: bool) -> float:
+    client = RpcClient("127.0.0.1", port, SECRET)
+    payload = torch.zeros(size, dtype=torch.uint8)
+    back = torch.empty(size, dtype=torch.uint8)
+    start = time.perf_counter()
+    if echo:
+        for _ in range(iters):
+            client.call("echo", None, [payload], out=[back])
+    else:
+        for _ in range(iters - 1):
+            client.send("sink", None, [payload])
+        client.call("sink", None, [payload])
+    elapsed = time.perf_counter() - start
+    client.close()
+    return elapsed
+
+
+def serve(kind: str, max_size: int, ports: mp.Queue) -> None:
+    if kind == "tcp":
+        listener = socket.create_server(("127.0.0.1", 0))
+        ports.put(listener.getsockname()[1])
+        tcp_server(listener, max_size)
+    else:
+        server = RpcServer(SECRET, BenchHandler(max_size)).start()
+        ports.put(server.port)
+        time.sleep(3600)
+
+
+# ------------------------------------------------------------------------------- driver
+def iterations(size: int, seconds: float, echo: bool) -> int:
+    rate = 10_000 if size <= 64 << 10 else 1.5e9 / size / (2 if echo else 1)
+    return int(min(50_000, max(3, rate * seconds)))
+
+
+def measure(kind: str, sizes: list[int], seconds: float) -> dict[tuple[int, bool], float]:
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    proc = ctx.Process(target=serve, args=(kind, max(sizes), ports), daemon=True)
+    proc.start()
+    port = ports.get(timeout=60)
+    client = tcp_client if kind == "tcp" else paratrain_client
+    results = {}
+    try:
+        for size in sizes:
+            for echo in (False, True):
+                iters = iterations(size, seconds, echo)
+                client(port, size, max(1, iters // 10), echo)  # warm up
+                results[size, echo] = iters / client(port, size, iters, echo)
+    finally:
+        proc.kill()
+        proc.join()
+    return results
+
+
+def human(size: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if size >= scale:
+            return f"{size // scale}{unit}"
+    return str(size)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1K,16K,256K,4M,64M,256M")
+    parser.add_argument("--seconds", type=float, default=1.0, help="target time per measurement")
+    args = parser.parse_args()
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    torch.set_num_threads(1)
+    tcp = measure("tcp", sizes, args.seconds)
+    ours = measure("paratrain", sizes, args.seconds)
+    print(f"loopback, 2 processes, {os.cpu_count()} cores, torch {torch.__version__}")
+    print(f"{'size':>6} | {'one-way GB/s':>25} | {'round trips/s':>27}")
+    print(f"{'':>6} | {'tcp':>7} {'paratrain':>9} {'ratio':>5} | {'tcp':>8} {'paratrain':>9} {'ratio':>6}")
+    for size in sizes:
+        tcp_bw, our_bw = (tcp[size, False] * size / 1e9, ours[size, False] * size / 1e9)
+        tcp_rt, our_rt = tcp[size, True], ours[size, True]
+        print(
+            f"{human(size):>6} | {tcp_bw:7.3f} {our_bw:9.3f} {our_bw / tcp_bw:5.2f} | "
+            f"{tcp_rt:8.0f} {our_rt:9.0f} {our_rt / tcp_rt:6.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

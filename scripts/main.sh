@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Sets everything up, then runs the main job: a distributed run on local processes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/paratrain launch -w 2 -s 1 -- examples/demo.py "$@"

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs paratrain with its test tools. torch is pinned to the CPU
+# build this project is tested with; users may run paratrain on any recent torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check \
+    "torch==2.13.0" -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import torch, paratrain; print('paratrain', paratrain.__version__, 'torch', torch.__version__)"

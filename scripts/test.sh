@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Sets everything up, then runs the linter and the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check src tests benchmarks examples
+.venv/bin/ruff format --check src tests benchmarks examples
+exec .venv/bin/python -m pytest "$@"

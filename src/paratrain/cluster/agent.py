@@ -1,0 +1,127 @@
+"""A node's link to the scheduler: registration, heartbeats, barriers, and reacting to job end.
+
+When the scheduler aborts the job (another node failed) or the link to it breaks, this process cannot
+usefully go on: it prints why and exits at once with EXIT_ABORTED, so nothing hangs waiting on a peer
+that is gone. The same happens if the local launcher that started it disappears.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass
+
+import paratrain
+from paratrain.cluster.config import JobConfig
+from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec
+from paratrain.errors import RemoteError, RendezvousError, TransportError
+from paratrain.transport.frame import Header
+from paratrain.transport.rpc import RpcClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Roster:
+    """What registration tells every node: its rank and where everyone is."""
+
+    rank: int
+    servers: list[tuple[str, int]]
+    workers: list[tuple[str, int]]
+    """(host, pid) of each worker, by rank."""
+
+
+class SchedulerLink:
+    def __init__(self, spec: ClusterSpec, config: JobConfig) -> None:
+        self.spec = spec
+        self.config = config
+        self.shutdown = threading.Event()
+        self._leaving = False
+        self._stop = threading.Event()
+        self.client = RpcClient(
+            spec.scheduler_host,
+            spec.scheduler_port,
+            spec.secret,
+            config=config.transport,
+            name=f"the scheduler ({spec.scheduler_address})",
+            on_message=self._notice,
+            on_close=self._closed,
+        )
+        self._heartbeats = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._heartbeats.start()
+
+    def register(self, role: str, port: int = 0) -> Roster:
+        meta = {
+            "role": role,
+            "rank": self.spec.rank,
+            "host": self.spec.host,
+            "port": port,
+            "pid": os.getpid(),
+            "version": paratrain.__version__,
+            "config": self.config.as_dict(),
+            "config_digest": self.config.digest(),
+        }
+        try:
+            reply = self.client.call("register", meta, timeout_s=self.config.start_timeout_s)
+        except RemoteError as exc:
+            raise RendezvousError(f"the scheduler refused {role} registration: {exc}") from None
+        except TimeoutError:
+            raise RendezvousError(
+                f"the job did not start within {self.config.start_timeout_s} s: "
+                f"not every node registered with the scheduler at {self.spec.scheduler_address}"
+            ) from None
+        m = reply.meta
+        return Roster(
+            rank=m["rank"],
+            servers=[(h, p) for h, p in m["servers"]],
+            workers=[(h, p) for h, p in m["workers"]],
+        )
+
+    def barrier(self, group: str = "workers", name: str = "", timeout_s: float | None = None) -> None:
+        timeout = self.config.barrier_timeout_s if timeout_s is None else timeout_s
+        self.client.call("barrier", {"group": group, "name": name}, timeout_s=timeout)
+
+    def finish(self) -> None:
+        """Tell the scheduler this worker is done, then close the link."""
+        self._leaving = True
+        try:
+            self.client.call("finish", {}, timeout_s=self.config.finish_timeout_s)
+        except (TransportError, RemoteError, TimeoutError) as exc:
+            logger.warning("could not tell the scheduler we finished: %s", exc)
+        self.close()
+
+    def close(self) -> None:
+        self._leaving = True
+        self._stop.set()
+        self.client.close()
+
+    # -- background ------------------------------------------------------------------------------
+    def _beat(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            launcher = self.spec.launcher_pid
+            if launcher is not None and os.getppid() != launcher:
+                _exit_aborted(f"the launcher (pid {launcher}) is gone")
+            try:
+                self.client.send("heartbeat")
+            except TransportError:
+                return  # _closed reports it
+
+    def _notice(self, header: Header, _tensors: list) -> None:
+        if header.op == "abort":
+            _exit_aborted(f"the scheduler aborted the job: {header.meta.get('reason')}")
+        elif header.op == "shutdown":
+            self._leaving = True
+            self.shutdown.set()
+
+    def _closed(self, error: Exception | None) -> None:
+        if not self._leaving:
+            _exit_aborted(f"lost the connection to the scheduler: {error}")
+
+
+def _exit_aborted(reason: str) -> None:
+    role = os.environ.get("PARATRAIN_ROLE", "node")
+    print(f"paratrain: {role} stopping: {reason}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_ABORTED)

@@ -1,0 +1,70 @@
+"""JobConfig: what every process of one job must agree on. It is written in the script, so every
+process (the scheduler too) builds the same one; the scheduler compares each registering node's copy
+with its own and refuses a node whose copy differs, saying which fields differ."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from paratrain.transport.config import TransportConfig
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    heartbeat_interval_s: float = 1.0
+    """How often every node tells the scheduler it is alive."""
+    heartbeat_timeout_s: float = 5.0
+    """A node not heard from for this long is declared dead and the job is aborted."""
+    start_timeout_s: float = 120.0
+    """How long the scheduler waits for every node to register."""
+    barrier_timeout_s: float = 600.0
+    """How long a barrier waits for the other nodes."""
+    finish_timeout_s: float = 60.0
+    """How long the scheduler waits for servers to exit once every worker finished."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_s") and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"JobConfig.{f.name}={value!r} must be a number > 0")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"JobConfig.heartbeat_timeout_s={self.heartbeat_timeout_s!r} must be larger than "
+                f"heartbeat_interval_s={self.heartbeat_interval_s!r}"
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        return flatten(dataclasses.asdict(self))
+
+    def digest(self) -> str:
+        return config_digest(self.as_dict())
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: one entry per leaf, so a difference names its field."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_digest(flat: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def config_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """Human-readable differences, one per field: 'heartbeat_timeout_s: 3.0 here, 5.0 there'."""
+    keys = sorted(set(mine) | set(theirs))
+    return [
+        f"{k}: {theirs.get(k, '<unset>')!r} on that node, {mine.get(k, '<unset>')!r} here"
+        for k in keys
+        if mine.get(k) != theirs.get(k)
+    ]

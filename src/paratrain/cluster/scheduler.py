@@ -1,0 +1,292 @@
+"""The scheduler: registration and ranks, the address book, barriers, heartbeats, job end.
+
+Protocol (requests carry an id and get a reply; heartbeats are one-way):
+
+    register  {role, rank?, host, port, pid, version, config}  -> replied once every node has
+              registered: {rank, servers: [[host, port]...], workers: [[host, pid]...]}
+    heartbeat {}                                               (one-way, every interval)
+    barrier   {group: "workers" | "all", name}                 -> replied when the group arrived
+    finish    {}                                               a worker is done; replied at once
+
+and, from the scheduler, one-way notices: `abort {reason}` (some node failed: stop now) and
+`shutdown {}` (every worker finished: servers exit cleanly).
+
+Membership is counted live (workers that are registered and not finished), so a round or barrier can
+later shrink when a node leaves or grow when one joins. A node that disconnects before finishing, or
+that sends no heartbeat for `heartbeat_timeout_s`, aborts the job with a message naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import paratrain
+from paratrain.cluster.config import JobConfig, config_differences
+from paratrain.cluster.spec import ClusterSpec
+from paratrain.transport.connection import Connection
+from paratrain.transport.rpc import Handler, Request, RpcServer, listen
+
+logger = logging.getLogger(__name__)
+
+
+class Refused(Exception):
+    """A registration that cannot be accepted; the message says why."""
+
+
+@dataclass
+class Node:
+    role: str
+    rank: int
+    host: str
+    port: int
+    pid: int
+    conn: Connection
+    last_seen: float = field(default_factory=time.monotonic)
+    last_seen_wall: float = field(default_factory=time.time)
+    finished: bool = False
+
+    def describe(self) -> str:
+        return f"{self.role} {self.rank} (host {self.host}, pid {self.pid})"
+
+
+class Scheduler(Handler):
+    def __init__(self, spec: ClusterSpec, config: JobConfig) -> None:
+        self.spec = spec
+        self.config = config
+        self._lock = threading.Lock()
+        self._nodes: dict[tuple[str, int], Node] = {}
+        self._by_conn: dict[Connection, Node] = {}
+        self._waiting: list[tuple[Request, Node]] = []
+        self._started = False
+        self._barriers: dict[tuple[str, str], list[tuple[Request, Node]]] = {}
+        self._done = threading.Event()
+        self.outcome: str | None = None  # None while running; "" on success, else the reason
+        sock = listen_socket(spec)
+        self.server = RpcServer(spec.secret, self, sock=sock, config=config.transport, name="scheduler")
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Serve until the job ends; returns the process exit status (0: every worker finished)."""
+        self.server.start()
+        logger.info("scheduler listening on %s:%d", self.server.host, self.server.port)
+        monitor = threading.Thread(target=self._monitor, name="scheduler-monitor", daemon=True)
+        monitor.start()
+        self._done.wait()
+        self._wait_for_servers()
+        self.server.close()
+        if self.outcome:
+            print(f"paratrain: job aborted: {self.outcome}", file=sys.stderr, flush=True)
+            return 1
+        return 0
+
+    def _wait_for_servers(self) -> None:
+        if self.outcome:
+            return
+        deadline = time.monotonic() + self.config.finish_timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not any(n.role == "server" for n in self._by_conn.values()):
+                    return
+            time.sleep(0.02)
+        logger.warning("servers still connected %.0f s after the job ended", self.config.finish_timeout_s)
+
+    def abort(self, reason: str) -> None:
+        with self._lock:
+            if self.outcome is not None:
+                return
+            self.outcome = reason
+            conns = list(self._by_conn)
+            waiting = [r for r, _ in self._waiting]
+            waiting += [r for group in self._barriers.values() for r, _ in group]
+        logger.error("aborting the job: %s", reason)
+        for request in waiting:
+            _quietly(request.fail, f"job aborted: {reason}")
+        for conn in conns:
+            _quietly(conn.send, "abort", 0, {"reason": reason})
+        self._done.set()
+
+    def _finish_job(self) -> None:
+        with self._lock:
+            if self.outcome is not None:
+                return
+            self.outcome = ""
+            servers = [n.conn for n in self._by_conn.values() if n.role == "server"]
+        logger.info("every worker finished; stopping %d server(s)", len(servers))
+        for conn in servers:
+            _quietly(conn.send, "shutdown", 0, {})
+        self._done.set()
+
+    def _monitor(self) -> None:
+        start = time.monotonic()
+        tick = min(0.5, self.config.heartbeat_interval_s / 2)
+        while not self._done.wait(tick):
+            now = time.monotonic()
+            with self._lock:
+                late = [
+                    n
+                    for n in self._nodes.values()
+                    if not n.finished and now - n.last_seen > self.config.heartbeat_timeout_s
+                ]
+                missing = self._missing() if not self._started else []
+            if late:
+                node = late[0]
+                heard = datetime.fromtimestamp(node.last_seen_wall).strftime("%H:%M:%S.%f")[:-3]
+                self.abort(
+                    f"{node.describe()} sent no heartbeat for {now - node.last_seen:.1f} s "
+                    f"(last heard at {heard}; timeout {self.config.heartbeat_timeout_s} s)"
+                )
+            elif missing and now - start > self.config.start_timeout_s:
+                self.abort(f"{', '.join(missing)} did not register within {self.config.start_timeout_s} s")
+
+    def _missing(self) -> list[str]:
+        wanted = [("server", r) for r in range(self.spec.num_servers)]
+        wanted += [("worker", r) for r in range(self.spec.num_workers)]
+        return [f"{role} {rank}" for role, rank in wanted if (role, rank) not in self._nodes]
+
+    # -- requests --------------------------------------------------------------------------------
+    def handle(self, request: Request) -> None:
+        op = request.op
+        if op == "heartbeat":
+            self._heartbeat(request.conn)
+        elif op == "register":
+            self._register(request)
+        elif op == "barrier":
+            self._barrier(request)
+        elif op == "finish":
+            self._finish(request)
+        else:
+            request.fail(f"unknown op {op!r}")
+
+    def _heartbeat(self, conn: Connection) -> None:
+        node = self._by_conn.get(conn)
+        if node is not None:
+            node.last_seen, node.last_seen_wall = time.monotonic(), time.time()
+
+    def _register(self, request: Request) -> None:
+        try:
+            with self._lock:
+                node = self._admit(request)
+                self._waiting.append((request, node))
+                ready = not self._started and not self._missing()
+                if ready:
+                    self._started = True
+                    waiting, self._waiting = self._waiting, []
+        except Refused as exc:
+            request.fail(str(exc))
+            self.abort(f"registration refused: {exc}")
+            return
+        logger.info("registered %s", node.describe())
+        if ready:
+            roster = self._roster()
+            for waiter, member in waiting:
+                _quietly(waiter.reply, {"rank": member.rank, **roster})
+
+    def _admit(self, request: Request) -> Node:
+        """Check a registration against the job; called with the lock held."""
+        meta = request.meta
+        role, pid, host = meta.get("role"), meta.get("pid"), meta.get("host")
+        who = f"{role} {meta.get('rank', '?')} (host {host}, pid {pid})"
+        if meta.get("version") != paratrain.__version__:
+            raise Refused(
+                f"{who} runs paratrain {meta.get('version')!r} but the scheduler runs "
+                f"{paratrain.__version__!r}"
+            )
+        if meta.get("config_digest") != self.config.digest():
+            diffs = config_differences(self.config.as_dict(), meta.get("config") or {})
+            raise Refused(f"{who} has a different JobConfig: {'; '.join(diffs) or 'digest only'}")
+        if role not in ("server", "worker"):
+            raise Refused(f"{who}: role {role!r} cannot register")
+        count = self.spec.num_servers if role == "server" else self.spec.num_workers
+        rank = meta.get("rank")
+        if rank is None:
+            taken = {r for (ro, r) in self._nodes if ro == role}
+            rank = min((r for r in range(count) if r not in taken), default=count)
+        if not isinstance(rank, int) or not 0 <= rank < count:
+            raise Refused(f"{who}: rank {rank!r} is outside 0..{count - 1} for {count} {role}s")
+        if (role, rank) in self._nodes:
+            raise Refused(f"{who}: {role} {rank} is already registered")
+        port = meta.get("port") or 0
+        node = Node(role, rank, str(host), int(port), int(pid or 0), request.conn)
+        self._nodes[role, rank] = node
+        self._by_conn[request.conn] = node
+        return node
+
+    def _roster(self) -> dict:
+        with self._lock:
+            nodes = sorted(self._nodes.values(), key=lambda n: (n.role, n.rank))
+        return {
+            "servers": [[n.host, n.port] for n in nodes if n.role == "server"],
+            "workers": [[n.host, n.pid] for n in nodes if n.role == "worker"],
+        }
+
+    def _barrier(self, request: Request) -> None:
+        group, name = request.meta.get("group", "workers"), str(request.meta.get("name", ""))
+        if group not in ("workers", "all"):
+            request.fail(f"barrier group {group!r} is not 'workers' or 'all'")
+            return
+        node = self._by_conn.get(request.conn)
+        if node is None:
+            request.fail("barrier from a node that did not register")
+            return
+        with self._lock:
+            self._barriers.setdefault((group, name), []).append((request, node))
+            released = self._complete_barriers()
+        for waiter in released:
+            _quietly(waiter.reply, {})
+
+    def _complete_barriers(self) -> list[Request]:
+        """Barriers that every live worker has reached; called with the lock held. Membership is
+        live: servers take part in "all" by serving, and finished workers have left."""
+        members = sum(1 for n in self._nodes.values() if n.role == "worker" and not n.finished)
+        released = []
+        for key, arrived in list(self._barriers.items()):
+            if len(arrived) >= members:
+                del self._barriers[key]
+                released += [request for request, _ in arrived]
+        return released
+
+    def _finish(self, request: Request) -> None:
+        node = self._by_conn.get(request.conn)
+        if node is None:
+            request.fail("finish from a node that did not register")
+            return
+        with self._lock:
+            node.finished = True
+            done = all(n.finished for n in self._nodes.values() if n.role == "worker")
+            done = done and self._started
+            released = self._complete_barriers()
+        for waiter in released:
+            _quietly(waiter.reply, {})
+        request.reply({})
+        logger.info("%s finished", node.describe())
+        if done:
+            self._finish_job()
+
+    def disconnected(self, conn: Connection, error: Exception | None) -> None:
+        with self._lock:
+            node = self._by_conn.pop(conn, None)
+        if node is None or node.finished or self.outcome is not None:
+            return
+        cause = f": {error}" if error else ""
+        self.abort(f"{node.describe()} lost its connection to the scheduler{cause}")
+
+
+def listen_socket(spec: ClusterSpec):
+    import socket
+
+    if spec.scheduler_fd is not None:
+        return socket.socket(fileno=spec.scheduler_fd)
+    return listen(spec.scheduler_host, spec.scheduler_port)
+
+
+def _quietly(fn, *args) -> None:  # noqa: ANN001
+    """Send a notice to a peer that may already be gone: its absence is handled elsewhere."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        logger.debug("could not notify a peer: %s", exc)

@@ -1,0 +1,444 @@
+"""The cluster spec: who is where, read from the environment by one function.
+
+Environment variables carry process identity only (role, rank, counts, the scheduler's address,
+the job secret); everything else a job is configured with lives in the script's `JobConfig`.
+`spec_from_env` reads them; `spec_to_env` writes paratrain's own variables for the launcher.
+
+paratrain's own variables (what `paratrain launch` sets):
+
+    PARATRAIN_ROLE          scheduler | server | worker
+    PARATRAIN_RANK          rank within the role (optional: else the scheduler assigns one)
+    PARATRAIN_NUM_WORKERS   number of workers (>= 1)
+    PARATRAIN_NUM_SERVERS   number of servers (>= 0; 0 is a collective-only job)
+    PARATRAIN_SCHEDULER     host:port of the scheduler ([::1]:5000 for IPv6)
+    PARATRAIN_SECRET        the per-job secret, hex, at least 16 bytes (or PARATRAIN_SECRET_FILE)
+    PARATRAIN_HOST          the address this process binds and advertises (default 127.0.0.1)
+    PARATRAIN_LAUNCHER_PID  set by the local launcher: exit if that process goes away
+    PARATRAIN_SCHEDULER_FD  set by the local launcher: an inherited, already listening socket
+
+Other launchers' conventions are accepted too; the first whose marker is set wins, in this order:
+
+    paratrain   PARATRAIN_ROLE (above)
+    dmlc        DMLC_ROLE, as MXNet/ps-lite set it: DMLC_PS_ROOT_URI/PORT, DMLC_NUM_WORKER/SERVER,
+                DMLC_NODE_HOST, DMLC_WORKER_ID / DMLC_SERVER_ID
+    tf_config   TF_CONFIG: chief and workers are workers (the chief is worker 0), ps tasks servers
+    torchrun    RANK + WORLD_SIZE, with MASTER_ADDR/MASTER_PORT
+    slurm       SLURM_PROCID + SLURM_NTASKS
+    mpi         OMPI_COMM_WORLD_RANK + OMPI_COMM_WORLD_SIZE, or PMI_RANK + PMI_SIZE
+
+TF_CONFIG, torchrun, Slurm and MPI start no scheduler process: worker 0 runs it embedded. Under
+TF_CONFIG it listens at worker 0's listed address; under torchrun, Slurm and MPI at MASTER_ADDR and
+MASTER_PORT+1 (MASTER_PORT itself is torch.distributed's store), or at PARATRAIN_SCHEDULER if set.
+Those three name no per-process address, so host defaults to 127.0.0.1: on several machines set
+PARATRAIN_HOST. In every convention the secret comes from PARATRAIN_SECRET(_FILE), PARATRAIN_HOST
+overrides the host, and PARATRAIN_LAUNCHER_PID/PARATRAIN_SCHEDULER_FD are read. A variable set to
+the empty string counts as unset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+ROLES = ("scheduler", "server", "worker")
+SOURCES = ("paratrain", "dmlc", "tf_config", "torchrun", "slurm", "mpi")
+MIN_SECRET_BYTES = 16
+
+# Exit status of a process that stopped because the scheduler aborted the job for another node's
+# failure: the launcher reports such exits as consequences, never as the first failure.
+EXIT_ABORTED = 75
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """This process's place in the job, as resolved from the environment."""
+
+    role: str
+    """`scheduler`, `server` or `worker`."""
+    rank: int | None
+    """Rank within the role; None lets the scheduler assign one at registration."""
+    num_workers: int
+    num_servers: int
+    scheduler_host: str
+    scheduler_port: int
+    secret: bytes = field(repr=False)
+    """The per-job secret every connection authenticates with (at least 16 bytes; never printed)."""
+    host: str = "127.0.0.1"
+    """The address this process binds its listening sockets to and advertises to peers."""
+    source: str = "paratrain"
+    """Which convention the spec was read from: paratrain, dmlc, tf_config, torchrun, slurm, mpi."""
+    embedded_scheduler: bool = False
+    """True where no separate scheduler process exists (TF_CONFIG, torchrun, Slurm, MPI): worker 0
+    then runs the scheduler in a thread at scheduler_host:scheduler_port."""
+    launcher_pid: int | None = None
+    scheduler_fd: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("role", self.role, ROLES)
+        _check_range("num_workers", self.num_workers, 1)
+        _check_range("num_servers", self.num_servers, 0)
+        _check_place(self.role, self.rank, self.num_workers, self.num_servers, _FIELD_NAMES)
+        _check_range("scheduler_port", self.scheduler_port, 1, 65535)
+        _check_choice("source", self.source, SOURCES)
+        if self.embedded_scheduler and (self.role, self.rank) != ("worker", 0):
+            raise ValueError(
+                f"embedded_scheduler=True on {self.role} rank={self.rank}: only worker 0 runs it"
+            )
+        if len(self.secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"secret is {len(self.secret)} bytes; it must be at least {MIN_SECRET_BYTES}")
+
+    @property
+    def scheduler_address(self) -> str:
+        return _join_address(self.scheduler_host, self.scheduler_port)
+
+
+@dataclass(frozen=True)
+class _Place:
+    """What one convention says about this process; the secret and overrides are common to all."""
+
+    role: str
+    rank: int | None
+    num_workers: int
+    num_servers: int
+    scheduler_host: str
+    scheduler_port: int
+    host: str = "127.0.0.1"
+    embedded_scheduler: bool = False
+
+
+# The names _check_place uses in its messages: (role, rank, num_servers).
+_FIELD_NAMES = ("role", "rank", "num_servers")
+
+
+def spec_from_env(env: Mapping[str, str] | None = None) -> ClusterSpec | None:
+    """Read this process's ClusterSpec from env (default os.environ). Returns None when no
+    convention's variables are present (a plain single-process run).
+
+    Raises ValueError naming the variable and its value for anything missing, malformed or
+    inconsistent (the secret's value is never shown).
+    """
+    env = os.environ if env is None else env
+    for source, markers, read in _CONVENTIONS:
+        if all(_get(env, name) is not None for name in markers):
+            return _finish(env, read(env), source)
+    return None
+
+
+def spec_to_env(spec: ClusterSpec) -> dict[str, str]:
+    """The PARATRAIN_* variables that make spec_from_env return this spec (used by the launcher).
+    The secret goes out as hex. Omit rank when None, launcher_pid/scheduler_fd when None.
+
+    The result reads back with source="paratrain" whatever spec.source was. paratrain's variables
+    cannot say embedded_scheduler, so such a spec raises ValueError.
+    """
+    if spec.embedded_scheduler:
+        raise ValueError("spec_to_env cannot express embedded_scheduler=True in PARATRAIN_* variables")
+    env = {
+        "PARATRAIN_ROLE": spec.role,
+        "PARATRAIN_NUM_WORKERS": str(spec.num_workers),
+        "PARATRAIN_NUM_SERVERS": str(spec.num_servers),
+        "PARATRAIN_SCHEDULER": spec.scheduler_address,
+        "PARATRAIN_SECRET": spec.secret.hex(),
+        "PARATRAIN_HOST": spec.host,
+    }
+    optional = {
+        "PARATRAIN_RANK": spec.rank,
+        "PARATRAIN_LAUNCHER_PID": spec.launcher_pid,
+        "PARATRAIN_SCHEDULER_FD": spec.scheduler_fd,
+    }
+    env.update({name: str(value) for name, value in optional.items() if value is not None})
+    return env
+
+
+def _finish(env: Mapping[str, str], place: _Place, source: str) -> ClusterSpec:
+    """Add what every convention shares: the secret, the host override, the launcher's handles."""
+    return ClusterSpec(
+        role=place.role,
+        rank=place.rank,
+        num_workers=place.num_workers,
+        num_servers=place.num_servers,
+        scheduler_host=place.scheduler_host,
+        scheduler_port=place.scheduler_port,
+        secret=_read_secret(env),
+        host=_get(env, "PARATRAIN_HOST") or place.host,
+        source=source,
+        embedded_scheduler=place.embedded_scheduler,
+        launcher_pid=_optional_int(env, "PARATRAIN_LAUNCHER_PID", 1),
+        scheduler_fd=_optional_int(env, "PARATRAIN_SCHEDULER_FD", 0),
+    )
+
+
+# ---- the conventions ---------------------------------------------------------------------------
+
+
+def _read_paratrain(env: Mapping[str, str]) -> _Place:
+    role = _check_choice("PARATRAIN_ROLE", _get(env, "PARATRAIN_ROLE"), ROLES)
+    because = f"PARATRAIN_ROLE={role!r} needs it"
+    num_workers = _required_int(env, "PARATRAIN_NUM_WORKERS", because, 1)
+    num_servers = _required_int(env, "PARATRAIN_NUM_SERVERS", because, 0)
+    rank = _optional_int(env, "PARATRAIN_RANK")
+    names = ("PARATRAIN_ROLE", "PARATRAIN_RANK", "PARATRAIN_NUM_SERVERS")
+    _check_place(role, rank, num_workers, num_servers, names)
+    scheduler = _require(env, "PARATRAIN_SCHEDULER", because)
+    return _Place(role, rank, num_workers, num_servers, *_parse_address("PARATRAIN_SCHEDULER", scheduler))
+
+
+def _read_dmlc(env: Mapping[str, str]) -> _Place:
+    role = _check_choice("DMLC_ROLE", _get(env, "DMLC_ROLE"), ROLES)
+    because = f"DMLC_ROLE={role!r} needs it"
+    num_workers = _required_int(env, "DMLC_NUM_WORKER", because, 1)
+    num_servers = _required_int(env, "DMLC_NUM_SERVER", because, 0)
+    rank_var = {"worker": "DMLC_WORKER_ID", "server": "DMLC_SERVER_ID"}.get(role)
+    rank = 0 if rank_var is None else _optional_int(env, rank_var)
+    _check_place(role, rank, num_workers, num_servers, ("DMLC_ROLE", rank_var or "rank", "DMLC_NUM_SERVER"))
+    scheduler_host = _require(env, "DMLC_PS_ROOT_URI", because)
+    scheduler_port = _required_int(env, "DMLC_PS_ROOT_PORT", because, 1, 65535)
+    host = _get(env, "DMLC_NODE_HOST") or "127.0.0.1"
+    return _Place(role, rank, num_workers, num_servers, scheduler_host, scheduler_port, host)
+
+
+_TF_TASK_TYPES = ("chief", "worker", "ps")
+
+
+def _read_tf_config(env: Mapping[str, str]) -> _Place:
+    cluster, task = _parse_tf_config(env["TF_CONFIG"])
+    task_type, index = _tf_task(task, cluster)
+    chief, workers, ps = (cluster[kind] for kind in _TF_TASK_TYPES)
+    if len(chief) > 1:
+        raise ValueError(f"TF_CONFIG cluster.chief has {len(chief)} entries; at most 1 is allowed")
+    if not chief + workers:
+        raise ValueError("TF_CONFIG cluster has no chief or worker entry; a job needs a worker")
+    scheduler_host, scheduler_port = (chief + workers)[0]
+    if task_type == "ps":
+        role, rank = "server", index
+    elif task_type == "chief":
+        role, rank = "worker", 0
+    else:
+        role, rank = "worker", index + len(chief)
+    return _Place(
+        role,
+        rank,
+        num_workers=len(chief) + len(workers),
+        num_servers=len(ps),
+        scheduler_host=scheduler_host,
+        scheduler_port=scheduler_port,
+        host=cluster[task_type][index][0],
+        embedded_scheduler=role == "worker" and rank == 0,
+    )
+
+
+def _parse_tf_config(text: str) -> tuple[dict[str, list[tuple[str, int]]], dict[str, object]]:
+    """TF_CONFIG's cluster as {task type: [(host, port), ...]} and its task object."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"TF_CONFIG={text!r} is not valid JSON ({exc})") from None
+    if not (
+        isinstance(config, dict)
+        and isinstance(config.get("cluster"), dict)
+        and isinstance(config.get("task"), dict)
+    ):
+        raise ValueError(f"TF_CONFIG={text!r} is not a JSON object with 'cluster' and 'task' objects")
+    cluster: dict[str, list[tuple[str, int]]] = {}
+    for kind in _TF_TASK_TYPES:
+        entries = config["cluster"].get(kind, [])
+        if not (isinstance(entries, list) and all(isinstance(e, str) for e in entries)):
+            raise ValueError(f"TF_CONFIG cluster.{kind}={entries!r} is not a list of host:port strings")
+        name = f"TF_CONFIG cluster.{kind}"
+        cluster[kind] = [_parse_address(f"{name}[{i}]", e) for i, e in enumerate(entries)]
+    return cluster, config["task"]
+
+
+def _tf_task(task: Mapping[str, object], cluster: Mapping[str, Sequence[object]]) -> tuple[str, int]:
+    task_type = _check_choice("TF_CONFIG task.type", task.get("type"), _TF_TASK_TYPES)
+    if task.get("index") is None:
+        raise ValueError("TF_CONFIG task.index is not set")
+    index = _parse_int("TF_CONFIG task.index", str(task["index"]))
+    count = len(cluster[task_type])
+    if not 0 <= index < count:
+        raise ValueError(
+            f"TF_CONFIG task.index={index} is out of range for "
+            f"{_count(count, task_type + ' entry')}{_span(count)}"
+        )
+    return task_type, index
+
+
+def _read_worker_ranks(env: Mapping[str, str], rank_var: str, size_var: str) -> _Place:
+    """torchrun, Slurm, MPI: every process is a worker and worker 0 runs the scheduler."""
+    num_workers = _parse_int(size_var, env[size_var], 1)
+    rank = _parse_int(rank_var, env[rank_var])
+    _check_place("worker", rank, num_workers, 0, ("role", rank_var, "num_servers"))
+    scheduler_host, scheduler_port = _embedded_scheduler_address(env, f"{rank_var} is set")
+    return _Place(
+        "worker", rank, num_workers, 0, scheduler_host, scheduler_port, embedded_scheduler=rank == 0
+    )
+
+
+def _embedded_scheduler_address(env: Mapping[str, str], because: str) -> tuple[str, int]:
+    """PARATRAIN_SCHEDULER if set, else MASTER_ADDR:MASTER_PORT+1 (torch.distributed's store has
+    MASTER_PORT)."""
+    explicit = _get(env, "PARATRAIN_SCHEDULER")
+    if explicit is not None:
+        return _parse_address("PARATRAIN_SCHEDULER", explicit)
+    because = f"{because} and PARATRAIN_SCHEDULER is not"
+    host = _require(env, "MASTER_ADDR", because)
+    port = _required_int(env, "MASTER_PORT", because, 1, 65535)
+    if port == 65535:
+        raise ValueError("MASTER_PORT=65535 leaves no port for the scheduler (it uses MASTER_PORT+1)")
+    return host, port + 1
+
+
+_Reader = Callable[[Mapping[str, str]], _Place]
+_CONVENTIONS: tuple[tuple[str, tuple[str, ...], _Reader], ...] = (
+    ("paratrain", ("PARATRAIN_ROLE",), _read_paratrain),
+    ("dmlc", ("DMLC_ROLE",), _read_dmlc),
+    ("tf_config", ("TF_CONFIG",), _read_tf_config),
+    (
+        "torchrun",
+        ("RANK", "WORLD_SIZE"),
+        partial(_read_worker_ranks, rank_var="RANK", size_var="WORLD_SIZE"),
+    ),
+    (
+        "slurm",
+        ("SLURM_PROCID", "SLURM_NTASKS"),
+        partial(_read_worker_ranks, rank_var="SLURM_PROCID", size_var="SLURM_NTASKS"),
+    ),
+    (
+        "mpi",
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        partial(_read_worker_ranks, rank_var="OMPI_COMM_WORLD_RANK", size_var="OMPI_COMM_WORLD_SIZE"),
+    ),
+    (
+        "mpi",
+        ("PMI_RANK", "PMI_SIZE"),
+        partial(_read_worker_ranks, rank_var="PMI_RANK", size_var="PMI_SIZE"),
+    ),
+)
+
+
+# ---- the secret --------------------------------------------------------------------------------
+
+
+def _read_secret(env: Mapping[str, str]) -> bytes:
+    """PARATRAIN_SECRET or the content of PARATRAIN_SECRET_FILE, as bytes; never put in errors."""
+    text, path = _get(env, "PARATRAIN_SECRET"), _get(env, "PARATRAIN_SECRET_FILE")
+    origin = "PARATRAIN_SECRET"
+    if text is not None and path is not None:
+        raise ValueError("PARATRAIN_SECRET and PARATRAIN_SECRET_FILE are both set; set one")
+    if path is not None:
+        try:
+            text = Path(path).read_bytes().decode("ascii", errors="replace").strip()
+        except OSError as exc:
+            raise ValueError(f"PARATRAIN_SECRET_FILE={path!r} cannot be read ({exc.strerror})") from None
+        origin = f"the content of PARATRAIN_SECRET_FILE={path!r}"
+    if text is None:
+        raise ValueError(
+            f"PARATRAIN_SECRET is not set: a distributed job needs a per-job secret of at least "
+            f"{MIN_SECRET_BYTES} bytes as hex ({2 * MIN_SECRET_BYTES}+ hex digits, e.g. from "
+            f"`python -c 'import secrets; print(secrets.token_hex(32))'`), in PARATRAIN_SECRET or "
+            f"in a file named by PARATRAIN_SECRET_FILE"
+        )
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"{origin} is not a hex string (value not shown)") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"{origin} is {len(secret)} bytes; the secret must be at least "
+            f"{MIN_SECRET_BYTES} bytes ({2 * MIN_SECRET_BYTES} hex digits)"
+        )
+    return secret
+
+
+# ---- reading and checking one value ------------------------------------------------------------
+
+
+def _get(env: Mapping[str, str], name: str) -> str | None:
+    """The stripped value of name, or None when it is unset or empty."""
+    value = env.get(name, "").strip()
+    return value or None
+
+
+def _require(env: Mapping[str, str], name: str, because: str) -> str:
+    value = _get(env, name)
+    if value is None:
+        raise ValueError(f"{name} is not set ({because})")
+    return value
+
+
+def _parse_int(name: str, value: str, lo: int | None = None, hi: int | None = None) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+    return _check_range(name, number, lo, hi)
+
+
+def _optional_int(
+    env: Mapping[str, str], name: str, lo: int | None = None, hi: int | None = None
+) -> int | None:
+    value = _get(env, name)
+    return None if value is None else _parse_int(name, value, lo, hi)
+
+
+def _required_int(
+    env: Mapping[str, str], name: str, because: str, lo: int | None = None, hi: int | None = None
+) -> int:
+    return _parse_int(name, _require(env, name, because), lo, hi)
+
+
+def _check_range(name: str, number: int, lo: int | None = None, hi: int | None = None) -> int:
+    if (lo is not None and number < lo) or (hi is not None and number > hi):
+        bound = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in {lo}..{hi}"
+        raise ValueError(f"{name}={number} must be {bound}")
+    return number
+
+
+def _check_choice(name: str, value: object, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
+    return str(value)
+
+
+def _check_place(
+    role: str, rank: int | None, num_workers: int, num_servers: int, names: tuple[str, str, str]
+) -> None:
+    """Is rank within its role's count? names: what role, rank and num_servers are called in
+    messages (variables, or the ClusterSpec fields)."""
+    role_name, rank_name, servers_name = names
+    if role == "server" and num_servers == 0:
+        raise ValueError(f"{role_name}='server' but {servers_name}=0")
+    count = {"scheduler": 1, "server": num_servers, "worker": num_workers}[role]
+    if rank is not None and not 0 <= rank < count:
+        raise ValueError(f"{rank_name}={rank} is out of range for {_count(count, role)}{_span(count)}")
+
+
+def _count(count: int, noun: str) -> str:
+    plural = noun[:-1] + "ies" if noun.endswith("entry") else noun + "s"
+    return f"{count} {noun if count == 1 else plural}"
+
+
+def _span(count: int) -> str:
+    return f" (0..{count - 1})" if count else ""
+
+
+def _parse_address(name: str, value: str) -> tuple[str, int]:
+    """host:port, with an IPv6 host in brackets ([::1]:5000)."""
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        host = ""  # a bare IPv6 address: where its port starts is ambiguous
+    if not sep or not host:
+        raise ValueError(f"{name}={value!r} is not host:port (an IPv6 host as [::1]:5000)")
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"{name}={value!r} has port {port!r}; a port is an integer in 1..65535")
+    return host, int(port)
+
+
+def _join_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

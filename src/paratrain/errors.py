@@ -1,0 +1,39 @@
+"""The root of paratrain's exceptions: one family per subsystem.
+
+Bad user input raises ValueError / TypeError naming the value; these classes are for failures of the
+distributed system itself (a peer that lied, died or never answered).
+"""
+
+from __future__ import annotations
+
+
+class ParatrainError(Exception):
+    """Root of every error paratrain raises on purpose."""
+
+
+class TransportError(ParatrainError):
+    """A connection failed, a frame was malformed or unauthenticated, or a peer went away."""
+
+
+class AuthenticationError(TransportError):
+    """The peer does not hold the job secret (handshake or frame MAC failed)."""
+
+
+class RemoteError(ParatrainError):
+    """The peer ran our request and it raised; the message carries the peer's error text."""
+
+
+class ClusterError(ParatrainError):
+    """Registration was refused, a barrier timed out, or the job was aborted."""
+
+
+class RendezvousError(ClusterError):
+    """This node could not join the job (version or config mismatch, duplicate rank, timeout)."""
+
+
+class JobAbortedError(ClusterError):
+    """The scheduler ended the job because some node failed; the message names it."""
+
+
+class KVStoreError(ParatrainError):
+    """A key-value store operation failed (unknown key, shape mismatch, server refused)."""

@@ -1,0 +1,615 @@
+"""Start one job as local processes: a scheduler, S servers and W workers, all running one script.
+
+The launcher creates the scheduler's listening socket itself and hands it to the scheduler process
+(`pass_fds` + PARATRAIN_SCHEDULER_FD), so the address is known before any process starts and no
+port is raced for. The job secret travels only in the environment, never on a command line.
+
+One waiter thread per child posts its exit (with a monotonic timestamp) to a queue; the main thread
+reacts to those exits, to the job timeout and to SIGINT/SIGTERM. The job succeeds when every worker
+exits 0 and then the scheduler and servers exit 0 by themselves. On the first failure everything is
+stopped (SIGTERM to each process group, then SIGKILL), and the report names the first failure that
+is a cause: an exit with EXIT_ABORTED is a consequence of another node's failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec, spec_to_env
+
+logger = logging.getLogger(__name__)
+
+STDERR_TAIL_LINES = 30
+EXIT_INTERRUPTED = 130
+_POLL_S = 0.5
+_KILL_WAIT_S = 30.0
+_OUTPUT_JOIN_S = 5.0
+
+# Inherited values of these would describe some other job's process, never one of ours.
+_IDENTITY_VARS = frozenset(
+    {
+        "PARATRAIN_ROLE",
+        "PARATRAIN_RANK",
+        "PARATRAIN_NUM_WORKERS",
+        "PARATRAIN_NUM_SERVERS",
+        "PARATRAIN_SCHEDULER",
+        "PARATRAIN_SECRET",
+        "PARATRAIN_SECRET_FILE",
+        "PARATRAIN_HOST",
+        "PARATRAIN_LAUNCHER_PID",
+        "PARATRAIN_SCHEDULER_FD",
+    }
+)
+
+
+@dataclass(frozen=True)
+class LocalJobConfig:
+    """One job to run as processes of this machine."""
+
+    script: str
+    """Path of the Python script every process runs (a PathLike is stored as str)."""
+    args: tuple[str, ...] = ()
+    """Arguments passed to the script, unparsed."""
+    num_workers: int = 2
+    """Number of worker processes (>= 1)."""
+    num_servers: int = 1
+    """Number of server processes (>= 0; 0 is a collective-only job, still with a scheduler)."""
+    host: str = "127.0.0.1"
+    """The address every process binds and advertises; the scheduler listens here."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment variables for every process (paratrain's identity variables win)."""
+    timeout_s: float | None = None
+    """Limit on the whole job; None waits forever."""
+    stop_grace_s: float = 5.0
+    """Between SIGTERM and SIGKILL when stopping; also how long the others may take to exit by
+    themselves after a process exits with EXIT_ABORTED, before they are stopped."""
+    exit_grace_s: float = 30.0
+    """How long the scheduler and servers may take to exit after every worker exited 0 (and the
+    workers to exit after the scheduler or a server exited 0 before them)."""
+    python: str = sys.executable
+    """The interpreter that runs the script."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "script", os.fspath(self.script))
+        object.__setattr__(self, "args", tuple(self.args))
+        object.__setattr__(self, "env", dict(self.env))
+        if not self.script:
+            raise ValueError(f"script must be a path, got {self.script!r}")
+        for name, value in self._strings():
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {value!r}")
+        _check_int("num_workers", self.num_workers, minimum=1)
+        _check_int("num_servers", self.num_servers, minimum=0)
+        if not self.host:
+            raise ValueError(f"host must be an address, got {self.host!r}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s!r}")
+        for name in ("stop_grace_s", "exit_grace_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.python:
+            raise ValueError(f"python must be an interpreter path, got {self.python!r}")
+
+    def _strings(self) -> Iterator[tuple[str, Any]]:
+        for i, arg in enumerate(self.args):
+            yield f"args[{i}]", arg
+        for key, value in self.env.items():
+            yield "env key", key
+            yield f"env[{key!r}]", value
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ChildFailure:
+    """The process the launcher blames for a failed job, and why."""
+
+    role: str
+    rank: int
+    pid: int
+    host: str
+    returncode: int | None
+    """The exit code (negative: killed by a signal); None if it was still running."""
+    signal: str | None
+    """The name of the signal that killed it (e.g. SIGKILL), or None."""
+    reason: str
+    """What happened, e.g. "exited with code 3" or "was killed by signal SIGKILL"."""
+    stderr_tail: list[str]
+    """Its last stderr lines (at most STDERR_TAIL_LINES)."""
+
+    def describe(self) -> str:
+        return f"{self.role} {self.rank} (pid {self.pid}, host {self.host}) {self.reason}"
+
+
+@dataclass(frozen=True)
+class ChildRecord:
+    """One process of a finished job."""
+
+    role: str
+    rank: int
+    pid: int
+    returncode: int | None
+    """Its exit code (negative: killed by that signal); None only if it could not be reaped."""
+
+
+@dataclass
+class JobResult:
+    """How a job ended."""
+
+    exit_code: int
+    """0 if every worker succeeded and the rest exited cleanly; 130 if interrupted; otherwise 1."""
+    failure: ChildFailure | None
+    report: str
+    """The text printed about the failure or interruption; "" on success."""
+    children: list[ChildRecord]
+    scheduler_address: str = ""
+    """host:port the scheduler listened on."""
+
+    @property
+    def pids(self) -> list[int]:
+        return [child.pid for child in self.children]
+
+
+@dataclass(frozen=True)
+class _Exit:
+    child: _Child
+    returncode: int
+    time: float
+
+
+@dataclass(frozen=True)
+class _Interrupt:
+    signum: int
+
+
+class _Printer:
+    """Writes whole lines to the launcher's streams; one lock so lines never interleave."""
+
+    def __init__(self, out: IO[str], err: IO[str]) -> None:
+        self.out = out
+        self.err = err
+        self._lock = threading.Lock()
+
+    def write(self, stream: IO[str], text: str) -> None:
+        with self._lock:
+            try:
+                stream.write(text)
+                stream.flush()
+            except (OSError, ValueError):
+                pass  # a closed or broken stream must not stop us draining the child's pipe
+
+
+class _Child:
+    """One process of the job: its Popen, its output threads and its exit."""
+
+    def __init__(self, role: str, rank: int, host: str) -> None:
+        self.role = role
+        self.rank = rank
+        self.host = host
+        self.label = f"{role} {rank}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self.returncode: int | None = None
+        self.exit_time: float | None = None
+        self.failure_reason: str | None = None
+        self._pumps: list[threading.Thread] = []
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @property
+    def running(self) -> bool:
+        """Running as far as the main loop knows: its exit has not been processed yet."""
+        return self.returncode is None
+
+    def start(
+        self,
+        cmd: list[str],
+        env: dict[str, str],
+        pass_fds: Sequence[int],
+        printer: _Printer,
+        events: queue.SimpleQueue[Any],
+    ) -> None:
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            pass_fds=tuple(pass_fds),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: our signals reach its children too
+        )
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._pumps = [
+            _thread(_pump, self.proc.stdout, f"[{self.label}] ", printer.out, printer, None),
+            _thread(_pump, self.proc.stderr, f"[{self.label}] ", printer.err, printer, self.stderr_tail),
+        ]
+        _thread(self._wait, events)
+
+    def _wait(self, events: queue.SimpleQueue[Any]) -> None:
+        assert self.proc is not None
+        returncode = self.proc.wait()
+        events.put(_Exit(self, returncode, time.monotonic()))
+
+    def signal(self, signum: int) -> None:
+        if self.proc is None or not self.running:
+            return
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass  # already gone; its exit is on its way through the queue
+
+    def join_output(self) -> None:
+        """Waits for its pipes to close; kills its process group if a descendant holds them."""
+        if not _join_all(self._pumps, _OUTPUT_JOIN_S) and self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            _join_all(self._pumps, _OUTPUT_JOIN_S)
+
+    def record(self) -> ChildRecord:
+        return ChildRecord(self.role, self.rank, self.pid, self.returncode)
+
+    def failure(self, reason: str) -> ChildFailure:
+        rc = self.returncode
+        signame = _signal_name(-rc) if rc is not None and rc < 0 else None
+        tail = list(self.stderr_tail)
+        return ChildFailure(self.role, self.rank, self.pid, self.host, rc, signame, reason, tail)
+
+
+def _thread(target: Any, *args: Any) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def _join_all(threads: list[threading.Thread], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in threads)
+
+
+def _pump(pipe: IO[bytes], prefix: str, stream: IO[str], printer: _Printer, tail: deque[str] | None) -> None:
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if tail is not None:
+                tail.append(line)
+            printer.write(stream, f"{prefix}{line}\n")
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        return f"was killed by signal {_signal_name(-returncode)}"
+    if returncode == EXIT_ABORTED:
+        return f"exited with code {returncode} (aborted because another process failed)"
+    return f"exited with code {returncode}"
+
+
+def _earliest(*deadlines: float | None) -> float | None:
+    return min((d for d in deadlines if d is not None), default=None)
+
+
+def _first_failure(failed: Sequence[Any]) -> Any:
+    """The earliest failed exit that is a cause (not EXIT_ABORTED); else the earliest of all."""
+    causes = [child for child in failed if child.returncode != EXIT_ABORTED]
+    return min(causes or failed, key=lambda child: child.exit_time)
+
+
+class _Job:
+    """The children of one job and the main loop that reacts to their exits."""
+
+    def __init__(self, config: LocalJobConfig, printer: _Printer) -> None:
+        self.config = config
+        self.printer = printer
+        self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.children: list[_Child] = []
+        self.failed: list[_Child] = []
+        """Children whose exit (before we began stopping) failed the job."""
+        self.early: list[_Child] = []
+        """Schedulers and servers that exited 0 while workers were still running."""
+        self.still_running: list[_Child] = []
+        """Children that had to be stopped."""
+        self.scheduler_address = ""
+        self.started = time.monotonic()
+        self.deadline = None if config.timeout_s is None else self.started + config.timeout_s
+        self.interrupt: int | None = None
+
+    # -- starting
+
+    def start(self) -> None:
+        cfg = self.config
+        secret = secrets.token_bytes(32)
+        listener = _listen(cfg.host)
+        port = listener.getsockname()[1]
+        self.scheduler_address = f"{cfg.host}:{port}"
+        logger.info("%s", _describe(cfg, self.scheduler_address))
+        try:
+            self._spawn("scheduler", 0, secret, port, listener)
+        finally:
+            listener.close()  # the scheduler holds it now; nothing of ours keeps the port
+        for rank in range(cfg.num_servers):
+            self._spawn("server", rank, secret, port)
+        for rank in range(cfg.num_workers):
+            self._spawn("worker", rank, secret, port)
+
+    def _spawn(
+        self, role: str, rank: int, secret: bytes, port: int, listener: socket.socket | None = None
+    ) -> None:
+        cfg = self.config
+        spec = ClusterSpec(
+            role=role,
+            rank=rank,
+            num_workers=cfg.num_workers,
+            num_servers=cfg.num_servers,
+            scheduler_host=cfg.host,
+            scheduler_port=port,
+            secret=secret,
+            host=cfg.host,
+            launcher_pid=os.getpid(),
+            scheduler_fd=None if listener is None else listener.fileno(),
+        )
+        child = _Child(role, rank, cfg.host)
+        pass_fds = () if listener is None else (listener.fileno(),)
+        cmd = [cfg.python, "-u", cfg.script, *cfg.args]
+        child.start(cmd, _child_env(cfg, spec), pass_fds, self.printer, self.events)
+        self.children.append(child)
+
+    # -- waiting
+
+    def supervise(self) -> str:
+        """Waits for the job to end; returns ok, failed, timeout, grace or interrupted."""
+        while self._workers_running():
+            early_end = self._early_exit_deadline()
+            event = self._next_event(_earliest(self.deadline, early_end))
+            if event is None:
+                if early_end is not None and time.monotonic() >= early_end:
+                    self.failed.extend(self.early)
+                    return "failed"
+                return "timeout"
+            if isinstance(event, _Interrupt):
+                return "interrupted"
+            if not self._record(event):
+                return self._after_failure()
+        self.early.clear()  # they only left a little before the last worker: no harm done
+        return self._await_rest()
+
+    def _workers_running(self) -> bool:
+        return any(c.running for c in self.children if c.role == "worker")
+
+    def _early_exit_deadline(self) -> float | None:
+        """A scheduler or server that exits 0 while workers still run fails the job, unless the
+        workers too exit 0 within exit_grace_s: a worker may tell the scheduler it is done and
+        still be tearing down when the scheduler exits."""
+        times = [c.exit_time for c in self.early if c.exit_time is not None]
+        return min(times) + self.config.exit_grace_s if times else None
+
+    def _await_rest(self) -> str:
+        """Every worker exited 0: the scheduler and servers now exit by themselves."""
+        grace_end = time.monotonic() + self.config.exit_grace_s
+        deadline = grace_end if self.deadline is None else min(grace_end, self.deadline)
+        while any(c.running for c in self.children):
+            event = self._next_event(deadline)
+            if event is None:
+                return "grace" if deadline == grace_end else "timeout"
+            if isinstance(event, _Interrupt):
+                return "interrupted"
+            if not self._record(event):
+                return self._after_failure()
+        return "ok"
+
+    def _after_failure(self) -> str:
+        """After an EXIT_ABORTED exit the real cause may still be on its way: give the others
+        stop_grace_s to exit by themselves before stopping them."""
+        end = time.monotonic() + self.config.stop_grace_s
+        while all(c.returncode == EXIT_ABORTED for c in self.failed):
+            if not any(c.running for c in self.children):
+                break
+            event = self._next_event(end)
+            if event is None:
+                break
+            if isinstance(event, _Interrupt):
+                return "interrupted"
+            self._record(event)
+        return "failed"
+
+    def _next_event(self, deadline: float | None) -> _Exit | _Interrupt | None:
+        """The next exit or interrupt; None once the deadline has passed."""
+        while True:
+            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if wait <= 0:
+                return None
+            try:
+                event = self.events.get(timeout=wait)
+            except queue.Empty:
+                continue
+            if isinstance(event, _Interrupt):
+                self.interrupt = event.signum
+            return event
+
+    def _record(self, event: _Exit, stopping: bool = False) -> bool:
+        """Notes one exit; returns False if it fails the job."""
+        child = event.child
+        child.returncode, child.exit_time = event.returncode, event.time
+        if stopping:
+            return True
+        if event.returncode != 0:
+            child.failure_reason = _exit_reason(event.returncode)
+            self.failed.append(child)
+            self.failed.extend(self.early)  # an earlier clean exit may be the cause of this one
+            self.early.clear()
+            return False
+        if child.role != "worker" and self._workers_running():
+            child.failure_reason = "exited early (code 0) before every worker finished"
+            self.early.append(child)
+        return True
+
+    # -- stopping
+
+    def stop(self) -> None:
+        """SIGTERM to every running child's process group, SIGKILL after stop_grace_s; reaps all."""
+        self.still_running = [c for c in self.children if c.running]
+        if not self.still_running:
+            return
+        for child in self.still_running:
+            child.signal(signal.SIGTERM)
+        if self._drain(time.monotonic() + self.config.stop_grace_s, interruptible=True):
+            return
+        for child in self.children:
+            child.signal(signal.SIGKILL)
+        if not self._drain(time.monotonic() + _KILL_WAIT_S, interruptible=False):
+            left = ", ".join(f"{c.label} (pid {c.pid})" for c in self.children if c.running)
+            self.printer.write(self.printer.err, f"paratrain: could not reap {left}\n")
+
+    def _drain(self, deadline: float, interruptible: bool) -> bool:
+        """Records exits until every child exited (True) or the deadline (False). A second
+        interrupt while stopping skips the rest of the grace period."""
+        while any(c.running for c in self.children):
+            event = self._next_event(deadline)
+            if event is None:
+                return False
+            if isinstance(event, _Interrupt):
+                if interruptible:
+                    return False
+                continue
+            self._record(event, stopping=True)
+        return True
+
+    def join_output(self) -> None:
+        for child in self.children:
+            child.join_output()
+
+    # -- reporting
+
+    def result(self, outcome: str) -> JobResult:
+        children = [c.record() for c in self.children]
+        if outcome == "ok":
+            return JobResult(0, None, "", children, self.scheduler_address)
+        if outcome == "interrupted":
+            name = _signal_name(self.interrupt) if self.interrupt else "a signal"
+            report = f"paratrain: interrupted by {name}; stopped every process of the job\n"
+            return JobResult(EXIT_INTERRUPTED, None, report, children, self.scheduler_address)
+        failure = self._failure(outcome)
+        return JobResult(1, failure, self._report(failure), children, self.scheduler_address)
+
+    def _failure(self, outcome: str) -> ChildFailure:
+        if outcome == "failed":
+            child = _first_failure(self.failed)
+            assert child.failure_reason is not None
+            return child.failure(child.failure_reason)
+        left = self.still_running or self.children
+        if outcome == "timeout":
+            workers = [c for c in left if c.role == "worker"]
+            reason = f"was still running when the job timed out after {self.config.timeout_s} s"
+            return (workers or left)[0].failure(reason)
+        reason = f"did not exit within {self.config.exit_grace_s} s after every worker finished"
+        return left[0].failure(reason)
+
+    def _report(self, failure: ChildFailure) -> str:
+        lines = [f"paratrain: job failed: {failure.describe()}"]
+        if self.still_running and not self.failed:
+            stopped = ", ".join(f"{c.label} (pid {c.pid})" for c in self.still_running)
+            lines.append(f"  still running, stopped by the launcher: {stopped}")
+        for child in self.failed:
+            if (child.role, child.rank) != (failure.role, failure.rank):
+                lines.append(f"  also: {child.label} (pid {child.pid}) {child.failure_reason}")
+        label = f"{failure.role} {failure.rank}"
+        if failure.stderr_tail:
+            lines.append(f"  last {len(failure.stderr_tail)} stderr lines of {label}:")
+            lines.extend(f"    {line}" for line in failure.stderr_tail)
+        else:
+            lines.append(f"  {label} wrote nothing to stderr")
+        return "\n".join(lines) + "\n"
+
+
+def _describe(cfg: LocalJobConfig, scheduler_address: str) -> str:
+    timeout = "none" if cfg.timeout_s is None else f"{cfg.timeout_s} s"
+    return (
+        f"starting {cfg.script} {' '.join(cfg.args)}\n"
+        f"  {cfg.num_workers} worker(s), {cfg.num_servers} server(s), scheduler at "
+        f"{scheduler_address}\n"
+        f"  timeout {timeout}, stop grace {cfg.stop_grace_s} s, exit grace {cfg.exit_grace_s} s, "
+        f"python {cfg.python}"
+    )
+
+
+def _listen(host: str) -> socket.socket:
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, 0), family=family, backlog=128)
+
+
+def _child_env(config: LocalJobConfig, spec: ClusterSpec) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _IDENTITY_VARS}
+    env.update(config.env)
+    env.update(spec_to_env(spec))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@contextlib.contextmanager
+def _interrupt_handlers(events: queue.SimpleQueue[Any]) -> Iterator[None]:
+    """Turns SIGINT/SIGTERM into events for the main loop (only possible in the main thread).
+    SimpleQueue.put is safe to call from a signal handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signums = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.getsignal(signum) for signum in signums}
+    for signum in signums:
+        signal.signal(signum, lambda signum, frame: events.put(_Interrupt(signum)))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def run_local_job(
+    config: LocalJobConfig, out: IO[str] | None = None, err: IO[str] | None = None
+) -> JobResult:
+    """Runs the job to its end and returns how it ended; nothing of it is left running.
+
+    Child output goes to `out` and `err` (default: sys.stdout and sys.stderr at call time), each
+    line prefixed with `[role rank] `; a failure or interruption report is written to `err`.
+    """
+    printer = _Printer(out or sys.stdout, err or sys.stderr)
+    job = _Job(config, printer)
+    with _interrupt_handlers(job.events):
+        try:
+            job.start()
+            outcome = job.supervise()
+        finally:
+            job.stop()
+            job.join_output()
+    result = job.result(outcome)
+    if result.report:
+        printer.write(printer.err, result.report)
+    return result

@@ -1,0 +1,153 @@
+"""`paratrain.init()`: every process of a job runs the same script and calls it first.
+
+On the scheduler and on servers it serves until the job ends and then exits the process; on a worker it
+registers with the scheduler and returns a `Context`. Without any cluster variables in the environment
+it returns a single-process context, so the same script also runs alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import threading
+from dataclasses import dataclass, field
+
+from paratrain.cluster.agent import SchedulerLink
+from paratrain.cluster.config import JobConfig
+from paratrain.cluster.scheduler import Scheduler
+from paratrain.cluster.spec import ClusterSpec, spec_from_env
+from paratrain.transport.rpc import Handler, Request, RpcServer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Context:
+    """What a worker knows about its job."""
+
+    role: str
+    rank: int
+    num_workers: int
+    num_servers: int
+    servers: list[tuple[str, int]] = field(default_factory=list)
+    """(host, port) of each server, by rank."""
+    config: JobConfig = field(default_factory=JobConfig)
+    spec: ClusterSpec | None = None
+    link: SchedulerLink | None = field(default=None, repr=False)
+
+    @property
+    def distributed(self) -> bool:
+        return self.link is not None
+
+    def barrier(self, group: str = "workers", name: str = "", timeout_s: float | None = None) -> None:
+        """Wait until every live worker (group "workers"), and every server too ("all"), is here."""
+        if self.link is not None:
+            self.link.barrier(group, name, timeout_s)
+
+
+class NodeHandler(Handler):
+    """What every server answers, whatever else it serves."""
+
+    def handle(self, request: Request) -> None:
+        if request.op == "ping":
+            request.reply(request.meta, request.tensors)
+        else:
+            super().handle(request)
+
+
+_context: Context | None = None
+_lock = threading.Lock()
+
+
+def init(config: JobConfig | None = None) -> Context:
+    """Join the job this process belongs to (see module docstring). Idempotent on workers."""
+    global _context
+    with _lock:
+        if _context is not None:
+            return _context
+        config = config or JobConfig()
+        spec = spec_from_env()
+        if spec is None:
+            _context = Context("worker", 0, 1, 0, config=config)
+            return _context
+        _setup_logging(spec)
+        logger.info("starting: %s %s", spec, config)
+        if spec.role == "scheduler":
+            sys.exit(Scheduler(spec, config).run())
+        if spec.role == "server":
+            sys.exit(_serve(spec, config))
+        _context = _join_as_worker(spec, config)
+        return _context
+
+
+def _setup_logging(spec: ClusterSpec) -> None:
+    root = logging.getLogger()
+    if root.handlers:
+        return  # the script configured logging itself
+    rank = "?" if spec.rank is None else spec.rank
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=f"%(asctime)s %(levelname)s [{spec.role} {rank}] %(name)s: %(message)s",
+    )
+
+
+def _serve(spec: ClusterSpec, config: JobConfig) -> int:
+    server = RpcServer(
+        spec.secret,
+        NodeHandler(),
+        host=spec.host,
+        config=config.transport,
+        name=f"server {spec.rank}",
+    ).start()
+    link = SchedulerLink(spec, config)
+    link.register("server", port=server.port)
+    link.shutdown.wait()
+    server.close()
+    link.close()
+    return 0
+
+
+def _join_as_worker(spec: ClusterSpec, config: JobConfig) -> Context:
+    scheduler_thread = None
+    if spec.embedded_scheduler:
+        scheduler = Scheduler(spec, config)
+        scheduler_thread = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
+        scheduler_thread.start()
+    link = SchedulerLink(spec, config)
+    roster = link.register("worker")
+    _install_exit_hooks(link, scheduler_thread, config)
+    return Context(
+        role="worker",
+        rank=roster.rank,
+        num_workers=spec.num_workers,
+        num_servers=spec.num_servers,
+        servers=roster.servers,
+        config=config,
+        spec=spec,
+        link=link,
+    )
+
+
+def _install_exit_hooks(
+    link: SchedulerLink, scheduler_thread: threading.Thread | None, config: JobConfig
+) -> None:
+    """A worker that ends normally tells the scheduler it finished; one that dies of an exception
+    just closes, and the scheduler aborts the job naming it."""
+    failed = threading.Event()
+    previous_hook = sys.excepthook
+
+    def excepthook(kind, value, tb):  # noqa: ANN001
+        failed.set()
+        previous_hook(kind, value, tb)
+
+    def at_exit() -> None:
+        if failed.is_set():
+            link.close()
+            return
+        link.finish()
+        if scheduler_thread is not None:
+            scheduler_thread.join(config.finish_timeout_s + config.heartbeat_timeout_s)
+
+    sys.excepthook = excepthook
+    atexit.register(at_exit)

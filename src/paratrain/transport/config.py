@@ -1,0 +1,45 @@
+"""What a user may set about the wire."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """TLS around every connection, for networks that are not trusted. Payloads are then encrypted
+    and authenticated by TLS; the handshake and frame MACs still run inside it."""
+
+    certfile: str
+    """This process's certificate (PEM); servers and clients present it."""
+    keyfile: str
+    """The private key of certfile (PEM)."""
+    cafile: str
+    """The CA (PEM) that peers' certificates must chain to."""
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    connect_timeout_s: float = 60.0
+    """How long a client keeps retrying a connection to a peer that is not listening yet."""
+    handshake_timeout_s: float = 10.0
+    """How long an accepted connection may take to authenticate before it is dropped."""
+    request_timeout_s: float = 600.0
+    """The default limit on waiting for one reply."""
+    max_header_bytes: int = 64 * 1024
+    """Frames with a larger header are refused and their connection closed."""
+    max_payload_bytes: int = 1 << 34
+    """Frames with a larger payload are refused and their connection closed."""
+    tls: TLSConfig | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "handshake_timeout_s", "request_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"TransportConfig.{name}={value!r} must be > 0")
+        if not 64 <= self.max_header_bytes <= 128 * 1024:
+            raise ValueError(
+                f"TransportConfig.max_header_bytes={self.max_header_bytes!r} must be in 64..131072"
+            )
+        if not self.max_payload_bytes >= 0:
+            raise ValueError(f"TransportConfig.max_payload_bytes={self.max_payload_bytes!r} must be >= 0")

@@ -1,0 +1,170 @@
+"""One authenticated connection: frames out through scatter-gather sends, frames in through a small
+read-ahead buffer, with each payload received straight into the tensor that will hold it.
+
+Sends may come from many threads (a lock keeps frames whole); reads come from one thread per connection.
+A frame that fails any check raises FrameError: the caller closes this connection and goes on serving.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from paratrain.errors import TransportError
+from paratrain.transport import frame
+from paratrain.transport.frame import Header, Limits
+from paratrain.transport.tensors import byte_view
+
+READ_AHEAD_BYTES = 256 * 1024
+IOV_MAX = 512
+
+# Called with a parsed header; returns the tensors to receive the payload into (None: allocate).
+Destinations = Callable[[Header], Sequence[torch.Tensor | None] | None]
+
+
+class ConnectionClosed(TransportError):
+    """The peer closed the connection between frames (an orderly end, not an error)."""
+
+
+def tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class Connection:
+    def __init__(
+        self,
+        sock: socket.socket,
+        recv_key: bytes,
+        send_key: bytes,
+        peer: str,
+        limits: Limits | None = None,
+    ) -> None:
+        self.peer = peer
+        self._sock = sock
+        self._recv_key, self._send_key = recv_key, send_key
+        self._limits = limits or Limits()
+        self._send_lock = threading.Lock()
+        self._send_seq = 0
+        self._recv_seq = 0
+        self._buf = bytearray(READ_AHEAD_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        self._waitall = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
+        self.closed = False
+
+    # -- sending ---------------------------------------------------------------------------------
+    def send(
+        self,
+        op: str,
+        id: int = 0,
+        meta: dict[str, Any] | None = None,
+        tensors: Sequence[torch.Tensor] = (),
+    ) -> None:
+        views = [byte_view(t) for t in tensors]  # before taking a sequence number: may raise
+        with self._send_lock:
+            if self.closed:
+                raise TransportError(f"connection to {self.peer} is closed")
+            head, _ = frame.encode(self._send_key, self._send_seq, op, id, meta or {}, tensors)
+            self._send_seq += 1
+            try:
+                self._send_vectors([memoryview(head), *(v for v in views if len(v))])
+            except OSError as exc:
+                raise TransportError(f"sending {op!r} to {self.peer} failed: {exc}") from exc
+
+    def _send_vectors(self, bufs: list[memoryview]) -> None:
+        if isinstance(self._sock, ssl.SSLSocket):  # SSL sockets have no sendmsg
+            for b in bufs:
+                self._sock.sendall(b)
+            return
+        i = 0
+        while i < len(bufs):
+            sent = self._sock.sendmsg(bufs[i : i + IOV_MAX])
+            while sent:
+                n = len(bufs[i])
+                if sent >= n:
+                    sent -= n
+                    i += 1
+                else:
+                    bufs[i] = bufs[i][sent:]
+                    sent = 0
+
+    # -- receiving -------------------------------------------------------------------------------
+    def read(self, destinations: Destinations | None = None) -> tuple[Header, list[torch.Tensor]]:
+        """Read one frame. The payload lands in the tensors `destinations` names where they match
+        the header's dtype and size; anything else is received into new tensors."""
+        try:
+            self._fill(frame.PREFIX.size, between_frames=True)
+            header_len, payload_len, tag = frame.check_prefix(self._take(frame.PREFIX.size), self._limits)
+            self._fill(header_len)
+            raw_header = self._take(header_len)
+            header = frame.decode_header(self._recv_key, self._recv_seq, tag, raw_header, payload_len)
+            self._recv_seq += 1
+            dests = destinations(header) if destinations else None
+            tensors = [self._receive_tensor(header, i, dests) for i in range(len(header.specs))]
+        except OSError as exc:
+            raise TransportError(f"reading from {self.peer} failed: {exc}") from exc
+        return header, tensors
+
+    def _receive_tensor(
+        self, header: Header, i: int, dests: Sequence[torch.Tensor | None] | None
+    ) -> torch.Tensor:
+        dtype, shape = header.specs[i]
+        dest = dests[i] if dests is not None and i < len(dests) else None
+        size = frame.nbytes(dtype, shape)
+        fits = (
+            dest is not None
+            and dest.dtype == dtype
+            and dest.is_contiguous()
+            and dest.numel() * dest.element_size() == size
+            and dest.device.type == "cpu"
+        )
+        tensor = dest if fits else torch.empty(shape, dtype=dtype)
+        self._receive_into(byte_view(tensor))
+        return tensor
+
+    def _receive_into(self, view: memoryview) -> None:
+        n = len(view)
+        buffered = min(n, self._end - self._start)
+        if buffered:
+            view[:buffered] = self._view[self._start : self._start + buffered]
+            self._start += buffered
+        got = buffered
+        while got < n:
+            k = self._sock.recv_into(view[got:], n - got, self._waitall)
+            if k == 0:
+                raise TransportError(f"{self.peer} closed the connection inside a payload")
+            got += k
+
+    def _fill(self, n: int, between_frames: bool = False) -> None:
+        if self._end - self._start >= n:
+            return
+        if self._start + n > len(self._buf):
+            size = self._end - self._start
+            self._view[:size] = self._view[self._start : self._end]
+            self._start, self._end = 0, size
+        while self._end - self._start < n:
+            k = self._sock.recv_into(self._view[self._end :])
+            if k == 0:
+                if between_frames and self._end == self._start:
+                    raise ConnectionClosed(f"{self.peer} closed the connection")
+                raise TransportError(f"{self.peer} closed the connection inside a frame")
+            self._end += k
+
+    def _take(self, n: int) -> memoryview:
+        view = self._view[self._start : self._start + n]
+        self._start += n
+        return view
+
+    def close(self) -> None:
+        with self._send_lock:
+            self.closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()

@@ -1,0 +1,51 @@
+"""Tensors as wire bytes: the dtype names of the wire, and zero-copy byte views of tensor memory."""
+
+from __future__ import annotations
+
+import torch
+
+# The dtypes a frame may carry, by wire name. A name not in this table is a malformed frame.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+MAX_DIMS = 16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"dtype {dtype} cannot be sent; supported: {', '.join(DTYPES)}") from None
+
+
+ITEMSIZE: dict[torch.dtype, int] = {dtype: dtype.itemsize for dtype in DTYPES.values()}
+
+
+def nbytes(dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> int:
+    n = ITEMSIZE[dtype]
+    for d in shape:
+        n *= d
+    return n
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU tensor's bytes, sharing its memory (no copy)."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor on {tensor.device} must be copied to the CPU before it is sent")
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous to be sent or received in place")
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    if tensor.dtype is torch.bfloat16:  # numpy has no bfloat16; the bytes are the same
+        tensor = tensor.view(torch.int16)
+    return memoryview(tensor.numpy()).cast("B")
