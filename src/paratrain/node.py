@@ -12,12 +12,13 @@ import logging
 import sys
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from paratrain.cluster.agent import SchedulerLink
 from paratrain.cluster.config import JobConfig
 from paratrain.cluster.scheduler import Scheduler
 from paratrain.cluster.spec import ClusterSpec, spec_from_env
-from paratrain.transport.rpc import Handler, Request, RpcServer
+from paratrain.transport.rpc import RpcServer
 
 logger = logging.getLogger(__name__)
 
@@ -40,20 +41,14 @@ class Context:
     def distributed(self) -> bool:
         return self.link is not None
 
-    def barrier(self, group: str = "workers", name: str = "", timeout_s: float | None = None) -> None:
-        """Wait until every live worker (group "workers"), and every server too ("all"), is here."""
-        if self.link is not None:
-            self.link.barrier(group, name, timeout_s)
-
-
-class NodeHandler(Handler):
-    """What every server answers, whatever else it serves."""
-
-    def handle(self, request: Request) -> None:
-        if request.op == "ping":
-            request.reply(request.meta, request.tensors)
-        else:
-            super().handle(request)
+    def barrier(
+        self, group: str = "workers", name: str = "", timeout_s: float | None = None, data: Any = None
+    ) -> dict[int, Any]:
+        """Wait until every live worker (group "workers"), and every server too ("all"), is here.
+        Returns what each worker passed as `data` (small, msgpack-able), by rank."""
+        if self.link is None:
+            return {0: data}
+        return self.link.barrier(group, name, timeout_s, data)
 
 
 _context: Context | None = None
@@ -93,9 +88,11 @@ def _setup_logging(spec: ClusterSpec) -> None:
 
 
 def _serve(spec: ClusterSpec, config: JobConfig) -> int:
+    from paratrain.kvstore.server import KVServer  # servers serve the kvstore (and "ping")
+
     server = RpcServer(
         spec.secret,
-        NodeHandler(),
+        KVServer(spec.rank or 0),
         host=spec.host,
         config=config.transport,
         name=f"server {spec.rank}",

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import paratrain
 from paratrain.cluster.config import JobConfig
@@ -79,9 +80,14 @@ class SchedulerLink:
             workers=[(h, p) for h, p in m["workers"]],
         )
 
-    def barrier(self, group: str = "workers", name: str = "", timeout_s: float | None = None) -> None:
+    def barrier(
+        self, group: str = "workers", name: str = "", timeout_s: float | None = None, data: Any = None
+    ) -> dict[int, Any]:
+        """Wait for the group; returns each worker's `data` (small, msgpack-able) by rank."""
         timeout = self.config.barrier_timeout_s if timeout_s is None else timeout_s
-        self.client.call("barrier", {"group": group, "name": name}, timeout_s=timeout)
+        meta = {"group": group, "name": name, "data": data}
+        reply = self.client.call("barrier", meta, timeout_s=timeout)
+        return {rank: value for rank, value in reply.meta["data"]}
 
     def finish(self) -> None:
         """Tell the scheduler this worker is done, then close the link."""

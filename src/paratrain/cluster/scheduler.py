@@ -5,7 +5,8 @@ Protocol (requests carry an id and get a reply; heartbeats are one-way):
     register  {role, rank?, host, port, pid, version, config}  -> replied once every node has
               registered: {rank, servers: [[host, port]...], workers: [[host, pid]...]}
     heartbeat {}                                               (one-way, every interval)
-    barrier   {group: "workers" | "all", name}                 -> replied when the group arrived
+    barrier   {group: "workers" | "all", name, data?}          -> replied when the group arrived,
+              with every worker's data: {data: [[rank, data], ...]} (a small all-gather)
     finish    {}                                               a worker is done; replied at once
 
 and, from the scheduler, one-way notices: `abort {reason}` (some node failed: stop now) and
@@ -27,7 +28,7 @@ from datetime import datetime
 
 import paratrain
 from paratrain.cluster.config import JobConfig, config_differences
-from paratrain.cluster.spec import ClusterSpec
+from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec
 from paratrain.transport.connection import Connection
 from paratrain.transport.rpc import Handler, Request, RpcServer, listen
 
@@ -64,6 +65,7 @@ class Scheduler(Handler):
         self._waiting: list[tuple[Request, Node]] = []
         self._started = False
         self._barriers: dict[tuple[str, str], list[tuple[Request, Node]]] = {}
+        self._barrier_data: dict[tuple[str, str], list[list]] = {}
         self._done = threading.Event()
         self.outcome: str | None = None  # None while running; "" on success, else the reason
         sock = listen_socket(spec)
@@ -80,8 +82,10 @@ class Scheduler(Handler):
         self._wait_for_servers()
         self.server.close()
         if self.outcome:
+            # The node that failed is the cause the launcher should name; where it did not exit
+            # (a frozen node), every node's stderr carries this reason.
             print(f"paratrain: job aborted: {self.outcome}", file=sys.stderr, flush=True)
-            return 1
+            return EXIT_ABORTED
         return 0
 
     def _wait_for_servers(self) -> None:
@@ -235,11 +239,11 @@ class Scheduler(Handler):
             return
         with self._lock:
             self._barriers.setdefault((group, name), []).append((request, node))
+            self._barrier_data.setdefault((group, name), []).append([node.rank, request.meta.get("data")])
             released = self._complete_barriers()
-        for waiter in released:
-            _quietly(waiter.reply, {})
+        self._release(released)
 
-    def _complete_barriers(self) -> list[Request]:
+    def _complete_barriers(self) -> list[tuple[list[Request], list[list]]]:
         """Barriers that every live worker has reached; called with the lock held. Membership is
         live: servers take part in "all" by serving, and finished workers have left."""
         members = sum(1 for n in self._nodes.values() if n.role == "worker" and not n.finished)
@@ -247,8 +251,15 @@ class Scheduler(Handler):
         for key, arrived in list(self._barriers.items()):
             if len(arrived) >= members:
                 del self._barriers[key]
-                released += [request for request, _ in arrived]
+                released.append(([request for request, _ in arrived], self._barrier_data.pop(key)))
         return released
+
+    @staticmethod
+    def _release(released: list[tuple[list[Request], list[list]]]) -> None:
+        """Reply to every waiter of each completed barrier with what each worker brought to it."""
+        for waiters, data in released:
+            for waiter in waiters:
+                _quietly(waiter.reply, {"data": sorted(data, key=lambda pair: pair[0])})
 
     def _finish(self, request: Request) -> None:
         node = self._by_conn.get(request.conn)
@@ -260,8 +271,7 @@ class Scheduler(Handler):
             done = all(n.finished for n in self._nodes.values() if n.role == "worker")
             done = done and self._started
             released = self._complete_barriers()
-        for waiter in released:
-            _quietly(waiter.reply, {})
+        self._release(released)
         request.reply({})
         logger.info("%s finished", node.describe())
         if done:

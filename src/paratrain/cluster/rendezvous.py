@@ -1,0 +1,48 @@
+"""A torch.distributed world from paratrain's scheduler: worker 0 hosts a TCPStore on a free port and
+the scheduler's barrier tells every worker where it is. Under torchrun the world already exists."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def init_torch_distributed(ctx, backend: str = "gloo", timeout_s: float = 300.0) -> None:  # noqa: ANN001
+    """Join every worker of `ctx` into the default torch.distributed process group."""
+    if dist.is_initialized():
+        return
+    if ctx.spec is not None and ctx.spec.source == "torchrun":
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        return
+    host = ctx.spec.host if ctx.spec is not None else "127.0.0.1"
+    store = None
+    if ctx.rank == 0:
+        store = dist.TCPStore(
+            host,
+            0,
+            ctx.num_workers,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    where = ctx.barrier(name="torch-distributed", data=[host, store.port] if store else None)[0]
+    if store is None:
+        store = dist.TCPStore(
+            where[0],
+            where[1],
+            ctx.num_workers,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=ctx.rank,
+        world_size=ctx.num_workers,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    logger.info("torch.distributed %s world of %d ready", backend, ctx.num_workers)

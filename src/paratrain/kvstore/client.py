@@ -1,0 +1,419 @@
+"""The worker side of the parameter server: placement, slicing, and one frame per server per call.
+
+Every call takes one key or a list of keys with matching values / outs. A call groups its keys' slices
+by server and sends one frame to each server; pulled slices are received straight into the caller's
+`out` tensors (each slice lands in its place in the flattened tensor). `push` and the `*_async`
+calls return a Handle at once; the plain `pull` and `pushpull` wait for it.
+
+Not thread-safe: one thread drives one KVStore (the per-key clocks are the caller's).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from paratrain.errors import KVStoreError, RemoteError, TransportError
+from paratrain.kvstore import optim
+from paratrain.kvstore.api import KVStoreConfig
+from paratrain.kvstore.placement import Placement, Slice
+from paratrain.node import Context
+from paratrain.transport.rpc import Future, RpcClient
+from paratrain.transport.tensors import dtype_name
+
+STATE_FORMAT = "paratrain.kvstore/1"
+
+
+@dataclass
+class KeyInfo:
+    shape: list[int]
+    dtype: torch.dtype
+    slices: list[Slice]
+    clock: int = 0
+    """How many times this worker pushed the key: the round its next push joins."""
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slices)
+
+
+@dataclass
+class Handle:
+    """Completion of one push / pull / pushpull. `wait()` raises the servers' errors."""
+
+    futures: list[Future]
+    after: list[Callable[[], None]] = field(default_factory=list)
+    timeout_s: float | None = None
+    version: int | None = None
+    """After wait(): the oldest version among the pulled slices (rounds applied, in sync and
+    bounded modes; pushes applied, in async mode)."""
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            replies = [future.wait(timeout) for future in self.futures]
+        except (RemoteError, TransportError) as exc:
+            raise KVStoreError(str(exc)) from None
+        versions = [v for r in replies for v in r.meta.get("versions", ())]
+        self.version = min(versions) if versions else self.version
+        for fn in self.after:
+            fn()
+        self.after = []
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+
+Keys = Any | Sequence[Any]
+
+
+def as_lists(keys: Keys, values: Any = None) -> tuple[list, list]:
+    if isinstance(keys, (list, tuple)):
+        keys = list(keys)
+        values = [None] * len(keys) if values is None else list(values)
+    else:
+        keys, values = [keys], [values]
+    if len(values) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(values)} values")
+    for key in keys:
+        if not isinstance(key, (int, str)) or isinstance(key, bool):
+            raise TypeError(f"key {key!r} is not an int or a str")
+    return keys, [_summed(v) for v in values]
+
+
+def _summed(value: Any) -> Any:
+    """A list of tensors for one key (one per local device) is summed first, as MXNet does."""
+    if isinstance(value, (list, tuple)):
+        total = value[0].detach().to("cpu", copy=True)
+        for v in value[1:]:
+            total += v.detach().to("cpu")
+        return total
+    return value
+
+
+def flat_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    return tensor.contiguous().reshape(-1)
+
+
+class DistKVStore:
+    """kvstore kinds dist_sync, dist_async and bounded staleness, talking to the job's servers."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        config: KVStoreConfig,
+        members: list[int] | None = None,
+        barrier: Callable[[str], Any] | None = None,
+    ) -> None:
+        """`members`: the workers that push (default all); `barrier(name)`: how they meet (default
+        the scheduler's barrier of all workers)."""
+        if not ctx.servers:
+            raise KVStoreError("a distributed kvstore needs servers: launch the job with -s 1 or more")
+        assert ctx.spec is not None
+        self.config = config
+        self._ctx = ctx
+        self.rank, self.num_workers = ctx.rank, ctx.num_workers
+        self._timeout_s = ctx.config.transport.request_timeout_s
+        self._clients = [
+            RpcClient(
+                host, port, ctx.spec.secret, config=ctx.config.transport, name=f"server {i} ({host}:{port})"
+            )
+            for i, (host, port) in enumerate(ctx.servers)
+        ]
+        self._placement = Placement(len(self._clients), config.slice_elements)
+        self._keys: dict[Any, KeyInfo] = {}
+        self._closed = False
+        self._members = list(range(ctx.num_workers)) if members is None else members
+        self._barrier = barrier or (lambda name: ctx.barrier(name=name))
+        mode = "async" if config.consistency == "async" else "rounds"
+        if self.rank == 0:
+            meta = {"mode": mode, "staleness": config.staleness, "members": self._members}
+            self._all_servers("configure", meta)
+        self._barrier("kvstore-create")
+        atexit.register(self.close)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _all_servers(self, op: str, meta: dict, tensors_for: Callable[[int], list] | None = None) -> list:
+        futures = [
+            c.request(op, meta, tensors_for(i) if tensors_for else ()) for i, c in enumerate(self._clients)
+        ]
+        return [r.meta for r in self._wait(futures)]
+
+    def _wait(self, futures: list[Future]) -> list:
+        try:
+            return [f.wait(self._timeout_s) for f in futures]
+        except (RemoteError, TransportError) as exc:
+            raise KVStoreError(str(exc)) from None
+
+    def _info(self, key: Any) -> KeyInfo:
+        try:
+            return self._keys[key]
+        except KeyError:
+            raise KVStoreError(f"key {key!r} was never initialized (call kv.init first)") from None
+
+    def _frames(self, keys: list, extra: Callable[[Any, KeyInfo, Slice], dict]) -> dict[int, dict]:
+        """Per server: parallel lists of the slices `keys` have there, plus per-slice extras."""
+        frames: dict[int, dict] = {}
+        for key in keys:
+            info = self._info(key)
+            for piece in info.slices:
+                meta = frames.setdefault(
+                    piece.server, {"keys": [], "starts": [], "stops": [], "rank": self.rank}
+                )
+                meta["keys"].append(key)
+                meta["starts"].append(piece.start)
+                meta["stops"].append(piece.stop)
+                for name, value in extra(key, info, piece).items():
+                    meta.setdefault(name, []).append(value)
+        return frames
+
+    def _min_version(self, info: KeyInfo) -> int:
+        if self.config.consistency == "async":
+            return 0
+        return max(0, info.clock - self.config.staleness)
+
+    # -- the API ----------------------------------------------------------------------------------
+    def init(self, keys: Keys, values: Any) -> None:
+        """The first init of a key sets its value (worker 0's); a later one must match its shape
+        and dtype. Every worker inits the same keys in the same order."""
+        keys, values = as_lists(keys, values)
+        for key, value in zip(keys, values, strict=True):
+            known = self._keys.get(key)
+            shape, dtype = list(value.shape), value.dtype
+            dtype_name(dtype)
+            if known is not None and (known.shape, known.dtype) != (shape, dtype):
+                raise ValueError(
+                    f"key {key!r} was initialized as {known.dtype}{known.shape}; "
+                    f"init as {dtype}{shape} is not allowed"
+                )
+            if known is None:
+                slices = self._placement.place(value.numel(), value.element_size())
+                self._keys[key] = KeyInfo(shape, dtype, slices)
+        flat = {key: flat_cpu(v) for key, v in zip(keys, values, strict=True)}
+        frames = self._frames(
+            keys,
+            lambda key, info, piece: {
+                "shapes": info.shape,
+                "dtypes": dtype_name(info.dtype),
+                "numels": info.numel,
+            },
+        )
+
+        def send(with_values: bool) -> None:
+            futures = [
+                self._clients[s].request(
+                    "init",
+                    meta,
+                    [
+                        flat[k][a:b]
+                        for k, a, b in zip(meta["keys"], meta["starts"], meta["stops"], strict=True)
+                    ]
+                    if with_values
+                    else (),
+                )
+                for s, meta in frames.items()
+            ]
+            self._wait(futures)
+
+        if self.rank == 0:
+            send(with_values=True)
+        self._barrier("kvstore-init")
+        if self.rank != 0:
+            send(with_values=False)  # checks shape and dtype against worker 0's
+
+    def push(self, keys: Keys, values: Any) -> Handle:
+        """Starts the push and returns at once; values must not change until handle.wait()."""
+        return self._push(keys, values, pull_into=None)
+
+    def pull_async(self, keys: Keys, out: Any) -> Handle:
+        keys, outs = as_lists(keys, out)
+        futures, after = [], []
+        views = self._out_views(keys, outs, after)
+        frames = self._frames(keys, lambda key, info, piece: {"min_versions": self._min_version(info)})
+        for s, meta in frames.items():
+            futures.append(self._clients[s].request("pull", meta, (), out=self._dests(meta, views)))
+        return Handle(futures, after, self._timeout_s)
+
+    def pull(self, keys: Keys, out: Any) -> int | None:
+        """Returns when `out` holds the value (in sync mode: of the round this worker last pushed);
+        returns the oldest version pulled."""
+        handle = self.pull_async(keys, out)
+        handle.wait()
+        return handle.version
+
+    def pushpull_async(self, keys: Keys, values: Any, out: Any) -> Handle:
+        return self._push(keys, values, pull_into=out)
+
+    def pushpull(self, keys: Keys, values: Any, out: Any) -> int | None:
+        """Push then pull, one round trip per server; returns when `out` holds the value, with the
+        oldest version pulled."""
+        handle = self.pushpull_async(keys, values, out)
+        handle.wait()
+        return handle.version
+
+    def _push(self, keys: Keys, values: Any, pull_into: Any) -> Handle:
+        outs = as_lists(keys, pull_into)[1] if pull_into is not None else None
+        keys, values = as_lists(keys, values)
+        flat = {}
+        for key, value in zip(keys, values, strict=True):
+            info = self._info(key)
+            if list(value.shape) != info.shape or value.dtype != info.dtype:
+                raise ValueError(
+                    f"push to key {key!r}: {value.dtype}{list(value.shape)} is not {info.dtype}{info.shape}"
+                )
+            flat[key] = flat_cpu(value)
+        clocks = {key: self._info(key).clock for key in keys}
+        for key in keys:
+            self._info(key).clock += 1
+        after: list[Callable[[], None]] = []
+        views = self._out_views(keys, outs, after) if outs is not None else None
+        frames = self._frames(
+            keys,
+            lambda key, info, piece: {"clocks": clocks[key], "min_versions": self._min_version(info)},
+        )
+        futures = []
+        for s, meta in frames.items():
+            tensors = [
+                flat[k][a:b] for k, a, b in zip(meta["keys"], meta["starts"], meta["stops"], strict=True)
+            ]
+            op = "push" if views is None else "pushpull"
+            out = self._dests(meta, views) if views is not None else None
+            futures.append(self._clients[s].request(op, meta, tensors, out=out))
+        return Handle(futures, after, self._timeout_s)
+
+    def _out_views(self, keys: list, outs: list, after: list) -> dict[Any, torch.Tensor]:
+        """Flat CPU views of the outs; a GPU or non-contiguous out is filled through a staging copy."""
+        views = {}
+        for key, out in zip(keys, outs, strict=True):
+            info = self._info(key)
+            if not isinstance(out, torch.Tensor) or list(out.shape) != info.shape or out.dtype != info.dtype:
+                raise ValueError(f"out for key {key!r} must be a {info.dtype} tensor of shape {info.shape}")
+            if out.device.type == "cpu" and out.is_contiguous():
+                views[key] = out.view(-1)
+            else:
+                staging = torch.empty(info.numel, dtype=info.dtype)
+                views[key] = staging
+                after.append(lambda out=out, staging=staging: out.copy_(staging.view(out.shape)))
+        return views
+
+    @staticmethod
+    def _dests(meta: dict, views: dict) -> list[torch.Tensor]:
+        return [views[k][a:b] for k, a, b in zip(meta["keys"], meta["starts"], meta["stops"], strict=True)]
+
+    def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
+        """Run `optimizer` (a torch.optim class or its path) on the servers, once per round."""
+        path = optim.class_path(optimizer)
+        optim.resolve(path)
+        hyper = optim.check_hyperparameters(hyperparameters)
+        if self.rank == 0:
+            self._all_servers("set_optimizer", {"path": path, "hyper": hyper})
+        self._barrier("kvstore-optimizer")
+
+    def barrier(self) -> None:
+        self._barrier("kvstore-barrier")
+
+    # -- state ------------------------------------------------------------------------------------
+    def save_state(self, path: str | os.PathLike[str]) -> None:
+        """Every worker calls it; worker 0 writes the servers' values and optimizer state, per key,
+        so the file loads into any number of servers. Written to a temporary file, then renamed."""
+        self.barrier()
+        if self.rank == 0:
+            replies = self._wait([c.request("get_state") for c in self._clients])
+            state = gather_state(replies)
+            tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+        self.barrier()
+
+    def load_state(self, path: str | os.PathLike[str]) -> None:
+        """Every worker calls it after init (and set_optimizer, if the file has optimizer state)."""
+        self.barrier()
+        if self.rank == 0:
+            state = torch.load(path, weights_only=True)  # tensors and plain data only: no code runs
+            if state.get("format") != STATE_FORMAT:
+                raise KVStoreError(f"{path} is not a paratrain kvstore state file")
+            per_server = scatter_state(state, self._keys)
+            futures = [
+                self._clients[s].request("set_state", {"shards": meta}, tensors)
+                for s, (meta, tensors) in per_server.items()
+            ]
+            self._wait(futures)
+        for info in self._keys.values():
+            info.clock = 0
+        self.barrier()
+
+    def close(self) -> None:
+        """Leave the job's rounds (the others stop waiting for this worker) and disconnect."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            self._wait([c.request("leave", {"rank": self.rank}) for c in self._clients])
+        except KVStoreError:
+            pass  # a server already gone: the scheduler reports it
+        for client in self._clients:
+            client.close()
+
+
+def gather_state(replies: list) -> dict:
+    """Per-server shard lists -> one entry per key: whole value, whole optimizer state tensors."""
+    pieces: dict[Any, list] = {}
+    meta_of: dict[Any, dict] = {}
+    optimizer: list = []
+    for reply in replies:
+        optimizer = reply.meta["optimizer"] or optimizer
+        i = 0
+        for entry in reply.meta["shards"]:
+            tensors = reply.tensors[i : i + 1 + len(entry["state"])]
+            i += len(tensors)
+            pieces.setdefault(entry["key"], []).append(
+                (entry["start"], tensors[0], dict(zip(entry["state"], tensors[1:], strict=True)))
+            )
+            meta_of[entry["key"]] = entry
+    keys, values, states = [], {}, {}
+    for n, (key, parts) in enumerate(pieces.items()):
+        parts.sort(key=lambda p: p[0])
+        entry = meta_of[key]
+        keys.append({"key": key, "shape": entry["shape"], "dtype": entry["dtype"]})
+        values[n] = torch.cat([p[1] for p in parts]).reshape(entry["shape"])
+        states[n] = {
+            name: torch.cat([p[2][name].reshape(-1) for p in parts])
+            if parts[0][2][name].numel() == parts[0][1].numel()
+            else parts[0][2][name]
+            for name in parts[0][2]
+        }
+    return {"format": STATE_FORMAT, "keys": keys, "values": values, "state": states, "optimizer": optimizer}
+
+
+def scatter_state(state: dict, keys: dict[Any, KeyInfo]) -> dict[int, tuple[list, list]]:
+    """One file's per-key state -> per-server set_state frames for the current placement."""
+    per_server: dict[int, tuple[list, list]] = {}
+    for n, entry in enumerate(state["keys"]):
+        key = entry["key"]
+        info = keys.get(key)
+        if info is None:
+            raise KVStoreError(f"the state file has key {key!r}, which this job never initialized")
+        value = state["values"][n].reshape(-1)
+        if value.numel() != info.numel:
+            raise KVStoreError(f"key {key!r} has {value.numel()} elements in the file but {info.numel} here")
+        key_state = state["state"].get(n, {})
+        for piece in info.slices:
+            meta, tensors = per_server.setdefault(piece.server, ([], []))
+            sliced = {
+                name: t.reshape(-1)[piece.start : piece.stop] if t.numel() == info.numel else t
+                for name, t in key_state.items()
+            }
+            meta.append({"key": key, "start": piece.start, "stop": piece.stop, "state": list(sliced)})
+            tensors += [value[piece.start : piece.stop].contiguous()] + [
+                t.contiguous() for t in sliced.values()
+            ]
+    return per_server

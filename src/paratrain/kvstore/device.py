@@ -1,0 +1,112 @@
+"""MXNet's *_device modes: the workers of one host reduce among themselves first, and one of them (the
+lowest rank on the host, its leader) talks to the servers; the others get the result locally.
+
+The host-local reduce and broadcast run on torch.distributed: Gloo on the CPU, NCCL where the values
+live on CUDA devices (then the reduction runs on the GPU and only the leader copies to the host). The
+servers count one member per host in their rounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paratrain.cluster.rendezvous import init_torch_distributed
+from paratrain.kvstore.api import KVStoreConfig
+from paratrain.kvstore.client import DistKVStore, Handle, Keys, as_lists
+from paratrain.node import Context
+
+
+def host_groups(hosts: list[str]) -> list[list[int]]:
+    """Worker ranks grouped by host, in order of each host's lowest rank."""
+    groups: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        groups.setdefault(host, []).append(rank)
+    return list(groups.values())
+
+
+class HostKVStore:
+    def __init__(self, ctx: Context, config: KVStoreConfig) -> None:
+        self.rank, self.num_workers = ctx.rank, ctx.num_workers
+        hosts = ctx.barrier(name="kvstore-hosts", data=ctx.spec.host if ctx.spec else "")
+        groups = host_groups([hosts[r] for r in range(ctx.num_workers)])
+        init_torch_distributed(ctx, "gloo")
+        # new_group is collective: every worker creates every group, in the same order.
+        made = [(g, dist.new_group(g)) for g in groups]
+        leaders = [g[0] for g in groups]
+        leader_group = dist.new_group(leaders)
+        self._local, self._group = next((g, pg) for g, pg in made if self.rank in g)
+        self.leader = self._local[0]
+        self.is_leader = self.rank == self.leader
+        self._inner = (
+            DistKVStore(ctx, config, members=leaders, barrier=lambda _name: dist.barrier(group=leader_group))
+            if self.is_leader
+            else None
+        )
+        dist.barrier()
+
+    def _reduce(self, values: list) -> list[torch.Tensor]:
+        sums = [v.detach().clone() for v in values]
+        works = [dist.reduce(t, dst=self.leader, group=self._group, async_op=True) for t in sums]
+        for work in works:
+            work.wait()
+        return sums
+
+    def _broadcast(self, outs: list) -> None:
+        works = [dist.broadcast(t, src=self.leader, group=self._group, async_op=True) for t in outs]
+        for work in works:
+            work.wait()
+
+    def _leader_then_all(self, fn: Callable[[DistKVStore], Any]) -> None:
+        if self._inner is not None:
+            fn(self._inner)
+        dist.barrier()
+
+    def init(self, keys: Keys, values: Any) -> None:
+        self._leader_then_all(lambda kv: kv.init(keys, values))
+
+    def push(self, keys: Keys, values: Any) -> Handle:
+        keys, values = as_lists(keys, values)
+        sums = self._reduce(values)
+        return self._inner.push(keys, sums) if self._inner is not None else Handle([])
+
+    def pull(self, keys: Keys, out: Any) -> None:
+        keys, outs = as_lists(keys, out)
+        if self._inner is not None:
+            self._inner.pull(keys, outs)
+        self._broadcast(outs)
+
+    def pull_async(self, keys: Keys, out: Any) -> Handle:
+        self.pull(keys, out)
+        return Handle([])
+
+    def pushpull(self, keys: Keys, values: Any, out: Any) -> None:
+        keys, values = as_lists(keys, values)
+        outs = as_lists(keys, out)[1]
+        sums = self._reduce(values)
+        if self._inner is not None:
+            self._inner.pushpull(keys, sums, outs)
+        self._broadcast(outs)
+
+    def pushpull_async(self, keys: Keys, values: Any, out: Any) -> Handle:
+        self.pushpull(keys, values, out)
+        return Handle([])
+
+    def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
+        self._leader_then_all(lambda kv: kv.set_optimizer(optimizer, **hyperparameters))
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def save_state(self, path: Any) -> None:
+        self._leader_then_all(lambda kv: kv.save_state(path))
+
+    def load_state(self, path: Any) -> None:
+        self._leader_then_all(lambda kv: kv.load_state(path))
+
+    def close(self) -> None:
+        if self._inner is not None:
+            self._inner.close()

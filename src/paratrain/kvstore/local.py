@@ -1,0 +1,127 @@
+"""MXNet's `local` / `device` kvstore: the same API in one process, no servers.
+
+With one worker, a sync round is one push: without an optimizer the value becomes the pushed sum
+(values pushed as a list, one per local device, are summed first); with one, it takes one step. In
+async mode, pushes without an optimizer add to the value, as on the servers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from paratrain.errors import KVStoreError
+from paratrain.kvstore import optim
+from paratrain.kvstore.api import KVStoreConfig
+from paratrain.kvstore.client import STATE_FORMAT, Handle, Keys, as_lists
+
+
+class LocalKVStore:
+    rank = 0
+    num_workers = 1
+
+    def __init__(self, config: KVStoreConfig) -> None:
+        self.config = config
+        self._values: dict[Any, torch.Tensor] = {}
+        self._params: dict[Any, torch.nn.Parameter] = {}
+        self._optimizers: dict[Any, torch.optim.Optimizer] = {}
+        self._optimizer_spec: tuple[str, dict] | None = None
+
+    def _value(self, key: Any) -> torch.Tensor:
+        if key not in self._values:
+            raise KVStoreError(f"key {key!r} was never initialized (call kv.init first)")
+        return self._values[key]
+
+    def init(self, keys: Keys, values: Any) -> None:
+        for key, value in zip(*as_lists(keys, values), strict=True):
+            known = self._values.get(key)
+            if known is None:
+                self._values[key] = value.detach().to("cpu", copy=True)
+                if self._optimizer_spec:
+                    self._attach(key, *self._optimizer_spec)
+            elif (known.shape, known.dtype) != (value.shape, value.dtype):
+                raise ValueError(
+                    f"key {key!r} was initialized as {known.dtype}{list(known.shape)}; "
+                    f"init as {value.dtype}{list(value.shape)} is not allowed"
+                )
+
+    def push(self, keys: Keys, values: Any) -> Handle:
+        for key, value in zip(*as_lists(keys, values), strict=True):
+            current, grad = self._value(key), value.detach().to("cpu")
+            if key in self._optimizers:
+                self._params[key].grad = grad.to(current.dtype)
+                self._optimizers[key].step()
+                self._params[key].grad = None
+            elif self.config.consistency == "async":
+                current.add_(grad)
+            else:
+                current.copy_(grad)
+        return Handle([])
+
+    def pull_async(self, keys: Keys, out: Any) -> Handle:
+        for key, dest in zip(*as_lists(keys, out), strict=True):
+            dest.copy_(self._value(key))
+        return Handle([])
+
+    def pull(self, keys: Keys, out: Any) -> None:
+        self.pull_async(keys, out)
+
+    def pushpull_async(self, keys: Keys, values: Any, out: Any) -> Handle:
+        self.push(keys, values)
+        return self.pull_async(keys, out)
+
+    def pushpull(self, keys: Keys, values: Any, out: Any) -> None:
+        self.pushpull_async(keys, values, out)
+
+    def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
+        path = optim.class_path(optimizer)
+        optim.resolve(path)
+        self._optimizer_spec = (path, optim.check_hyperparameters(hyperparameters))
+        for key in self._values:
+            self._attach(key, *self._optimizer_spec)
+
+    def _attach(self, key: Any, path: str, hyper: dict) -> None:
+        self._params[key] = torch.nn.Parameter(self._values[key], requires_grad=True)
+        self._values[key] = self._params[key].data
+        self._optimizers[key] = optim.build(path, hyper, self._params[key])
+
+    def barrier(self) -> None:
+        pass
+
+    def save_state(self, path: str | os.PathLike[str]) -> None:
+        keys = list(self._values)
+        state = {
+            "format": STATE_FORMAT,
+            "keys": [
+                {"key": k, "shape": list(self._values[k].shape), "dtype": str(self._values[k].dtype)}
+                for k in keys
+            ],
+            "values": {n: self._values[k].clone() for n, k in enumerate(keys)},
+            "state": {
+                n: optim.state_tensors(self._optimizers[k], self._params[k])
+                for n, k in enumerate(keys)
+                if k in self._optimizers
+            },
+            "optimizer": list(self._optimizer_spec or ()),
+        }
+        tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+
+    def load_state(self, path: str | os.PathLike[str]) -> None:
+        state = torch.load(path, weights_only=True)
+        if state.get("format") != STATE_FORMAT:
+            raise KVStoreError(f"{path} is not a paratrain kvstore state file")
+        for n, entry in enumerate(state["keys"]):
+            self._value(entry["key"]).copy_(state["values"][n])
+            if n in state["state"]:
+                if entry["key"] not in self._optimizers:
+                    raise KVStoreError("the state has optimizer state: call set_optimizer before load_state")
+                optim.load_state_tensors(
+                    self._optimizers[entry["key"]], self._params[entry["key"]], state["state"][n]
+                )
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,62 @@
+"""Where each key lives: a pure function of the keys' sizes (in init order) and the server count.
+
+Small keys live whole on one server, each on the server holding the fewest bytes so far (ties: the
+lowest rank). A key of more than `slice_elements` elements is cut into one near-equal contiguous slice
+per server, so every server and link carries part of it. Every worker computes the same placement
+because every worker inits the same keys in the same order (the servers check that they agree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_SLICE_ELEMENTS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Elements [start, stop) of a key's flattened value, held by one server."""
+
+    server: int
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def split(numel: int, parts: int) -> list[tuple[int, int]]:
+    """Near-equal contiguous ranges covering 0..numel: the first numel % parts get one more."""
+    base, extra = divmod(numel, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+@dataclass
+class Placement:
+    num_servers: int
+    slice_elements: int = DEFAULT_SLICE_ELEMENTS
+    load: list[int] = field(default_factory=list)
+    """Bytes placed on each server so far."""
+
+    def __post_init__(self) -> None:
+        if self.num_servers < 1:
+            raise ValueError(f"num_servers={self.num_servers!r} must be >= 1 for a parameter server")
+        if self.slice_elements < 1:
+            raise ValueError(f"slice_elements={self.slice_elements!r} must be >= 1")
+        self.load = self.load or [0] * self.num_servers
+
+    def place(self, numel: int, itemsize: int) -> list[Slice]:
+        if numel > self.slice_elements and self.num_servers > 1:
+            slices = [Slice(s, a, b) for s, (a, b) in enumerate(split(numel, self.num_servers))]
+        else:
+            server = min(range(self.num_servers), key=lambda s: (self.load[s], s))
+            slices = [Slice(server, 0, numel)]
+        for piece in slices:
+            self.load[piece.server] += piece.numel * itemsize
+        return slices

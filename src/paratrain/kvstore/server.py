@@ -1,0 +1,352 @@
+"""The parameter server: shards of dense keys, rounds, optimizers, and deferred pulls.
+
+Requests (meta lists are parallel; every tensor is one flat slice of one key):
+
+    configure     {mode: "rounds" | "async", staleness, members}    from worker 0, before any init
+    init          {keys, starts, stops, shapes, dtypes, numels}     values, or none: check only
+    push          {keys, starts, stops, clocks}                     gradients; reply once added
+    pull          {keys, starts, stops, min_versions}               reply carries the values
+    pushpull      push and pull of the same slices in one frame
+    set_optimizer {path, hyper}                                     from worker 0
+    leave         {rank}                                            that worker pushes no more
+    get_state / set_state                                           for save_state / load_state
+
+Consistency. In "rounds" mode (sync, and bounded staleness) a worker's n-th push of a key joins round
+n of that key; round n is applied (summed value, or one optimizer step on the sum) once every live
+worker has pushed to it, rounds in order, and the key's version becomes n+1. A pull waits until the
+version reaches `min_version`: the pusher's own clock for sync, minus the staleness bound s for
+bounded(s). In "async" mode each push is applied on arrival (an optimizer step, or, without an
+optimizer, added to the value) and pulls never wait.
+
+Zero copies on the hot path: a push is received straight into a pooled buffer of its shard, the
+first push of a round becomes that round's accumulator, later ones are added into it in place. A
+pull is sent straight from the shard's value; a round is applied only when no pull is being sent
+from that value (a reader count), so no pull ever returns a half-applied round.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from paratrain.kvstore import optim
+from paratrain.transport.connection import Connection
+from paratrain.transport.frame import Header
+from paratrain.transport.rpc import Handler, Request
+from paratrain.transport.tensors import DTYPES
+
+logger = logging.getLogger(__name__)
+
+
+class KVError(Exception):
+    """A request this server refuses; the worker gets the message."""
+
+
+@dataclass
+class Shard:
+    """Elements [start, stop) of one key, held by this server."""
+
+    key: Any
+    start: int
+    stop: int
+    numel: int
+    shape: list[int]
+    dtype: str
+    value: torch.Tensor
+    version: int = 0
+    rounds: dict[int, tuple[torch.Tensor, set[int]]] = field(default_factory=dict)
+    pool: list[torch.Tensor] = field(default_factory=list)
+    readers: int = 0
+    param: torch.nn.Parameter | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def buffer(self) -> torch.Tensor:
+        with self.cond:
+            return self.pool.pop() if self.pool else torch.empty_like(self.value)
+
+    def describe(self) -> str:
+        return f"key {self.key!r} [{self.start}, {self.stop})"
+
+
+@dataclass
+class PendingPull:
+    request: Request
+    shards: list[Shard]
+    min_versions: list[int]
+
+    def ready(self) -> bool:
+        return all(s.version >= v for s, v in zip(self.shards, self.min_versions, strict=True))
+
+
+class KVServer(Handler):
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self.mode = "rounds"
+        self.staleness = 0
+        self.members: set[int] = set()
+        self.optimizer_spec: tuple[str, dict] | None = None
+        self._shards: dict[tuple[Any, int, int], Shard] = {}
+        self._lock = threading.Lock()
+        self._pending: list[PendingPull] = []
+        self.counters = {"bytes_in": 0, "bytes_out": 0, "pushes": 0, "pulls": 0}
+
+    # -- receiving pushes straight into pooled buffers --------------------------------------------
+    def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
+        if header.op not in ("push", "pushpull"):
+            return None
+        try:
+            return [self._shard(header.meta, i).buffer() for i in range(len(header.specs))]
+        except (KVError, KeyError, IndexError, TypeError):
+            return None  # handle() reports it; the payload goes to fresh tensors meanwhile
+
+    def _shard(self, meta: dict, i: int) -> Shard:
+        ident = (meta["keys"][i], meta["starts"][i], meta["stops"][i])
+        shard = self._shards.get(ident)
+        if shard is None:
+            raise KVError(
+                f"key {ident[0]!r} [{ident[1]}, {ident[2]}) is not on server {self.rank}: was it "
+                "initialized, and did every worker init its keys in the same order?"
+            )
+        return shard
+
+    # -- dispatch ---------------------------------------------------------------------------------
+    def handle(self, request: Request) -> None:
+        op = request.op
+        try:
+            if op == "push":
+                self._push(request)
+                request.reply({})
+            elif op == "pull":
+                self._pull(request, request.meta["min_versions"])
+            elif op == "pushpull":
+                self._push(request)
+                self._pull(request, request.meta["min_versions"])
+            elif op == "init":
+                self._init(request)
+            elif op == "configure":
+                self._configure(request.meta)
+                request.reply({})
+            elif op == "set_optimizer":
+                self._set_optimizer(request.meta["path"], request.meta["hyper"])
+                request.reply({})
+            elif op == "leave":
+                self._leave(int(request.meta["rank"]))
+                request.reply({})
+            elif op == "get_state":
+                self._get_state(request)
+            elif op == "set_state":
+                self._set_state(request)
+            elif op == "ping":
+                request.reply(request.meta, request.tensors)
+            elif op == "stats":
+                request.reply(dict(self.counters, shards=len(self._shards)))
+            else:
+                request.fail(f"unknown op {op!r}")
+        except (KVError, ValueError, TypeError, KeyError) as exc:
+            request.fail(f"server {self.rank}: {exc}")
+
+    def _configure(self, meta: dict) -> None:
+        mode, staleness, members = meta["mode"], int(meta["staleness"]), meta["members"]
+        if mode not in ("rounds", "async"):
+            raise ValueError(f"mode {mode!r} is not 'rounds' or 'async'")
+        with self._lock:
+            self.mode, self.staleness = mode, staleness
+            self.members = {int(rank) for rank in members}
+
+    def _init(self, request: Request) -> None:
+        meta = request.meta
+        for i, key in enumerate(meta["keys"]):
+            ident = (key, meta["starts"][i], meta["stops"][i])
+            shape, dtype, numel = list(meta["shapes"][i]), meta["dtypes"][i], meta["numels"][i]
+            with self._lock:
+                shard = self._shards.get(ident)
+                if shard is None:
+                    if not request.tensors:
+                        raise KVError(f"key {key!r} was not initialized by worker 0")
+                    value = request.tensors[i]
+                    if value.numel() != ident[2] - ident[1] or dtype not in DTYPES:
+                        raise KVError(f"init of key {key!r} sent a value of the wrong size")
+                    shard = Shard(key, ident[1], ident[2], numel, shape, dtype, value.reshape(-1))
+                    self._shards[ident] = shard
+                    if self.optimizer_spec:
+                        self._attach_optimizer(shard, *self.optimizer_spec)
+                elif (shard.shape, shard.dtype) != (shape, dtype):
+                    raise KVError(
+                        f"key {key!r} was initialized as {shard.dtype}{shard.shape}; "
+                        f"init again as {dtype}{shape} is not allowed"
+                    )
+        request.reply({})
+
+    # -- push -------------------------------------------------------------------------------------
+    def _push(self, request: Request) -> None:
+        meta, rank = request.meta, int(request.meta["rank"])
+        for i, grad in enumerate(request.tensors):
+            shard = self._shard(meta, i)
+            if grad.dtype != shard.value.dtype or grad.numel() != shard.value.numel():
+                raise KVError(f"push to {shard.describe()}: {grad.dtype}[{grad.numel()}] does not match")
+            self.counters["bytes_in"] += grad.numel() * grad.element_size()
+            if self.mode == "async":
+                self._apply(shard, grad)
+                with shard.cond:
+                    shard.pool.append(grad)
+            else:
+                self._add_to_round(shard, int(meta["clocks"][i]), rank, grad)
+        self.counters["pushes"] += 1
+        self._serve_ready_pulls()
+
+    def _add_to_round(self, shard: Shard, clock: int, rank: int, grad: torch.Tensor) -> None:
+        with shard.cond:
+            if clock < shard.version:
+                raise KVError(f"push to {shard.describe()} for round {clock}, already applied")
+            entry = shard.rounds.get(clock)
+            if entry is None:
+                shard.rounds[clock] = (grad, {rank})  # the first push is the accumulator
+            else:
+                acc, pushed = entry
+                if rank in pushed:
+                    raise KVError(f"worker {rank} pushed {shard.describe()} twice in round {clock}")
+                acc.add_(grad)
+                pushed.add(rank)
+                shard.pool.append(grad)
+            self._apply_complete_rounds(shard)
+
+    def _apply_complete_rounds(self, shard: Shard) -> None:
+        """Apply rounds that every live worker has pushed to, in order; holds shard.cond."""
+        while True:
+            entry = shard.rounds.get(shard.version)
+            if entry is None or not self.members <= entry[1]:
+                return
+            del shard.rounds[shard.version]
+            self._apply(shard, entry[0], locked=True)
+            if shard.optimizer is not None:  # else the sum became the value
+                shard.pool.append(entry[0])
+
+    def _apply(self, shard: Shard, grad: torch.Tensor, locked: bool = False) -> None:
+        """One update: an optimizer step, or without one the round's sum (rounds) or the running
+        sum (async). Waits until no pull is reading the value."""
+        if not locked:
+            with shard.cond:
+                return self._apply(shard, grad, locked=True)
+        while shard.readers:
+            shard.cond.wait()
+        if shard.optimizer is not None:
+            assert shard.param is not None
+            shard.param.grad = grad
+            shard.optimizer.step()
+            shard.param.grad = None
+        elif self.mode == "async":
+            shard.value.add_(grad)
+        else:
+            shard.pool.append(shard.value)  # no reader holds it: reuse as a push buffer
+            shard.value = grad
+        shard.version += 1
+
+    def _leave(self, rank: int) -> None:
+        """A worker that finished early: rounds stop waiting for it."""
+        with self._lock:
+            self.members.discard(rank)
+            shards = list(self._shards.values())
+        for shard in shards:
+            with shard.cond:
+                self._apply_complete_rounds(shard)
+        self._serve_ready_pulls()
+
+    # -- pull -------------------------------------------------------------------------------------
+    def _pull(self, request: Request, min_versions: list[int]) -> None:
+        meta = request.meta
+        shards = [self._shard(meta, i) for i in range(len(meta["keys"]))]
+        pending = PendingPull(request, shards, [int(v) for v in min_versions])
+        with self._lock:
+            self._pending.append(pending)
+        self._serve_ready_pulls()
+
+    def _serve_ready_pulls(self) -> None:
+        ready: list[PendingPull] = []
+        with self._lock:
+            waiting = []
+            for pull in self._pending:
+                (ready if pull.ready() else waiting).append(pull)
+            self._pending = waiting
+        for pull in ready:
+            self._send_values(pull)
+
+    def _send_values(self, pull: PendingPull) -> None:
+        values = []
+        for shard in pull.shards:
+            with shard.cond:
+                shard.readers += 1
+                values.append(shard.value)
+        try:
+            pull.request.reply({"versions": [s.version for s in pull.shards]}, values)
+            self.counters["bytes_out"] += sum(v.numel() * v.element_size() for v in values)
+            self.counters["pulls"] += 1
+        finally:
+            for shard in pull.shards:
+                with shard.cond:
+                    shard.readers -= 1
+                    shard.cond.notify_all()
+
+    # -- optimizer --------------------------------------------------------------------------------
+    def _set_optimizer(self, path: str, hyper: dict) -> None:
+        optim.resolve(path)
+        optim.check_hyperparameters(hyper)
+        with self._lock:
+            self.optimizer_spec = (path, hyper)
+            shards = list(self._shards.values())
+        for shard in shards:
+            with shard.cond:
+                self._attach_optimizer(shard, path, hyper)
+
+    def _attach_optimizer(self, shard: Shard, path: str, hyper: dict) -> None:
+        shard.param = torch.nn.Parameter(shard.value, requires_grad=True)
+        shard.value = shard.param.data
+        shard.optimizer = optim.build(path, hyper, shard.param)
+
+    # -- state ------------------------------------------------------------------------------------
+    def _get_state(self, request: Request) -> None:
+        """Every shard's value and optimizer state, each tagged with its key and element range."""
+        entries, tensors = [], []
+        with self._lock:
+            shards = list(self._shards.values())
+        for shard in shards:
+            with shard.cond:
+                state = optim.state_tensors(shard.optimizer, shard.param) if shard.optimizer else {}
+                entries.append(
+                    {
+                        "key": shard.key,
+                        "start": shard.start,
+                        "stop": shard.stop,
+                        "numel": shard.numel,
+                        "shape": shard.shape,
+                        "dtype": shard.dtype,
+                        "version": shard.version,
+                        "state": list(state),
+                    }
+                )
+                tensors += [shard.value.clone()] + [t.clone() for t in state.values()]
+        request.reply({"shards": entries, "optimizer": list(self.optimizer_spec or ())}, tensors)
+
+    def _set_state(self, request: Request) -> None:
+        meta, tensors, i = request.meta, request.tensors, 0
+        for entry in meta["shards"]:
+            shard = self._shard(
+                {"keys": [entry["key"]], "starts": [entry["start"]], "stops": [entry["stop"]]}, 0
+            )
+            value, state = tensors[i], dict(zip(entry["state"], tensors[i + 1 :], strict=False))
+            i += 1 + len(entry["state"])
+            with shard.cond:
+                while shard.readers:
+                    shard.cond.wait()
+                shard.value.copy_(value.reshape(-1))
+                shard.version, shard.rounds = 0, {}
+                if state:
+                    if shard.optimizer is None:
+                        raise KVError("the state has optimizer state: call set_optimizer before load_state")
+                    optim.load_state_tensors(shard.optimizer, shard.param, state)
+        request.reply({})

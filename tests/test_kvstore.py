@@ -1,0 +1,312 @@
+"""The parameter server: placement, configuration, and exact values across real processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratrain.errors import KVStoreError
+from paratrain.kvstore import KINDS, KVStoreConfig, create
+from paratrain.kvstore import optim as kvoptim
+from paratrain.kvstore.placement import Placement, split
+from paratrain.testing import run_job
+
+JOBS = Path(__file__).parent / "jobs"
+
+
+# -- placement, a pure function ---------------------------------------------------------------------
+def test_split_is_near_equal_and_contiguous():
+    assert split(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert split(2, 3) == [(0, 1), (1, 2), (2, 2)]
+    for numel in (1, 999, 1000, 10_007):
+        for parts in (1, 2, 3, 4):
+            bounds = split(numel, parts)
+            assert bounds[0][0] == 0 and bounds[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            sizes = [b - a for a, b in bounds]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_small_keys_balance_bytes_and_big_keys_are_sliced_across_every_server():
+    placement = Placement(num_servers=3, slice_elements=100)
+    first = placement.place(50, 4)  # -> server 0
+    second = placement.place(10, 8)  # fewer bytes on 1 and 2 -> server 1
+    third = placement.place(30, 4)  # -> server 2
+    fourth = placement.place(5, 4)  # server 1 holds 80 B, least -> server 1
+    assert [s.server for s in first + second + third + fourth] == [0, 1, 2, 1]
+    big = placement.place(1001, 4)
+    assert [(s.server, s.start, s.stop) for s in big] == [(0, 0, 334), (1, 334, 668), (2, 668, 1001)]
+    assert placement.load == [200 + 1336, 80 + 20 + 1336, 120 + 1332]
+
+
+def test_placement_is_the_same_on_every_worker():
+    def run():
+        p = Placement(2, slice_elements=1000)
+        return [p.place(n, 4) for n in (5, 3000, 7, 7, 1, 999, 1001)]
+
+    assert run() == run()
+    single = Placement(1, slice_elements=10).place(10_000, 4)
+    assert [(s.server, s.start, s.stop) for s in single] == [(0, 0, 10_000)]
+
+
+# -- configuration ----------------------------------------------------------------------------------
+def test_mxnet_kinds_map_onto_configs():
+    assert KINDS["dist_sync"] == KVStoreConfig()
+    assert KINDS["dist_async"].consistency == "async"
+    assert KINDS["dist_sync_device"].aggregation == "host"
+    assert KINDS["dist_async_device"] == KVStoreConfig(consistency="async", aggregation="host")
+    assert KINDS["local"].local and KINDS["device"].local
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"consistency": "eventual"}, "KVStoreConfig.consistency='eventual'"),
+        ({"consistency": "sync", "staleness": 2}, "KVStoreConfig.staleness=2 needs consistency='bounded'"),
+        ({"consistency": "bounded", "staleness": -1}, "KVStoreConfig.staleness=-1"),
+        ({"aggregation": "rack"}, "KVStoreConfig.aggregation='rack'"),
+        ({"slice_elements": 0}, "KVStoreConfig.slice_elements=0"),
+    ],
+)
+def test_bad_config_names_the_field_and_value(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        KVStoreConfig(**kwargs)
+
+
+def test_unknown_kind_is_refused():
+    with pytest.raises(ValueError, match="kvstore kind 'dist_magic'"):
+        create("dist_magic")
+
+
+def test_optimizers_are_allow_listed_by_class_path():
+    assert kvoptim.resolve("torch.optim.Adam") is torch.optim.Adam
+    assert kvoptim.resolve(kvoptim.class_path(torch.optim.SGD)) is torch.optim.SGD
+    for bad in ("os.system", "torch.optim.Optimizer", "torch.nn.Linear", "builtins.eval"):
+        with pytest.raises(ValueError, match="is not one of torch.optim's optimizers"):
+            kvoptim.resolve(bad)
+    with pytest.raises(TypeError, match="hyperparameter lr="):
+        kvoptim.check_hyperparameters({"lr": object()})
+
+
+# -- the local store: same API, one process -----------------------------------------------------------
+def test_local_store_sums_device_lists_and_runs_the_optimizer():
+    kv = create("local")
+    kv.init("w", torch.zeros(3))
+    out = torch.empty(3)
+    kv.pushpull("w", [torch.ones(3), 2 * torch.ones(3)], out=out)  # one tensor per local device
+    assert out.tolist() == [3.0, 3.0, 3.0]
+    kv.set_optimizer("torch.optim.SGD", lr=0.5)
+    kv.pushpull("w", torch.ones(3), out=out)
+    assert out.tolist() == [2.5, 2.5, 2.5]
+    with pytest.raises(ValueError, match="init as torch.float32\\[4\\] is not allowed"):
+        kv.init("w", torch.zeros(4))
+    with pytest.raises(KVStoreError, match="never initialized"):
+        kv.pull("nope", out=out)
+
+
+def test_local_store_state_round_trip(tmp_path):
+    kv = create("local")
+    kv.init([0, 1], [torch.ones(4), torch.zeros(2, 2)])
+    kv.set_optimizer(torch.optim.Adam, lr=0.1)
+    kv.push([0, 1], [torch.ones(4), torch.ones(2, 2)])
+    kv.save_state(tmp_path / "kv.pt")
+    kv.push([0, 1], [torch.ones(4), torch.ones(2, 2)])
+    after = torch.empty(4)
+    kv.pull(0, out=after)
+
+    other = create("local")
+    other.init([0, 1], [torch.zeros(4), torch.zeros(2, 2)])
+    other.set_optimizer(torch.optim.Adam, lr=0.1)
+    other.load_state(tmp_path / "kv.pt")
+    other.push([0, 1], [torch.ones(4), torch.ones(2, 2)])
+    again = torch.empty(4)
+    other.pull(0, out=again)
+    assert torch.equal(after, again)  # values and Adam's moments both came back
+
+
+# -- real jobs --------------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "kind, workers, servers",
+    [
+        ("dist_sync", 1, 1),
+        ("dist_sync", 2, 3),
+        ("dist_sync", 4, 2),
+        ("dist_sync_device", 3, 2),
+    ],
+)
+def test_sync_values_are_exact(kind, workers, servers):
+    outcome = run_job(JOBS / "kv_exact.py", workers=workers, servers=servers, args=(kind, "3"), timeout_s=200)
+    for rank in range(workers):
+        assert outcome.lines("worker", rank, "stdout")[-1] == "all exact"
+
+
+@pytest.mark.timeout(240)
+def test_bounded_staleness_holds_the_fast_workers_back_by_at_most_s_rounds(tmp_path):
+    # Worker 2 is slow: before each push it waits until both fast workers announced that they are
+    # about to pull at a clock that needs that push, then writes a marker and pushes. A fast
+    # worker's pull that returns must then find the marker of every round it depended on: it was
+    # held back. Every pull's version must also be within s rounds of the puller's own clock.
+    outcome = run_job(
+        f"""
+        import os, time, torch, paratrain, paratrain.kvstore
+        from paratrain.kvstore import KVStoreConfig
+        S, ROUNDS, SLOW = 1, 5, 2
+        marks = {str(tmp_path)!r}
+        ctx = paratrain.init()
+        kv = paratrain.kvstore.create(KVStoreConfig(consistency="bounded", staleness=S))
+        kv.init("w", torch.zeros(4))
+        out = torch.empty(4)
+        def touch(name):
+            open(os.path.join(marks, name), "w").close()
+        def exists(name):
+            return os.path.exists(os.path.join(marks, name))
+        held = 0
+        for clock in range(1, ROUNDS + 1):           # clock: pushes done after this round's push
+            if ctx.rank == SLOW:
+                round_ = clock - 1
+                # fast workers at clock round_+S+1 need this push; wait until they are pulling
+                deadline = time.monotonic() + 60
+                while clock + S <= ROUNDS and not all(exists(f"pulling-{{r}}-{{clock + S}}") for r in (0, 1)):
+                    assert time.monotonic() < deadline, "fast workers never reached their pull"
+                    time.sleep(0.01)
+                touch(f"pushed-{{round_}}")
+                kv.push("w", torch.ones(4)).wait()
+                continue
+            kv.push("w", torch.ones(4)).wait()
+            touch(f"pulling-{{ctx.rank}}-{{clock}}")
+            version = kv.pull("w", out=out)
+            assert version >= clock - S, (clock, version)       # never more than S rounds ahead
+            needed = clock - S - 1                               # the slow round this pull needed
+            if needed >= 0:
+                assert exists(f"pushed-{{needed}}"), (clock, needed)
+                held += 1
+        print("held", held)
+        """,
+        workers=3,
+        servers=2,
+        timeout_s=200,
+    )
+    for rank in (0, 1):
+        assert outcome.lines("worker", rank, "stdout")[-1] == "held 4"
+
+
+@pytest.mark.timeout(240)
+def test_async_applies_every_push_from_every_worker():
+    outcome = run_job(
+        """
+        import torch, paratrain, paratrain.kvstore
+        from paratrain.kvstore import KVStoreConfig
+        ctx = paratrain.init()
+        kv = paratrain.kvstore.create(KVStoreConfig(consistency="async", slice_elements=1000))
+        keys = ["a", 1, "big"]
+        kv.init(keys, [torch.full((5,), 10.0), torch.zeros(3, 3), torch.zeros(2500)])
+        outs = [torch.empty(5), torch.empty(3, 3), torch.empty(2500)]
+        for step in range(20):
+            grads = [torch.full((5,), float(ctx.rank + 1)), torch.ones(3, 3), torch.full((2500,), 2.0)]
+            handle = kv.push(keys, grads)
+            if step % 5 == 4:
+                kv.pull(keys, out=outs)   # any version: async pulls never wait
+            handle.wait()
+        kv.barrier()
+        kv.pull(keys, out=outs)
+        W = ctx.num_workers
+        assert outs[0].tolist() == [10.0 + 20 * W * (W + 1) / 2] * 5, outs[0]
+        assert outs[1].eq(20 * W).all(), outs[1]
+        assert outs[2].eq(40 * W).all(), outs[2]
+        kv.barrier()
+        kv.set_optimizer("torch.optim.SGD", lr=0.5)
+        for step in range(10):
+            kv.push(keys, [torch.ones(5), torch.ones(3, 3), torch.ones(2500)]).wait()
+        kv.barrier()
+        kv.pull(keys, out=outs)
+        assert outs[1].eq(20 * W - 0.5 * 10 * W).all(), outs[1]
+        assert outs[2].eq(40 * W - 0.5 * 10 * W).all(), outs[2]
+        print("async exact")
+        """,
+        workers=3,
+        servers=2,
+        timeout_s=200,
+    )
+    assert outcome.lines("worker", 2, "stdout")[-1] == "async exact"
+
+
+STATE_JOB = """
+import sys, torch, paratrain, paratrain.kvstore
+from paratrain.kvstore import KVStoreConfig
+mode, path = sys.argv[1], sys.argv[2]
+ctx = paratrain.init()
+kv = paratrain.kvstore.create(KVStoreConfig(slice_elements=100))
+keys = ["emb", 0, "head"]
+shapes = [(40, 10), (3,), (5, 2)]          # "emb" is sliced across every server
+start = torch.Generator().manual_seed(7)
+kv.init(keys, [torch.zeros(s) if mode == "load" else torch.randn(s, generator=start) for s in shapes])
+kv.set_optimizer(torch.optim.Adam, lr=0.01)
+outs = [torch.empty(s) for s in shapes]
+def step(r):
+    g = torch.Generator().manual_seed(100 * r + ctx.rank)
+    kv.pushpull(keys, [torch.randn(s, generator=g) for s in shapes], out=outs)
+if mode == "save":
+    for r in range(3):
+        step(r)
+    kv.save_state(path)
+    saved = [o.clone() for o in outs]
+else:
+    kv.load_state(path)
+    kv.pull(keys, out=outs)
+    saved = [o.clone() for o in outs]
+step(3)   # Adam's step depends on its moments: equal results need the optimizer state too
+if ctx.rank == 0:
+    torch.save({"saved": saved, "after": [o.clone() for o in outs]}, path + "." + mode)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_state_round_trip_into_a_different_number_of_servers(tmp_path):
+    path = str(tmp_path / "kv.pt")
+    run_job(STATE_JOB, workers=2, servers=2, args=("save", path), timeout_s=200)
+    run_job(STATE_JOB, workers=2, servers=3, args=("load", path), timeout_s=200)
+    saved, loaded = torch.load(path + ".save"), torch.load(path + ".load")
+    for a, b in zip(saved["saved"], loaded["saved"], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(saved["after"], loaded["after"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_that_leaves_early_does_not_hang_the_others_and_bad_calls_get_clear_errors():
+    outcome = run_job(
+        """
+        import torch, paratrain, paratrain.kvstore
+        from paratrain.errors import KVStoreError
+        ctx = paratrain.init()
+        kv = paratrain.kvstore.create("dist_sync")
+        kv.init("w", torch.zeros(2))
+        out = torch.empty(2)
+        rounds = 2 if ctx.rank == 1 else 5      # worker 1 runs out of data after 2 rounds
+        for r in range(rounds):
+            kv.pushpull("w", torch.full((2,), float(ctx.rank + 1)), out=out)
+        if ctx.rank == 1:
+            kv.close()                           # leave: later rounds stop waiting for rank 1
+        else:
+            assert out.tolist() == [1.0, 1.0], out   # rounds 2..4 were worker 0's alone
+            try:
+                kv.push("missing", torch.zeros(1))
+            except KVStoreError as exc:
+                print("error:", exc)
+            try:
+                kv.init("w", torch.zeros(3))
+            except ValueError as exc:
+                print("error:", exc)
+        print("finished", ctx.rank)
+        """,
+        workers=2,
+        servers=1,
+        timeout_s=200,
+    )
+    lines = outcome.lines("worker", 0, "stdout")
+    assert "error: key 'missing' was never initialized (call kv.init first)" in lines
+    assert any("init as torch.float32[3] is not allowed" in line for line in lines)
+    assert lines[-1] == "finished 0"
