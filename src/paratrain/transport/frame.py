@@ -107,13 +107,17 @@ def _parse_specs(specs: Any) -> list[tuple[torch.dtype, tuple[int, ...]]]:
         raise FrameError(f"header tensors is not a list of at most {MAX_TENSORS} specs")
     parsed = []
     for spec in specs:
-        if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in DTYPES):
+        if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str) and spec[0] in DTYPES):
             raise FrameError(f"tensor spec {spec!r} is not [dtype, shape]")
         shape = spec[1]
         if not isinstance(shape, list) or len(shape) > MAX_DIMS:
             raise FrameError(f"tensor shape {shape!r} is not a list of at most {MAX_DIMS} dims")
+        extent = 1  # the product of the dims counting 0 as 1: bounds strides of empty tensors too
         for d in shape:
             if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < 1 << 40:
                 raise FrameError(f"tensor shape {shape!r} has a bad dimension")
+            extent *= max(d, 1)
+        if extent >= 1 << 62:
+            raise FrameError(f"tensor shape {shape!r} is too large")
         parsed.append((DTYPES[spec[0]], tuple(shape)))
     return parsed
