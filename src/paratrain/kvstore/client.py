@@ -96,6 +96,12 @@ def _summed(value: Any) -> Any:
     return value
 
 
+def same_host(peer: str, mine: str) -> bool:
+    """Whether a server shares this worker's machine: the same advertised host, or both loopback."""
+    loopback = ("127.", "::1", "localhost")
+    return peer == mine or (peer.startswith(loopback) and mine.startswith(loopback))
+
+
 def flat_cpu(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
@@ -124,7 +130,12 @@ class DistKVStore:
         self._timeout_s = ctx.config.transport.request_timeout_s
         self._clients = [
             RpcClient(
-                host, port, ctx.spec.secret, config=ctx.config.transport, name=f"server {i} ({host}:{port})"
+                host,
+                port,
+                ctx.spec.secret,
+                config=ctx.config.transport,
+                name=f"server {i} ({host}:{port})",
+                same_host=same_host(host, ctx.spec.host),
             )
             for i, (host, port) in enumerate(ctx.servers)
         ]

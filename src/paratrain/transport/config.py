@@ -31,6 +31,11 @@ class TransportConfig:
     max_payload_bytes: int = 1 << 34
     """Frames with a larger payload are refused and their connection closed."""
     tls: TLSConfig | None = None
+    shm_ring_bytes: int = 128 << 20
+    """Same-host peers move payloads through two shared-memory rings of this size per connection
+    (pages are only used as written); 0 turns the same-host path off."""
+    shm_min_bytes: int = 64 << 10
+    """Smaller payloads go over the socket, where the syscall they ride on is already paid."""
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "handshake_timeout_s", "request_timeout_s"):
@@ -41,5 +46,9 @@ class TransportConfig:
             raise ValueError(
                 f"TransportConfig.max_header_bytes={self.max_header_bytes!r} must be in 64..131072"
             )
+        if not 0 <= self.shm_ring_bytes <= 1 << 32:
+            raise ValueError(f"TransportConfig.shm_ring_bytes={self.shm_ring_bytes!r} must be in 0..2**32")
+        if not self.shm_min_bytes >= 1:
+            raise ValueError(f"TransportConfig.shm_min_bytes={self.shm_min_bytes!r} must be >= 1")
         if not self.max_payload_bytes >= 0:
             raise ValueError(f"TransportConfig.max_payload_bytes={self.max_payload_bytes!r} must be >= 0")

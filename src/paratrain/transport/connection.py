@@ -18,7 +18,8 @@ import torch
 from paratrain.errors import TransportError
 from paratrain.transport import frame
 from paratrain.transport.frame import Header, Limits
-from paratrain.transport.tensors import byte_view
+from paratrain.transport.shm import Ring
+from paratrain.transport.tensors import byte_view, copy_bytes
 
 READ_AHEAD_BYTES = 256 * 1024
 IOV_MAX = 512
@@ -56,6 +57,10 @@ class Connection:
         self._start = self._end = 0
         self._waitall = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
         self.closed = False
+        # The same-host path (see shm.py): set once both ends mapped the rings.
+        self.send_ring: Ring | None = None
+        self.recv_ring: Ring | None = None
+        self.shm_min_bytes = 64 * 1024
 
     # -- sending ---------------------------------------------------------------------------------
     def send(
@@ -66,15 +71,32 @@ class Connection:
         tensors: Sequence[torch.Tensor] = (),
     ) -> None:
         views = [byte_view(t) for t in tensors]  # before taking a sequence number: may raise
+        size = sum(len(v) for v in views)
         with self._send_lock:
             if self.closed:
                 raise TransportError(f"connection to {self.peer} is closed")
-            head, _ = frame.encode(self._send_key, self._send_seq, op, id, meta or {}, tensors)
+            at = self._to_ring(views, size)
+            head, _ = frame.encode(self._send_key, self._send_seq, op, id, meta or {}, tensors, at)
             self._send_seq += 1
+            payload = () if at is not None else (v for v in views if len(v))
             try:
-                self._send_vectors([memoryview(head), *(v for v in views if len(v))])
+                self._send_vectors([memoryview(head), *payload])
             except OSError as exc:
                 raise TransportError(f"sending {op!r} to {self.peer} failed: {exc}") from exc
+
+    def _to_ring(self, views: list[memoryview], size: int) -> int | None:
+        """Copy the payload into the shared-memory ring if there is one with room; else None."""
+        ring = self.send_ring
+        if ring is None or size < self.shm_min_bytes:
+            return None
+        at = ring.reserve(size)
+        if at is None:
+            return None
+        region, offset = ring.region(at, size), 0
+        for view in views:
+            copy_bytes(region[offset : offset + len(view)], view)
+            offset += len(view)
+        return at
 
     def _send_vectors(self, bufs: list[memoryview]) -> None:
         if isinstance(self._sock, ssl.SSLSocket):  # SSL sockets have no sendmsg
@@ -105,13 +127,25 @@ class Connection:
             header = frame.decode_header(self._recv_key, self._recv_seq, tag, raw_header, payload_len)
             self._recv_seq += 1
             dests = destinations(header) if destinations else None
-            tensors = [self._receive_tensor(header, i, dests) for i in range(len(header.specs))]
+            source = self._ring_region(header)
+            tensors = [self._receive_tensor(header, i, dests, source) for i in range(len(header.specs))]
+            if source is not None:
+                assert self.recv_ring is not None and header.at is not None
+                self.recv_ring.release(header.at + header.size)
         except OSError as exc:
             raise TransportError(f"reading from {self.peer} failed: {exc}") from exc
         return header, tensors
 
+    def _ring_region(self, header: Header) -> list | None:
+        """[region, offset] of a payload that is in the shared-memory ring; None if on the socket."""
+        if header.at is None:
+            return None
+        if self.recv_ring is None:
+            raise frame.FrameError("frame names a shared-memory payload but this connection has no ring")
+        return [self.recv_ring.check(header.at, header.size), 0]
+
     def _receive_tensor(
-        self, header: Header, i: int, dests: Sequence[torch.Tensor | None] | None
+        self, header: Header, i: int, dests: Sequence[torch.Tensor | None] | None, source: list | None
     ) -> torch.Tensor:
         dtype, shape = header.specs[i]
         dest = dests[i] if dests is not None and i < len(dests) else None
@@ -124,7 +158,12 @@ class Connection:
             and dest.device.type == "cpu"
         )
         tensor = dest if fits else torch.empty(shape, dtype=dtype)
-        self._receive_into(byte_view(tensor))
+        if source is None:
+            self._receive_into(byte_view(tensor))
+        else:  # the payload is in the ring: one copy, no syscall
+            region, offset = source
+            copy_bytes(byte_view(tensor), region[offset : offset + size])
+            source[1] = offset + size
         return tensor
 
     def _receive_into(self, view: memoryview) -> None:
@@ -163,6 +202,10 @@ class Connection:
     def close(self) -> None:
         with self._send_lock:
             self.closed = True
+            rings, self.send_ring, self.recv_ring = (self.send_ring, self.recv_ring), None, None
+        for ring in rings:
+            if ring is not None:
+                ring.close()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,10 @@ class Header:
     id: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     specs: list[tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=list)
+    at: int | None = None
+    """Where the payload starts in the shared-memory ring, if it is there and not on the socket."""
+    size: int = 0
+    """The payload's length in bytes."""
 
 
 def mac(key: bytes, seq: int, header: bytes | memoryview, payload_len: int) -> bytes:
@@ -60,13 +65,23 @@ def mac(key: bytes, seq: int, header: bytes | memoryview, payload_len: int) -> b
 
 
 def encode(
-    key: bytes, seq: int, op: str, id: int, meta: dict[str, Any], tensors: list[torch.Tensor]
+    key: bytes,
+    seq: int,
+    op: str,
+    id: int,
+    meta: dict[str, Any],
+    tensors: Sequence[torch.Tensor],
+    at: int | None = None,
 ) -> tuple[bytes, int]:
-    """Prefix plus header bytes for one frame, and the payload length that must follow."""
+    """Prefix plus header bytes for one frame, and the payload length that must follow on the
+    socket. With `at`, the payload is in the shared-memory ring at that position instead."""
     specs = [[dtype_name(t.dtype), list(t.shape)] for t in tensors]
-    header = msgpack.packb({"op": op, "id": id, "meta": meta, "tensors": specs})
-    payload_len = sum(t.numel() * t.element_size() for t in tensors)
-    return PREFIX.pack(len(header), payload_len, mac(key, seq, header, payload_len)) + header, (payload_len)
+    fields = {"op": op, "id": id, "meta": meta, "tensors": specs}
+    if at is not None:
+        fields["at"] = at
+    header = msgpack.packb(fields)
+    payload_len = 0 if at is not None else sum(t.numel() * t.element_size() for t in tensors)
+    return PREFIX.pack(len(header), payload_len, mac(key, seq, header, payload_len)) + header, payload_len
 
 
 def check_prefix(prefix: bytes | memoryview, limits: Limits) -> tuple[int, int, bytes]:
@@ -97,9 +112,13 @@ def decode_header(key: bytes, seq: int, tag: bytes, header: bytes | memoryview, 
         raise FrameError("header meta is not a map")
     parsed = _parse_specs(specs)
     total = sum(nbytes(dtype, shape) for dtype, shape in parsed)
-    if total != payload_len:
+    at = raw.get("at")
+    if at is not None:
+        if not isinstance(at, int) or isinstance(at, bool) or not 0 <= at < 1 << 62 or payload_len:
+            raise FrameError(f"shared-memory position {at!r} is not valid here")
+    elif total != payload_len:
         raise FrameError(f"tensors need {total} bytes but the payload has {payload_len}")
-    return Header(op=op, id=id, meta=meta, specs=parsed)
+    return Header(op=op, id=id, meta=meta, specs=parsed, at=at, size=total)
 
 
 def _parse_specs(specs: Any) -> list[tuple[torch.dtype, tuple[int, ...]]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -31,6 +32,7 @@ from paratrain.transport import handshake
 from paratrain.transport.config import TransportConfig
 from paratrain.transport.connection import Connection, ConnectionClosed, tune
 from paratrain.transport.frame import FrameError, Header, Limits
+from paratrain.transport.shm import Ring
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +186,9 @@ class RpcServer:
             if not self._closing:
                 logger.info("%s: connection from %s ended: %s", self.name, peer, exc)
             error = exc
+        except Exception as exc:  # a bug must cost one connection, never the server
+            logger.exception("%s: closing connection from %s after an unexpected error", self.name, peer)
+            error = exc
         finally:
             conn.close()
             with self._lock:
@@ -199,6 +204,9 @@ class RpcServer:
         while True:
             header, tensors = conn.read(destinations)
             request = Request(conn, header, tensors)
+            if header.op == "_shm":
+                self._accept_rings(request)
+                continue
             try:
                 handler.handle(request)
             except TransportError:
@@ -206,6 +214,29 @@ class RpcServer:
             except Exception as exc:
                 logger.warning("%s: %r from %s failed: %r", self.name, header.op, conn.peer, exc)
                 request.fail(f"{type(exc).__name__}: {exc}")
+
+    def _accept_rings(self, request: Request) -> None:
+        """The client asks for the same-host path: map its rings if they are really its."""
+        meta, conn = request.meta, request.conn
+        if not self.config.shm_ring_bytes or conn.recv_ring is not None:
+            request.fail("the same-host path is off here")
+            return
+        try:
+            pid, capacity = int(meta["pid"]), int(meta["capacity"])
+            if not 0 < capacity <= self.config.shm_ring_bytes:
+                raise ValueError(f"ring of {capacity} bytes is over this server's limit")
+            recv = Ring.open(pid, int(meta["c2s"][0]), capacity, bytes(meta["c2s"][1]))
+            try:
+                send = Ring.open(pid, int(meta["s2c"][0]), capacity, bytes(meta["s2c"][1]))
+            except BaseException:
+                recv.close()
+                raise
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            request.fail(f"no same-host path: {exc}")
+            return
+        conn.recv_ring, conn.send_ring = recv, send
+        conn.shm_min_bytes = self.config.shm_min_bytes
+        request.reply({})
 
     def close(self) -> None:
         """Stop accepting, close every connection and wait for their threads."""
@@ -275,7 +306,9 @@ class RpcClient:
         name: str | None = None,
         on_message: Callable[[Header, list[torch.Tensor]], None] | None = None,
         on_close: Callable[[Exception | None], None] | None = None,
+        same_host: bool = False,
     ) -> None:
+        """`same_host`: the server runs on this machine; offer it the shared-memory path."""
         self.config = config or TransportConfig()
         self.name = name or f"{host}:{port}"
         self._on_message = on_message
@@ -287,6 +320,35 @@ class RpcClient:
         self._conn = self._connect(host, port, secret)
         self._reader = threading.Thread(target=self._read_loop, name=f"rpc-{self.name}", daemon=True)
         self._reader.start()
+        self.same_host_path = bool(same_host and self.config.shm_ring_bytes) and self._offer_rings()
+
+    def _offer_rings(self) -> bool:
+        """Set up the same-host path (shm.py); where the server declines, the socket carries all."""
+        capacity = self.config.shm_ring_bytes
+        try:
+            send, send_token = Ring.create(capacity)
+            recv, recv_token = Ring.create(capacity)
+        except OSError as exc:
+            logger.info("no same-host path to %s: %s", self.name, exc)
+            return False
+        self._conn.recv_ring = recv  # before asking: the server may use it as soon as it agrees
+        meta = {
+            "pid": os.getpid(),
+            "capacity": capacity,
+            "c2s": [send.fd, send_token],
+            "s2c": [recv.fd, recv_token],
+        }
+        try:
+            self.call("_shm", meta, timeout_s=self.config.handshake_timeout_s)
+        except (RemoteError, TransportError, TimeoutError) as exc:
+            logger.info("no same-host path to %s: %s", self.name, exc)
+            self._conn.recv_ring = None
+            send.close()
+            recv.close()
+            return False
+        self._conn.shm_min_bytes = self.config.shm_min_bytes
+        self._conn.send_ring = send
+        return True
 
     def _connect(self, host: str, port: int, secret: bytes) -> Connection:
         deadline = time.monotonic() + self.config.connect_timeout_s
@@ -374,6 +436,9 @@ class RpcClient:
             error = exc
             if not self._conn.closed:
                 logger.warning("connection to %s failed: %s", self.name, exc)
+        except Exception as exc:  # a malformed reply: this connection is unusable, say why
+            logger.exception("connection to %s: unexpected error", self.name)
+            error = TransportError(f"connection to {self.name} broke: {exc!r}")
         finally:
             self._conn.close()
             self._fail_pending(error or TransportError(f"connection to {self.name} closed"))

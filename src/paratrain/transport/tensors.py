@@ -49,3 +49,15 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.dtype is torch.bfloat16:  # numpy has no bfloat16; the bytes are the same
         tensor = tensor.view(torch.int16)
     return memoryview(tensor.numpy()).cast("B")
+
+
+BIG_COPY_BYTES = 1 << 20
+
+
+def copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """dst[:] = src; big copies go through torch, which releases the GIL while it copies (a
+    memoryview assignment holds it, stalling every other thread of the process)."""
+    if len(src) >= BIG_COPY_BYTES:
+        torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+    else:
+        dst[:] = src
