@@ -11,6 +11,7 @@ with sendall / recv_into on a plain socket (8-byte length prefix, no header, no 
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import os
 import socket
@@ -98,8 +99,8 @@ class BenchHandler(Handler):
             request.reply({})
 
 
-def paratrain_client(port: int, size: int, iters: int, echo: bool) -> float:
-    client = RpcClient("127.0.0.1", port, SECRET)
+def paratrain_client(port: int, size: int, iters: int, echo: bool, same_host: bool = False) -> float:
+    client = RpcClient("127.0.0.1", port, SECRET, same_host=same_host)
     payload = torch.zeros(size, dtype=torch.uint8)
     back = torch.empty(size, dtype=torch.uint8)
     start = time.perf_counter()
@@ -138,7 +139,11 @@ def measure(kind: str, sizes: list[int], seconds: float) -> dict[tuple[int, bool
     proc = ctx.Process(target=serve, args=(kind, max(sizes), ports), daemon=True)
     proc.start()
     port = ports.get(timeout=60)
-    client = tcp_client if kind == "tcp" else paratrain_client
+    client = {
+        "tcp": tcp_client,
+        "paratrain": paratrain_client,
+        "shm": functools.partial(paratrain_client, same_host=True),
+    }[kind]
     results = {}
     try:
         for size in sizes:
@@ -168,15 +173,20 @@ def main() -> None:
     torch.set_num_threads(1)
     tcp = measure("tcp", sizes, args.seconds)
     ours = measure("paratrain", sizes, args.seconds)
+    shm = measure("shm", sizes, args.seconds)
     print(f"loopback, 2 processes, {os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"{'size':>6} | {'one-way GB/s':>25} | {'round trips/s':>27}")
-    print(f"{'':>6} | {'tcp':>7} {'paratrain':>9} {'ratio':>5} | {'tcp':>8} {'paratrain':>9} {'ratio':>6}")
+    print("paratrain: TCP; shm: paratrain's same-host path (payloads through shared-memory rings)")
+    print(f"{'size':>6} | {'one-way GB/s':>32} | {'round trips/s':>35}")
+    print(
+        f"{'':>6} | {'tcp':>7} {'paratrain':>9} {'ratio':>5} {'shm':>7} | "
+        f"{'tcp':>8} {'paratrain':>9} {'ratio':>6} {'shm':>8}"
+    )
     for size in sizes:
-        tcp_bw, our_bw = (tcp[size, False] * size / 1e9, ours[size, False] * size / 1e9)
-        tcp_rt, our_rt = tcp[size, True], ours[size, True]
+        tcp_bw, our_bw, shm_bw = (r[size, False] * size / 1e9 for r in (tcp, ours, shm))
+        tcp_rt, our_rt, shm_rt = (r[size, True] for r in (tcp, ours, shm))
         print(
-            f"{human(size):>6} | {tcp_bw:7.3f} {our_bw:9.3f} {our_bw / tcp_bw:5.2f} | "
-            f"{tcp_rt:8.0f} {our_rt:9.0f} {our_rt / tcp_rt:6.2f}"
+            f"{human(size):>6} | {tcp_bw:7.3f} {our_bw:9.3f} {our_bw / tcp_bw:5.2f} {shm_bw:7.3f} | "
+            f"{tcp_rt:8.0f} {our_rt:9.0f} {our_rt / tcp_rt:6.2f} {shm_rt:8.0f}"
         )
 
 

@@ -4,7 +4,8 @@
     header   msgpack map {"op": str, "id": int, "meta": map, "tensors": [[dtype, [dims]], ...]}
     payload  the tensors' bytes, one after another, exactly payload_len bytes
 
-mac = HMAC-SHA256(direction key, seq u64 | header_len u32 | payload_len u64 | header)[:16], where seq
+mac = BLAKE2b-128 keyed with the direction key (RFC 7693's MAC mode, a third of HMAC-SHA256's cost
+per frame) over seq u64 | header_len u32 | payload_len u64 | header, where seq
 counts the frames sent on this connection in this direction. The MAC is checked before the header is
 parsed, so an unauthenticated peer never reaches msgpack. Payload bytes are not hashed: hashing runs at
 about half the speed of loopback TCP; use TLS where the network itself is untrusted.
@@ -61,7 +62,7 @@ class Header:
 
 def mac(key: bytes, seq: int, header: bytes | memoryview, payload_len: int) -> bytes:
     data = MAC_INPUT.pack(seq, len(header), payload_len) + header
-    return hmac.digest(key, data, hashlib.sha256)[:MAC_BYTES]
+    return hashlib.blake2b(data, key=key, digest_size=MAC_BYTES).digest()
 
 
 def encode(
