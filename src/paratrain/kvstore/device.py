@@ -1,9 +1,10 @@
 """MXNet's *_device modes: the workers of one host reduce among themselves first, and one of them (the
 lowest rank on the host, its leader) talks to the servers; the others get the result locally.
 
-The host-local reduce and broadcast run on torch.distributed: Gloo on the CPU, NCCL where the values
-live on CUDA devices (then the reduction runs on the GPU and only the leader copies to the host). The
-servers count one member per host in their rounds.
+The host-local reduce and broadcast run on torch.distributed: Gloo for CPU tensors, and where CUDA is
+available NCCL for CUDA tensors (the reduction then runs on the GPU and only the leader copies the sum
+to the host; that path has not yet run on a GPU machine). The servers count one member per host in
+their rounds.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ class HostKVStore:
         self.rank, self.num_workers = ctx.rank, ctx.num_workers
         hosts = ctx.barrier(name="kvstore-hosts", data=ctx.spec.host if ctx.spec else "")
         groups = host_groups([hosts[r] for r in range(ctx.num_workers)])
-        init_torch_distributed(ctx, "gloo")
+        if torch.cuda.is_available():  # CUDA tensors reduce over NCCL (not yet run on a GPU here)
+            local = next(g for g in groups if self.rank in g)
+            torch.cuda.set_device(local.index(self.rank) % torch.cuda.device_count())
+        init_torch_distributed(ctx, "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
         # new_group is collective: every worker creates every group, in the same order.
         made = [(g, dist.new_group(g)) for g in groups]
         leaders = [g[0] for g in groups]

@@ -42,6 +42,11 @@ from paratrain.transport.tensors import DTYPES
 
 logger = logging.getLogger(__name__)
 
+# Spent gradient buffers a shard keeps for reuse (a fresh big tensor costs page faults). Buffers in
+# use are bounded too: one per push being received, plus one accumulator per round in flight (at
+# most staleness + 1 rounds, since pulls hold workers back).
+POOL_BUFFERS = 4
+
 
 class KVError(Exception):
     """A request this server refuses; the worker gets the message."""
@@ -69,6 +74,11 @@ class Shard:
     def buffer(self) -> torch.Tensor:
         with self.cond:
             return self.pool.pop() if self.pool else torch.empty_like(self.value)
+
+    def recycle(self, buffer: torch.Tensor) -> None:
+        """Keep a spent buffer for the next push, up to POOL_BUFFERS per shard; free the rest."""
+        if len(self.pool) < POOL_BUFFERS:
+            self.pool.append(buffer)
 
     def describe(self) -> str:
         return f"key {self.key!r} [{self.start}, {self.stop})"
@@ -194,7 +204,7 @@ class KVServer(Handler):
             if self.mode == "async":
                 self._apply(shard, grad)
                 with shard.cond:
-                    shard.pool.append(grad)
+                    shard.recycle(grad)
             else:
                 self._add_to_round(shard, int(meta["clocks"][i]), rank, grad)
         self.counters["pushes"] += 1
@@ -213,7 +223,7 @@ class KVServer(Handler):
                     raise KVError(f"worker {rank} pushed {shard.describe()} twice in round {clock}")
                 acc.add_(grad)
                 pushed.add(rank)
-                shard.pool.append(grad)
+                shard.recycle(grad)
             self._apply_complete_rounds(shard)
 
     def _apply_complete_rounds(self, shard: Shard) -> None:
@@ -225,7 +235,7 @@ class KVServer(Handler):
             del shard.rounds[shard.version]
             self._apply(shard, entry[0], locked=True)
             if shard.optimizer is not None:  # else the sum became the value
-                shard.pool.append(entry[0])
+                shard.recycle(entry[0])
 
     def _apply(self, shard: Shard, grad: torch.Tensor, locked: bool = False) -> None:
         """One update: an optimizer step, or without one the round's sum (rounds) or the running
@@ -243,7 +253,7 @@ class KVServer(Handler):
         elif self.mode == "async":
             shard.value.add_(grad)
         else:
-            shard.pool.append(shard.value)  # no reader holds it: reuse as a push buffer
+            shard.recycle(shard.value)  # no reader holds it: reuse as a push buffer
             shard.value = grad
         shard.version += 1
 
