@@ -95,6 +95,8 @@ class PendingPull:
 
 
 class KVServer(Handler):
+    ring_views = True  # same-host pushes are summed straight out of the shared-memory ring
+
     def __init__(self, rank: int = 0) -> None:
         self.rank = rank
         self.mode = "rounds"
@@ -108,8 +110,8 @@ class KVServer(Handler):
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
-        if header.op not in ("push", "pushpull"):
-            return None
+        if header.op not in ("push", "pushpull") or header.at is not None:
+            return None  # no payload, or a same-host one: read in place from the ring
         try:
             return [self._shard(header.meta, i).buffer() for i in range(len(header.specs))]
         except (KVError, KeyError, IndexError, TypeError):
@@ -179,7 +181,7 @@ class KVServer(Handler):
                 if shard is None:
                     if not request.tensors:
                         raise KVError(f"key {key!r} was not initialized by worker 0")
-                    value = request.tensors[i]
+                    value = request.tensors[i].clone()  # may view the ring: keep a copy
                     if value.numel() != ident[2] - ident[1] or dtype not in DTYPES:
                         raise KVError(f"init of key {key!r} sent a value of the wrong size")
                     shard = Shard(key, ident[1], ident[2], numel, shape, dtype, value.reshape(-1))
@@ -196,34 +198,38 @@ class KVServer(Handler):
     # -- push -------------------------------------------------------------------------------------
     def _push(self, request: Request) -> None:
         meta, rank = request.meta, int(request.meta["rank"])
+        owned = request.header.at is None  # else the tensors view the ring until handle() returns
         for i, grad in enumerate(request.tensors):
             shard = self._shard(meta, i)
             if grad.dtype != shard.value.dtype or grad.numel() != shard.value.numel():
                 raise KVError(f"push to {shard.describe()}: {grad.dtype}[{grad.numel()}] does not match")
             self.counters["bytes_in"] += grad.numel() * grad.element_size()
             if self.mode == "async":
-                self._apply(shard, grad)
-                with shard.cond:
-                    shard.recycle(grad)
+                self._apply(shard, grad)  # consumed here: a view of the ring will do
+                if owned:
+                    with shard.cond:
+                        shard.recycle(grad)
             else:
-                self._add_to_round(shard, int(meta["clocks"][i]), rank, grad)
+                self._add_to_round(shard, int(meta["clocks"][i]), rank, grad, owned)
         self.counters["pushes"] += 1
         self._serve_ready_pulls()
 
-    def _add_to_round(self, shard: Shard, clock: int, rank: int, grad: torch.Tensor) -> None:
+    def _add_to_round(self, shard: Shard, clock: int, rank: int, grad: torch.Tensor, owned: bool) -> None:
         with shard.cond:
             if clock < shard.version:
                 raise KVError(f"push to {shard.describe()} for round {clock}, already applied")
             entry = shard.rounds.get(clock)
-            if entry is None:
-                shard.rounds[clock] = (grad, {rank})  # the first push is the accumulator
+            if entry is None:  # the first push becomes the round's accumulator
+                acc = grad if owned else shard.buffer().copy_(grad)  # cond is re-entrant
+                shard.rounds[clock] = (acc, {rank})
             else:
                 acc, pushed = entry
                 if rank in pushed:
                     raise KVError(f"worker {rank} pushed {shard.describe()} twice in round {clock}")
                 acc.add_(grad)
                 pushed.add(rank)
-                shard.recycle(grad)
+                if owned:
+                    shard.recycle(grad)
             self._apply_complete_rounds(shard)
 
     def _apply_complete_rounds(self, shard: Shard) -> None:

@@ -11,6 +11,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +27,13 @@ IOV_MAX = 512
 
 # Called with a parsed header; returns the tensors to receive the payload into (None: allocate).
 Destinations = Callable[[Header], Sequence[torch.Tensor | None] | None]
+
+
+@dataclass
+class _RingCursor:
+    region: memoryview
+    offset: int
+    views: bool
 
 
 class ConnectionClosed(TransportError):
@@ -61,6 +69,7 @@ class Connection:
         self.send_ring: Ring | None = None
         self.recv_ring: Ring | None = None
         self.shm_min_bytes = 64 * 1024
+        self._held: int | None = None  # ring position up to which the last frame's views reach
 
     # -- sending ---------------------------------------------------------------------------------
     def send(
@@ -116,9 +125,13 @@ class Connection:
                     sent = 0
 
     # -- receiving -------------------------------------------------------------------------------
-    def read(self, destinations: Destinations | None = None) -> tuple[Header, list[torch.Tensor]]:
+    def read(
+        self, destinations: Destinations | None = None, ring_views: bool = False
+    ) -> tuple[Header, list[torch.Tensor]]:
         """Read one frame. The payload lands in the tensors `destinations` names where they match
-        the header's dtype and size; anything else is received into new tensors."""
+        the header's dtype and size; anything else is received into new tensors, or, with
+        `ring_views` and a payload in the shared-memory ring, comes back as views of the ring (no
+        copy) that stay valid until `release_frame()`."""
         try:
             self._fill(frame.PREFIX.size, between_frames=True)
             header_len, payload_len, tag = frame.check_prefix(self._take(frame.PREFIX.size), self._limits)
@@ -127,25 +140,27 @@ class Connection:
             header = frame.decode_header(self._recv_key, self._recv_seq, tag, raw_header, payload_len)
             self._recv_seq += 1
             dests = destinations(header) if destinations else None
-            source = self._ring_region(header)
+            source = self._ring_region(header, ring_views)
             tensors = [self._receive_tensor(header, i, dests, source) for i in range(len(header.specs))]
             if source is not None:
-                assert self.recv_ring is not None and header.at is not None
-                self.recv_ring.release(header.at + header.size)
+                assert header.at is not None
+                self._held = header.at + header.size
+                if not ring_views:
+                    self.release_frame()
         except OSError as exc:
             raise TransportError(f"reading from {self.peer} failed: {exc}") from exc
         return header, tensors
 
-    def _ring_region(self, header: Header) -> list | None:
-        """[region, offset] of a payload that is in the shared-memory ring; None if on the socket."""
+    def _ring_region(self, header: Header, views: bool) -> _RingCursor | None:
+        """Where a payload that is in the shared-memory ring lies; None if it is on the socket."""
         if header.at is None:
             return None
         if self.recv_ring is None:
             raise frame.FrameError("frame names a shared-memory payload but this connection has no ring")
-        return [self.recv_ring.check(header.at, header.size), 0]
+        return _RingCursor(self.recv_ring.check(header.at, header.size), 0, views)
 
     def _receive_tensor(
-        self, header: Header, i: int, dests: Sequence[torch.Tensor | None] | None, source: list | None
+        self, header: Header, i: int, dests: Sequence[torch.Tensor | None] | None, source: _RingCursor | None
     ) -> torch.Tensor:
         dtype, shape = header.specs[i]
         dest = dests[i] if dests is not None and i < len(dests) else None
@@ -157,14 +172,23 @@ class Connection:
             and dest.numel() * dest.element_size() == size
             and dest.device.type == "cpu"
         )
-        tensor = dest if fits else torch.empty(shape, dtype=dtype)
         if source is None:
+            tensor = dest if fits else torch.empty(shape, dtype=dtype)
             self._receive_into(byte_view(tensor))
-        else:  # the payload is in the ring: one copy, no syscall
-            region, offset = source
-            copy_bytes(byte_view(tensor), region[offset : offset + size])
-            source[1] = offset + size
+            return tensor
+        region = source.region[source.offset : source.offset + size]
+        source.offset += size
+        if not fits and source.views and size:  # a view of the ring, valid until release_frame()
+            return torch.frombuffer(region, dtype=dtype).view(shape)
+        tensor = dest if fits else torch.empty(shape, dtype=dtype)
+        copy_bytes(byte_view(tensor), region)  # one copy, no syscall
         return tensor
+
+    def release_frame(self) -> None:
+        """Hand the ring space of the last frame back to the writer."""
+        if self._held is not None and self.recv_ring is not None:
+            self.recv_ring.release(self._held)
+        self._held = None
 
     def _receive_into(self, view: memoryview) -> None:
         n = len(view)

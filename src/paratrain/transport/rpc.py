@@ -81,6 +81,10 @@ class Request:
 class Handler:
     """What a server does with frames. Subclasses override `handle`, and the rest as needed."""
 
+    ring_views = False
+    """True: tensors without a destination that arrive through the shared-memory ring are views of
+    it, valid only until `handle` returns (copy what must outlive it)."""
+
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
         """Tensors to receive this frame's payload into (None: new tensors)."""
         return None
@@ -202,7 +206,7 @@ class RpcServer:
             return handler.destinations(conn, header)
 
         while True:
-            header, tensors = conn.read(destinations)
+            header, tensors = conn.read(destinations, ring_views=handler.ring_views)
             request = Request(conn, header, tensors)
             if header.op == "_shm":
                 self._accept_rings(request)
@@ -214,6 +218,8 @@ class RpcServer:
             except Exception as exc:
                 logger.warning("%s: %r from %s failed: %r", self.name, header.op, conn.peer, exc)
                 request.fail(f"{type(exc).__name__}: {exc}")
+            finally:
+                conn.release_frame()
 
     def _accept_rings(self, request: Request) -> None:
         """The client asks for the same-host path: map its rings if they are really its."""

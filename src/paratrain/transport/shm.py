@@ -23,6 +23,7 @@ from paratrain.transport.frame import FrameError
 HEADER_BYTES = 64
 TAIL = struct.Struct("=Q")
 TOKEN_BYTES = 32
+ALIGN = 64
 
 
 class Ring:
@@ -64,7 +65,7 @@ class Ring:
     def reserve(self, size: int) -> int | None:
         """Absolute position of `size` contiguous free bytes, or None if they are not free now."""
         tail = TAIL.unpack_from(self.view, 0)[0]
-        at = self.head
+        at = -(-self.head // ALIGN) * ALIGN  # cache-line aligned, so tensors viewing it are too
         offset = at % self.capacity
         if offset + size > self.capacity:  # skip the end of the ring, wrap to its start
             at += self.capacity - offset
