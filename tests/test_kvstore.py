@@ -194,13 +194,15 @@ def test_bounded_staleness_holds_the_fast_workers_back_by_at_most_s_rounds(tmp_p
 
 
 @pytest.mark.timeout(240)
-def test_async_applies_every_push_from_every_worker():
+@pytest.mark.parametrize("aggregation", ["process", "host"])  # dist_async, dist_async_device
+def test_async_applies_every_push_from_every_worker(aggregation):
     outcome = run_job(
         """
-        import torch, paratrain, paratrain.kvstore
+        import sys, torch, paratrain, paratrain.kvstore
         from paratrain.kvstore import KVStoreConfig
         ctx = paratrain.init()
-        kv = paratrain.kvstore.create(KVStoreConfig(consistency="async", slice_elements=1000))
+        config = KVStoreConfig(consistency="async", aggregation=sys.argv[1], slice_elements=1000)
+        kv = paratrain.kvstore.create(config)
         keys = ["a", 1, "big"]
         kv.init(keys, [torch.full((5,), 10.0), torch.zeros(3, 3), torch.zeros(2500)])
         outs = [torch.empty(5), torch.empty(3, 3), torch.empty(2500)]
@@ -228,6 +230,7 @@ def test_async_applies_every_push_from_every_worker():
         """,
         workers=3,
         servers=2,
+        args=(aggregation,),
         timeout_s=200,
     )
     assert outcome.lines("worker", 2, "stdout")[-1] == "async exact"
