@@ -7,6 +7,10 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check \
-    "torch==2.13.0" -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+        "torch==2.13.0" -e ".[test]" > .venv/pip.log 2>&1; then
+    cat .venv/pip.log
+    echo "setup: pip install failed (log above)" >&2
+    exit 1
+fi
 .venv/bin/python -c "import torch, paratrain; print('paratrain', paratrain.__version__, 'torch', torch.__version__)"
