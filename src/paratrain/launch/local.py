@@ -8,7 +8,8 @@ One waiter thread per child posts its exit (with a monotonic timestamp) to a que
 reacts to those exits, to the job timeout and to SIGINT/SIGTERM. The job succeeds when every worker
 exits 0 and then the scheduler and servers exit 0 by themselves. On the first failure everything is
 stopped (SIGTERM to each process group, then SIGKILL), and the report names the first failure that
-is a cause: an exit with EXIT_ABORTED is a consequence of another node's failure.
+is a cause: an exit with EXIT_ABORTED is a consequence of another node's failure. How the outcome is
+described (the result and record types, exit reasons, the report text) lives in report.py.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec, spec_to_env
+from paratrain.launch.report import (
+    ChildFailure,
+    ChildRecord,
+    JobResult,
+    _exit_reason,
+    _failure_report,
+    _first_failure,
+    _interrupted_report,
+    _signal_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,56 +128,6 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class ChildFailure:
-    """The process the launcher blames for a failed job, and why."""
-
-    role: str
-    rank: int
-    pid: int
-    host: str
-    returncode: int | None
-    """The exit code (negative: killed by a signal); None if it was still running."""
-    signal: str | None
-    """The name of the signal that killed it (e.g. SIGKILL), or None."""
-    reason: str
-    """What happened, e.g. "exited with code 3" or "was killed by signal SIGKILL"."""
-    stderr_tail: list[str]
-    """Its last stderr lines (at most STDERR_TAIL_LINES)."""
-
-    def describe(self) -> str:
-        return f"{self.role} {self.rank} (pid {self.pid}, host {self.host}) {self.reason}"
-
-
-@dataclass(frozen=True)
-class ChildRecord:
-    """One process of a finished job."""
-
-    role: str
-    rank: int
-    pid: int
-    returncode: int | None
-    """Its exit code (negative: killed by that signal); None only if it could not be reaped."""
-
-
-@dataclass
-class JobResult:
-    """How a job ended."""
-
-    exit_code: int
-    """0 if every worker succeeded and the rest exited cleanly; 130 if interrupted; otherwise 1."""
-    failure: ChildFailure | None
-    report: str
-    """The text printed about the failure or interruption; "" on success."""
-    children: list[ChildRecord]
-    scheduler_address: str = ""
-    """host:port the scheduler listened on."""
-
-    @property
-    def pids(self) -> list[int]:
-        return [child.pid for child in self.children]
 
 
 @dataclass(frozen=True)
@@ -299,29 +260,8 @@ def _pump(pipe: IO[bytes], prefix: str, stream: IO[str], printer: _Printer, tail
             printer.write(stream, f"{prefix}{line}\n")
 
 
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def _exit_reason(returncode: int) -> str:
-    if returncode < 0:
-        return f"was killed by signal {_signal_name(-returncode)}"
-    if returncode == EXIT_ABORTED:
-        return f"exited with code {returncode} (aborted because another process failed)"
-    return f"exited with code {returncode}"
-
-
 def _earliest(*deadlines: float | None) -> float | None:
     return min((d for d in deadlines if d is not None), default=None)
-
-
-def _first_failure(failed: Sequence[Any]) -> Any:
-    """The earliest failed exit that is a cause (not EXIT_ABORTED); else the earliest of all."""
-    causes = [child for child in failed if child.returncode != EXIT_ABORTED]
-    return min(causes or failed, key=lambda child: child.exit_time)
 
 
 class _Job:
@@ -514,11 +454,11 @@ class _Job:
         if outcome == "ok":
             return JobResult(0, None, "", children, self.scheduler_address)
         if outcome == "interrupted":
-            name = _signal_name(self.interrupt) if self.interrupt else "a signal"
-            report = f"paratrain: interrupted by {name}; stopped every process of the job\n"
+            report = _interrupted_report(self.interrupt)
             return JobResult(EXIT_INTERRUPTED, None, report, children, self.scheduler_address)
         failure = self._failure(outcome)
-        return JobResult(1, failure, self._report(failure), children, self.scheduler_address)
+        report = _failure_report(failure, self.failed, self.still_running)
+        return JobResult(1, failure, report, children, self.scheduler_address)
 
     def _failure(self, outcome: str) -> ChildFailure:
         if outcome == "failed":
@@ -532,22 +472,6 @@ class _Job:
             return (workers or left)[0].failure(reason)
         reason = f"did not exit within {self.config.exit_grace_s} s after every worker finished"
         return left[0].failure(reason)
-
-    def _report(self, failure: ChildFailure) -> str:
-        lines = [f"paratrain: job failed: {failure.describe()}"]
-        if self.still_running and not self.failed:
-            stopped = ", ".join(f"{c.label} (pid {c.pid})" for c in self.still_running)
-            lines.append(f"  still running, stopped by the launcher: {stopped}")
-        for child in self.failed:
-            if (child.role, child.rank) != (failure.role, failure.rank):
-                lines.append(f"  also: {child.label} (pid {child.pid}) {child.failure_reason}")
-        label = f"{failure.role} {failure.rank}"
-        if failure.stderr_tail:
-            lines.append(f"  last {len(failure.stderr_tail)} stderr lines of {label}:")
-            lines.extend(f"    {line}" for line in failure.stderr_tail)
-        else:
-            lines.append(f"  {label} wrote nothing to stderr")
-        return "\n".join(lines) + "\n"
 
 
 def _describe(cfg: LocalJobConfig, scheduler_address: str) -> str:

@@ -1,0 +1,112 @@
+"""How a local job ended, described: the records of its processes and the text of its report.
+
+The launcher (local.py) supervises the processes and hands their exits here. This module names exit
+codes and signals, picks the first failure that is a cause (an exit with EXIT_ABORTED is a
+consequence of another node's failure) and writes the report printed about a failure or interruption.
+It starts, waits for and stops nothing.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from paratrain.cluster.spec import EXIT_ABORTED
+
+
+@dataclass(frozen=True)
+class ChildFailure:
+    """The process the launcher blames for a failed job, and why."""
+
+    role: str
+    rank: int
+    pid: int
+    host: str
+    returncode: int | None
+    """The exit code (negative: killed by a signal); None if it was still running."""
+    signal: str | None
+    """The name of the signal that killed it (e.g. SIGKILL), or None."""
+    reason: str
+    """What happened, e.g. "exited with code 3" or "was killed by signal SIGKILL"."""
+    stderr_tail: list[str]
+    """Its last stderr lines (at most STDERR_TAIL_LINES)."""
+
+    def describe(self) -> str:
+        return f"{self.role} {self.rank} (pid {self.pid}, host {self.host}) {self.reason}"
+
+
+@dataclass(frozen=True)
+class ChildRecord:
+    """One process of a finished job."""
+
+    role: str
+    rank: int
+    pid: int
+    returncode: int | None
+    """Its exit code (negative: killed by that signal); None only if it could not be reaped."""
+
+
+@dataclass
+class JobResult:
+    """How a job ended."""
+
+    exit_code: int
+    """0 if every worker succeeded and the rest exited cleanly; 130 if interrupted; otherwise 1."""
+    failure: ChildFailure | None
+    report: str
+    """The text printed about the failure or interruption; "" on success."""
+    children: list[ChildRecord]
+    scheduler_address: str = ""
+    """host:port the scheduler listened on."""
+
+    @property
+    def pids(self) -> list[int]:
+        return [child.pid for child in self.children]
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        return f"was killed by signal {_signal_name(-returncode)}"
+    if returncode == EXIT_ABORTED:
+        return f"exited with code {returncode} (aborted because another process failed)"
+    return f"exited with code {returncode}"
+
+
+def _first_failure(failed: Sequence[Any]) -> Any:
+    """The earliest failed exit that is a cause (not EXIT_ABORTED); else the earliest of all."""
+    causes = [child for child in failed if child.returncode != EXIT_ABORTED]
+    return min(causes or failed, key=lambda child: child.exit_time)
+
+
+def _interrupted_report(signum: int | None) -> str:
+    name = _signal_name(signum) if signum else "a signal"
+    return f"paratrain: interrupted by {name}; stopped every process of the job\n"
+
+
+def _failure_report(failure: ChildFailure, failed: Sequence[Any], still_running: Sequence[Any]) -> str:
+    """The report of a failed job. `failed` holds the children whose exit failed the job and
+    `still_running` those the launcher had to stop (each with role, rank, label, pid and
+    failure_reason)."""
+    lines = [f"paratrain: job failed: {failure.describe()}"]
+    if still_running and not failed:
+        stopped = ", ".join(f"{c.label} (pid {c.pid})" for c in still_running)
+        lines.append(f"  still running, stopped by the launcher: {stopped}")
+    for child in failed:
+        if (child.role, child.rank) != (failure.role, failure.rank):
+            lines.append(f"  also: {child.label} (pid {child.pid}) {child.failure_reason}")
+    label = f"{failure.role} {failure.rank}"
+    if failure.stderr_tail:
+        lines.append(f"  last {len(failure.stderr_tail)} stderr lines of {label}:")
+        lines.extend(f"    {line}" for line in failure.stderr_tail)
+    else:
+        lines.append(f"  {label} wrote nothing to stderr")
+    return "\n".join(lines) + "\n"
