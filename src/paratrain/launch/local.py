@@ -526,6 +526,7 @@ def run_local_job(
     """
     printer = _Printer(out or sys.stdout, err or sys.stderr)
     job = _Job(config, printer)
+    started = time.monotonic()
     with _interrupt_handlers(job.events):
         try:
             job.start()
@@ -536,4 +537,10 @@ def run_local_job(
     result = job.result(outcome)
     if result.report:
         printer.write(printer.err, result.report)
+    elif result.exit_code == 0:
+        elapsed = time.monotonic() - started
+        printer.write(
+            printer.err,
+            f"paratrain: job finished: {config.num_workers} worker(s) succeeded in {elapsed:.1f} s\n",
+        )
     return result
