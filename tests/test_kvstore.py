@@ -313,3 +313,26 @@ def test_a_worker_that_leaves_early_does_not_hang_the_others_and_bad_calls_get_c
     assert "error: key 'missing' was never initialized (call kv.init first)" in lines
     assert any("init as torch.float32[3] is not allowed" in line for line in lines)
     assert lines[-1] == "finished 0"
+
+
+class _Evil:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch /tmp/paratrain-pwned",))
+
+
+def test_state_files_load_without_running_code(tmp_path):
+    import pickle
+
+    kv = create("local")
+    kv.init("w", torch.zeros(2))
+    torch.save({"x": 1}, tmp_path / "other.pt")
+    with pytest.raises(KVStoreError, match="is not a paratrain kvstore state file"):
+        kv.load_state(tmp_path / "other.pt")
+    marker = Path("/tmp/paratrain-pwned")
+    marker.unlink(missing_ok=True)
+    (tmp_path / "evil.pt").write_bytes(pickle.dumps({"format": _Evil()}, protocol=2))
+    with pytest.raises(pickle.UnpicklingError):
+        kv.load_state(tmp_path / "evil.pt")
+    assert not marker.exists()

@@ -22,11 +22,10 @@ from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVStoreConfig
 from paratrain.kvstore.placement import Placement, Slice
+from paratrain.kvstore.state import Entry, read_state, write_state
 from paratrain.node import Context
 from paratrain.transport.rpc import Future, RpcClient
 from paratrain.transport.tensors import dtype_name
-
-STATE_FORMAT = "paratrain.kvstore/1"
 
 
 @dataclass
@@ -338,20 +337,15 @@ class DistKVStore:
         self.barrier()
         if self.rank == 0:
             replies = self._wait([c.request("get_state") for c in self._clients])
-            state = gather_state(replies)
-            tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-            torch.save(state, tmp)
-            os.replace(tmp, path)
+            optimizer = next((r.meta["optimizer"] for r in replies if r.meta["optimizer"]), [])
+            write_state(path, gather_state(replies), optimizer)
         self.barrier()
 
     def load_state(self, path: str | os.PathLike[str]) -> None:
         """Every worker calls it after init (and set_optimizer, if the file has optimizer state)."""
         self.barrier()
         if self.rank == 0:
-            state = torch.load(path, weights_only=True)  # tensors and plain data only: no code runs
-            if state.get("format") != STATE_FORMAT:
-                raise KVStoreError(f"{path} is not a paratrain kvstore state file")
-            per_server = scatter_state(state, self._keys)
+            per_server = scatter_state(read_state(path), self._keys)
             futures = [
                 self._clients[s].request("set_state", {"shards": meta}, tensors)
                 for s, (meta, tensors) in per_server.items()
@@ -375,48 +369,42 @@ class DistKVStore:
             client.close()
 
 
-def gather_state(replies: list) -> dict:
+def gather_state(replies: list) -> list[Entry]:
     """Per-server shard lists -> one entry per key: whole value, whole optimizer state tensors."""
     pieces: dict[Any, list] = {}
-    meta_of: dict[Any, dict] = {}
-    optimizer: list = []
+    shapes: dict[Any, list[int]] = {}
     for reply in replies:
-        optimizer = reply.meta["optimizer"] or optimizer
         i = 0
         for entry in reply.meta["shards"]:
             tensors = reply.tensors[i : i + 1 + len(entry["state"])]
             i += len(tensors)
-            pieces.setdefault(entry["key"], []).append(
-                (entry["start"], tensors[0], dict(zip(entry["state"], tensors[1:], strict=True)))
-            )
-            meta_of[entry["key"]] = entry
-    keys, values, states = [], {}, {}
-    for n, (key, parts) in enumerate(pieces.items()):
+            state = dict(zip(entry["state"], tensors[1:], strict=True))
+            pieces.setdefault(entry["key"], []).append((entry["start"], tensors[0], state))
+            shapes[entry["key"]] = entry["shape"]
+    entries = []
+    for key, parts in pieces.items():
         parts.sort(key=lambda p: p[0])
-        entry = meta_of[key]
-        keys.append({"key": key, "shape": entry["shape"], "dtype": entry["dtype"]})
-        values[n] = torch.cat([p[1] for p in parts]).reshape(entry["shape"])
-        states[n] = {
+        value = torch.cat([p[1] for p in parts]).reshape(shapes[key])
+        state = {  # per-element state is cut like the value; scalars (Adam's step) are shared
             name: torch.cat([p[2][name].reshape(-1) for p in parts])
             if parts[0][2][name].numel() == parts[0][1].numel()
             else parts[0][2][name]
             for name in parts[0][2]
         }
-    return {"format": STATE_FORMAT, "keys": keys, "values": values, "state": states, "optimizer": optimizer}
+        entries.append((key, value, state))
+    return entries
 
 
-def scatter_state(state: dict, keys: dict[Any, KeyInfo]) -> dict[int, tuple[list, list]]:
+def scatter_state(entries: list[Entry], keys: dict[Any, KeyInfo]) -> dict[int, tuple[list, list]]:
     """One file's per-key state -> per-server set_state frames for the current placement."""
     per_server: dict[int, tuple[list, list]] = {}
-    for n, entry in enumerate(state["keys"]):
-        key = entry["key"]
+    for key, value, key_state in entries:
         info = keys.get(key)
         if info is None:
             raise KVStoreError(f"the state file has key {key!r}, which this job never initialized")
-        value = state["values"][n].reshape(-1)
+        value = value.reshape(-1)
         if value.numel() != info.numel:
             raise KVStoreError(f"key {key!r} has {value.numel()} elements in the file but {info.numel} here")
-        key_state = state["state"].get(n, {})
         for piece in info.slices:
             meta, tensors = per_server.setdefault(piece.server, ([], []))
             sliced = {

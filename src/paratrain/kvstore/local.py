@@ -15,7 +15,8 @@ import torch
 from paratrain.errors import KVStoreError
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVStoreConfig
-from paratrain.kvstore.client import STATE_FORMAT, Handle, Keys, as_lists
+from paratrain.kvstore.client import Handle, Keys, as_lists
+from paratrain.kvstore.state import read_state, write_state
 
 
 class LocalKVStore:
@@ -91,37 +92,25 @@ class LocalKVStore:
         pass
 
     def save_state(self, path: str | os.PathLike[str]) -> None:
-        keys = list(self._values)
-        state = {
-            "format": STATE_FORMAT,
-            "keys": [
-                {"key": k, "shape": list(self._values[k].shape), "dtype": str(self._values[k].dtype)}
-                for k in keys
-            ],
-            "values": {n: self._values[k].clone() for n, k in enumerate(keys)},
-            "state": {
-                n: optim.state_tensors(self._optimizers[k], self._params[k])
-                for n, k in enumerate(keys)
-                if k in self._optimizers
-            },
-            "optimizer": list(self._optimizer_spec or ()),
-        }
-        tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        entries = [
+            (
+                key,
+                value.clone(),
+                optim.state_tensors(self._optimizers[key], self._params[key])
+                if key in self._optimizers
+                else {},
+            )
+            for key, value in self._values.items()
+        ]
+        write_state(path, entries, list(self._optimizer_spec or ()))
 
     def load_state(self, path: str | os.PathLike[str]) -> None:
-        state = torch.load(path, weights_only=True)
-        if state.get("format") != STATE_FORMAT:
-            raise KVStoreError(f"{path} is not a paratrain kvstore state file")
-        for n, entry in enumerate(state["keys"]):
-            self._value(entry["key"]).copy_(state["values"][n])
-            if n in state["state"]:
-                if entry["key"] not in self._optimizers:
+        for key, value, state in read_state(path):
+            self._value(key).copy_(value)
+            if state:
+                if key not in self._optimizers:
                     raise KVStoreError("the state has optimizer state: call set_optimizer before load_state")
-                optim.load_state_tensors(
-                    self._optimizers[entry["key"]], self._params[entry["key"]], state["state"][n]
-                )
+                optim.load_state_tensors(self._optimizers[key], self._params[key], state)
 
     def close(self) -> None:
         pass

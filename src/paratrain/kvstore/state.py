@@ -1,0 +1,38 @@
+"""The kvstore's state file: every key's whole value and optimizer state, independent of how many
+servers held it. Tensors and plain data only, so loading runs no code (`weights_only=True`); written
+to a temporary file and renamed, so a reader never sees half a file."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from paratrain.errors import KVStoreError
+from paratrain.transport.tensors import dtype_name
+
+STATE_FORMAT = "paratrain.kvstore/1"
+
+# One key's entry: (key, whole value, optimizer state tensors by name).
+Entry = tuple[Any, torch.Tensor, dict[str, torch.Tensor]]
+
+
+def write_state(path: str | os.PathLike[str], entries: list[Entry], optimizer: list) -> None:
+    state = {
+        "format": STATE_FORMAT,
+        "keys": [{"key": k, "shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v, _ in entries],
+        "values": {n: v for n, (_, v, _) in enumerate(entries)},
+        "state": {n: s for n, (_, _, s) in enumerate(entries) if s},
+        "optimizer": optimizer,
+    }
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def read_state(path: str | os.PathLike[str]) -> list[Entry]:
+    state = torch.load(path, weights_only=True)  # tensors and plain data only: no code runs
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise KVStoreError(f"{path} is not a paratrain kvstore state file")
+    return [(e["key"], state["values"][n], state["state"].get(n, {})) for n, e in enumerate(state["keys"])]
