@@ -58,4 +58,10 @@ for r in range(rounds):
     for k, o in zip(keys, outs):
         assert torch.allclose(o, reference[k].detach(), rtol=1e-6, atol=1e-6), (k, r)
     print(f"optimizer round {r} exact")
+if kind.aggregation == "process":  # what the servers counted: every worker's every push
+    stats = kv.stats()[99]
+    pushes = 2 * rounds * W
+    assert stats["slices"] == len(ctx.servers), stats
+    assert stats["pushes"] == pushes and stats["bytes_in"] == pushes * 10_007 * 4, stats
+    assert stats["version"] == 2 * rounds and stats["open_rounds"] == 0, stats
 print("all exact")

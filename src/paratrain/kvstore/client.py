@@ -330,6 +330,22 @@ class DistKVStore:
     def barrier(self) -> None:
         self._barrier("kvstore-barrier")
 
+    def stats(self) -> dict[Any, dict[str, int]]:
+        """What the servers counted per key so far (summed over a key's slices): pushes, pulls,
+        bytes in and out, the key's oldest version, open rounds and pulls waiting on it."""
+        # Every slice sees each push and pull of its key: counts are the same on all of them.
+        combine = {"version": min, "pushes": max, "pulls": max}
+        per_key: dict[Any, dict[str, int]] = {}
+        for reply in self._wait([c.request("stats") for c in self._clients]):
+            for shard in reply.meta["shards"]:
+                total = per_key.setdefault(shard["key"], {"slices": 0})
+                total["slices"] += 1
+                for name, value in shard.items():
+                    if name not in ("key", "start", "stop"):
+                        both = combine.get(name, lambda a, b: a + b)
+                        total[name] = both(total[name], value) if name in total else value
+        return per_key
+
     # -- state ------------------------------------------------------------------------------------
     def save_state(self, path: str | os.PathLike[str]) -> None:
         """Every worker calls it; worker 0 writes the servers' values and optimizer state, per key,

@@ -105,6 +105,10 @@ class HostKVStore:
     def barrier(self) -> None:
         dist.barrier()
 
+    def stats(self) -> dict:
+        """The servers' counts per key (see DistKVStore.stats), as the host's leader sees them."""
+        return self._inner.stats() if self._inner is not None else {}
+
     def save_state(self, path: Any) -> None:
         self._leader_then_all(lambda kv: kv.save_state(path))
 

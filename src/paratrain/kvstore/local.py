@@ -91,6 +91,10 @@ class LocalKVStore:
     def barrier(self) -> None:
         pass
 
+    def stats(self) -> dict:
+        """No servers, nothing counted."""
+        return {}
+
     def save_state(self, path: str | os.PathLike[str]) -> None:
         entries = [
             (

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 # use are bounded too: one per push being received, plus one accumulator per round in flight (at
 # most staleness + 1 rounds, since pulls hold workers back).
 POOL_BUFFERS = 4
+COUNTS = ("pushes", "pulls", "bytes_in", "bytes_out")
 
 
 class KVError(Exception):
@@ -70,6 +71,8 @@ class Shard:
     param: torch.nn.Parameter | None = None
     optimizer: torch.optim.Optimizer | None = None
     cond: threading.Condition = field(default_factory=threading.Condition)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    """What this shard has served: pushes, pulls and their bytes (read by `stats`)."""
 
     def buffer(self) -> torch.Tensor:
         with self.cond:
@@ -106,7 +109,6 @@ class KVServer(Handler):
         self._shards: dict[tuple[Any, int, int], Shard] = {}
         self._lock = threading.Lock()
         self._pending: list[PendingPull] = []
-        self.counters = {"bytes_in": 0, "bytes_out": 0, "pushes": 0, "pulls": 0}
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
@@ -157,7 +159,7 @@ class KVServer(Handler):
             elif op == "ping":
                 request.reply(request.meta, request.tensors)
             elif op == "stats":
-                request.reply(dict(self.counters, shards=len(self._shards)))
+                request.reply(self._stats())
             else:
                 request.fail(f"unknown op {op!r}")
         except (KVError, ValueError, TypeError, KeyError) as exc:
@@ -203,7 +205,8 @@ class KVServer(Handler):
             shard = self._shard(meta, i)
             if grad.dtype != shard.value.dtype or grad.numel() != shard.value.numel():
                 raise KVError(f"push to {shard.describe()}: {grad.dtype}[{grad.numel()}] does not match")
-            self.counters["bytes_in"] += grad.numel() * grad.element_size()
+            shard.counts["pushes"] += 1
+            shard.counts["bytes_in"] += grad.numel() * grad.element_size()
             if self.mode == "async":
                 self._apply(shard, grad)  # consumed here: a view of the ring will do
                 if owned:
@@ -211,7 +214,6 @@ class KVServer(Handler):
                         shard.recycle(grad)
             else:
                 self._add_to_round(shard, int(meta["clocks"][i]), rank, grad, owned)
-        self.counters["pushes"] += 1
         self._serve_ready_pulls()
 
     def _add_to_round(self, shard: Shard, clock: int, rank: int, grad: torch.Tensor, owned: bool) -> None:
@@ -300,13 +302,34 @@ class KVServer(Handler):
                 values.append(shard.value)
         try:
             pull.request.reply({"versions": [s.version for s in pull.shards]}, values)
-            self.counters["bytes_out"] += sum(v.numel() * v.element_size() for v in values)
-            self.counters["pulls"] += 1
+            for shard, value in zip(pull.shards, values, strict=True):
+                shard.counts["pulls"] += 1
+                shard.counts["bytes_out"] += value.numel() * value.element_size()
         finally:
             for shard in pull.shards:
                 with shard.cond:
                     shard.readers -= 1
                     shard.cond.notify_all()
+
+    def _stats(self) -> dict:
+        """Per shard: its counts, version, open rounds and the pulls waiting on it (queue depth)."""
+        with self._lock:
+            shards = list(self._shards.values())
+            waiting = [s for pull in self._pending for s in pull.shards]
+        return {
+            "shards": [
+                {
+                    "key": s.key,
+                    "start": s.start,
+                    "stop": s.stop,
+                    "version": s.version,
+                    "open_rounds": len(s.rounds),
+                    "waiting_pulls": sum(1 for w in waiting if w is s),
+                    **s.counts,
+                }
+                for s in shards
+            ]
+        }
 
     # -- optimizer --------------------------------------------------------------------------------
     def _set_optimizer(self, path: str, hyper: dict) -> None:
