@@ -129,16 +129,18 @@ def test_local_store_state_round_trip(tmp_path):
 # -- real jobs --------------------------------------------------------------------------------------
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "kind, workers, servers",
+    "kind, workers, servers, path",
     [
-        ("dist_sync", 1, 1),
-        ("dist_sync", 2, 3),
-        ("dist_sync", 4, 2),
-        ("dist_sync_device", 3, 2),
+        ("dist_sync", 1, 1, "shm"),
+        ("dist_sync", 2, 3, "shm"),
+        ("dist_sync", 4, 2, "shm"),
+        ("dist_sync", 2, 2, "tcp"),  # pushes into pooled buffers, pulls over the socket
+        ("dist_sync_device", 3, 2, "shm"),
     ],
 )
-def test_sync_values_are_exact(kind, workers, servers):
-    outcome = run_job(JOBS / "kv_exact.py", workers=workers, servers=servers, args=(kind, "3"), timeout_s=200)
+def test_sync_values_are_exact(kind, workers, servers, path):
+    args = (kind, "3", path)
+    outcome = run_job(JOBS / "kv_exact.py", workers=workers, servers=servers, args=args, timeout_s=200)
     for rank in range(workers):
         assert outcome.lines("worker", rank, "stdout")[-1] == "all exact"
 

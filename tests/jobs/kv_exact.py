@@ -3,7 +3,7 @@
 Every worker pushes known rank-dependent values to small keys (int and str), to a key sliced across
 every server, and to lists of keys, for several rounds; after each round it checks the pulled value
 exactly. Then it sets a server-side optimizer and checks each round against a local torch reference.
-argv: kind [rounds]
+argv: kind [rounds] [tcp]  (tcp: the same-host shared-memory path off, every byte over TCP)
 """
 
 import sys
@@ -13,12 +13,16 @@ import torch
 import paratrain
 import paratrain.kvstore
 from paratrain.kvstore import KVStoreConfig, resolve_kind
+from paratrain.transport.config import TransportConfig
 
-ctx = paratrain.init()
+over_tcp = sys.argv[3:] == ["tcp"]
+ctx = paratrain.init(paratrain.JobConfig(transport=TransportConfig(shm_ring_bytes=0)) if over_tcp else None)
 kind = resolve_kind(sys.argv[1])
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 config = KVStoreConfig(consistency=kind.consistency, aggregation=kind.aggregation, slice_elements=1000)
 kv = paratrain.kvstore.create(config)
+if kind.aggregation == "process":  # the path under test is the one in use
+    assert all(c.same_host_path is not over_tcp for c in kv._clients)
 W = ctx.num_workers
 shapes = {3: (2, 3), "bias": (7,), 99: (10_007,)}  # 99 is sliced across every server
 base = {

@@ -145,7 +145,7 @@ class DistKVStore:
         self._barrier = barrier or (lambda name: ctx.barrier(name=name))
         mode = "async" if config.consistency == "async" else "rounds"
         if self.rank == 0:
-            meta = {"mode": mode, "staleness": config.staleness, "members": self._members}
+            meta = {"mode": mode, "members": self._members}
             self._all_servers("configure", meta)
         self._barrier("kvstore-create")
         atexit.register(self.close)

@@ -2,7 +2,7 @@
 
 Requests (meta lists are parallel; every tensor is one flat slice of one key):
 
-    configure     {mode: "rounds" | "async", staleness, members}    from worker 0, before any init
+    configure     {mode: "rounds" | "async", members}               from worker 0, before any init
     init          {keys, starts, stops, shapes, dtypes, numels}     values, or none: check only
     push          {keys, starts, stops, clocks}                     gradients; reply once added
     pull          {keys, starts, stops, min_versions}               reply carries the values
@@ -14,12 +14,13 @@ Requests (meta lists are parallel; every tensor is one flat slice of one key):
 Consistency. In "rounds" mode (sync, and bounded staleness) a worker's n-th push of a key joins round
 n of that key; round n is applied (summed value, or one optimizer step on the sum) once every live
 worker has pushed to it, rounds in order, and the key's version becomes n+1. A pull waits until the
-version reaches `min_version`: the pusher's own clock for sync, minus the staleness bound s for
-bounded(s). In "async" mode each push is applied on arrival (an optimizer step, or, without an
-optimizer, added to the value) and pulls never wait.
+version reaches the `min_version` the worker sends: its own clock for sync, minus the staleness
+bound s for bounded(s) (the server itself never needs s). In "async" mode each push is applied on
+arrival (an optimizer step, or, without an optimizer, added to the value) and pulls never wait.
 
-Zero copies on the hot path: a push is received straight into a pooled buffer of its shard, the
-first push of a round becomes that round's accumulator, later ones are added into it in place. A
+Zero copies on the hot path: a push is received straight into a pooled buffer of its shard (or, from
+a worker on this host, read in place from the shared-memory ring); the first push of a round becomes
+that round's accumulator, later ones are added into it in place. A
 pull is sent straight from the shard's value; a round is applied only when no pull is being sent
 from that value (a reader count), so no pull ever returns a half-applied round.
 """
@@ -103,7 +104,6 @@ class KVServer(Handler):
     def __init__(self, rank: int = 0) -> None:
         self.rank = rank
         self.mode = "rounds"
-        self.staleness = 0
         self.members: set[int] = set()
         self.optimizer_spec: tuple[str, dict] | None = None
         self._shards: dict[tuple[Any, int, int], Shard] = {}
@@ -166,11 +166,11 @@ class KVServer(Handler):
             request.fail(f"server {self.rank}: {exc}")
 
     def _configure(self, meta: dict) -> None:
-        mode, staleness, members = meta["mode"], int(meta["staleness"]), meta["members"]
+        mode, members = meta["mode"], meta["members"]
         if mode not in ("rounds", "async"):
             raise ValueError(f"mode {mode!r} is not 'rounds' or 'async'")
         with self._lock:
-            self.mode, self.staleness = mode, staleness
+            self.mode = mode
             self.members = {int(rank) for rank in members}
 
     def _init(self, request: Request) -> None:
