@@ -108,10 +108,12 @@ class Scheduler(Handler):
             waiting = [r for r, _ in self._waiting]
             waiting += [r for group in self._barriers.values() for r, _ in group]
         logger.error("aborting the job: %s", reason)
-        for request in waiting:
-            _quietly(request.fail, f"job aborted: {reason}")
+        # The notice goes first: a node's reader sees it before the failed reply to its barrier,
+        # so the node exits with EXIT_ABORTED (a consequence) rather than raising (a cause).
         for conn in conns:
             _quietly(conn.send, "abort", 0, {"reason": reason})
+        for request in waiting:
+            _quietly(request.fail, f"job aborted: {reason}")
         self._done.set()
 
     def _finish_job(self) -> None:
