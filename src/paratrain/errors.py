@@ -37,3 +37,7 @@ class JobAbortedError(ClusterError):
 
 class KVStoreError(ParatrainError):
     """A key-value store operation failed (unknown key, shape mismatch, server refused)."""
+
+
+class CheckpointError(ParatrainError):
+    """A checkpoint is missing, incomplete, corrupt, or holds something other than tensors and plain data."""

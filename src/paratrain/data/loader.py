@@ -1,0 +1,223 @@
+"""One rank's batches of a sharded data set, counted so that training can resume at an epoch and step.
+
+ShardedLoader wraps a torch DataLoader over a ShardSampler. It counts the batches it has yielded in the
+current epoch; the next iteration starts after the last one yielded (also after a `break`, or in a new
+process after `load_state_dict`), and an iteration that runs to the end of the epoch moves on to the
+next epoch, so `for epoch in range(E): for batch in loader:` needs no `set_epoch`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from paratrain.data.sampler import ShardSampler, check_identity, check_int, require_keys
+
+logger = logging.getLogger(__name__)
+
+# Arguments that ShardedLoader decides itself; passing them through would fight the sharding.
+_OWN_ARGUMENTS = ("sampler", "batch_sampler", "shuffle", "batch_size", "drop_last", "generator")
+# DataLoader settings that from_loader carries over when this torch version has them.
+_CARRIED = (
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
+)
+
+
+class ShardedLoader:
+    """Batches of this rank's shard of `dataset`; every rank has the same `len` when drop_remainder.
+
+    Only one iteration may be live at a time: starting a new one retires the previous iterator (using
+    it afterwards raises RuntimeError), so the count of consumed batches is never ambiguous.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        drop_remainder: bool = True,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.drop_last = bool(drop_last)
+        _check_dataset(dataset)
+        clashes = sorted(set(dataloader_kwargs) & set(_OWN_ARGUMENTS))
+        if clashes:
+            raise TypeError(f"ShardedLoader sets {', '.join(clashes)} itself; do not pass them")
+        self.dataset = dataset
+        self.sampler = ShardSampler(
+            len(dataset),  # type: ignore[arg-type]
+            num_replicas,
+            rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_remainder=drop_remainder,
+        )
+        self.dataloader = DataLoader(
+            dataset, batch_size=batch_size, sampler=self.sampler, drop_last=drop_last, **dataloader_kwargs
+        )
+        self._batches = 0
+        self._generation = 0
+        logger.debug(
+            "rank %d/%d: %d samples, %d batches of %d per epoch",
+            rank,
+            num_replicas,
+            self.sampler.num_samples,
+            len(self),
+            batch_size,
+        )
+
+    @classmethod
+    def from_loader(
+        cls,
+        loader: DataLoader,
+        num_replicas: int,
+        rank: int,
+        seed: int = 0,
+        *,
+        drop_remainder: bool = True,
+    ) -> ShardedLoader:
+        """The same data set, batch size, collate_fn, workers etc. as `loader`, sharded for `rank`.
+
+        Shuffles iff `loader` used a RandomSampler. Raises ValueError for what cannot be resharded:
+        an IterableDataset, a custom batch_sampler, or a sampler other than Sequential/RandomSampler.
+        """
+        if isinstance(loader.dataset, IterableDataset):
+            raise ValueError("cannot shard an IterableDataset by index; shard it in its __iter__ instead")
+        if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+            raise ValueError(
+                f"cannot reshard a DataLoader with a custom batch_sampler "
+                f"({type(loader.batch_sampler).__name__}); give it batch_size instead"
+            )
+        shuffle = _shuffles(loader.sampler, len(loader.dataset))  # type: ignore[arg-type]
+        kwargs = {name: getattr(loader, name) for name in _CARRIED if hasattr(loader, name)}
+        if kwargs.get("num_workers", 0) > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+        return cls(
+            loader.dataset,
+            loader.batch_size,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=loader.drop_last,
+            drop_remainder=drop_remainder,
+            **kwargs,
+        )
+
+    # -- iteration ---------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Batches per epoch for this rank."""
+        samples = self.sampler.num_samples
+        return samples // self.batch_size if self.drop_last else math.ceil(samples / self.batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._batches >= len(self) > 0:
+            self._next_epoch()  # the last iteration yielded every batch but was not run to its end
+        self._generation += 1
+        return self._iterate(self._generation)
+
+    def _iterate(self, generation: int) -> Iterator[Any]:
+        self.sampler.position = min(self._batches * self.batch_size, self.sampler.num_samples)
+        for batch in self.dataloader:
+            if generation != self._generation:
+                raise RuntimeError("this ShardedLoader iterator was retired by a newer iter(loader)")
+            self._batches += 1
+            yield batch
+        if generation == self._generation:
+            self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        self.sampler.set_epoch(self.sampler.epoch + 1)
+        self._batches = 0
+
+    # -- where this rank is ------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    @property
+    def batches_done(self) -> int:
+        """Batches yielded in the current epoch."""
+        return self._batches
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make `epoch` current; a different epoch than the current one starts at its first batch."""
+        if check_int("epoch", epoch, 0) != self.epoch:
+            self.sampler.set_epoch(epoch)
+            self._batches = 0
+
+    def state_dict(self) -> dict[str, int]:
+        sampler = self.sampler.state_dict()
+        return {
+            "epoch": self.epoch,
+            "batches": self._batches,
+            "batch_size": self.batch_size,
+            "seed": sampler["seed"],
+            "size": sampler["size"],
+            "num_replicas": sampler["num_replicas"],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue after `state`'s batch; the data set, replica count, seed and batch size must match."""
+        identity = ("seed", "size", "num_replicas") + (("batch_size",) if "batch_size" in state else ())
+        check_identity(state, self.state_dict(), identity)
+        require_keys(state, ("epoch", "batches"))
+        epoch = check_int("epoch", state["epoch"], 0)
+        batches = check_int("batches", state["batches"], 0)
+        if batches > len(self):
+            raise ValueError(f"batches must be <= {len(self)} (batches per epoch), got {batches}")
+        self.sampler.set_epoch(epoch)
+        self._batches = batches
+        self._generation += 1
+        logger.debug("rank %d resumes at epoch %d, batch %d", self.sampler.rank, epoch, batches)
+
+
+def _check_dataset(dataset: Any) -> None:
+    if isinstance(dataset, IterableDataset):
+        raise ValueError("cannot shard an IterableDataset by index; shard it in its __iter__ instead")
+    try:
+        len(dataset)
+    except TypeError:
+        raise TypeError(f"dataset must have a length to be sharded, got {type(dataset).__name__}")
+
+
+def _shuffles(sampler: Any, size: int) -> bool:
+    """Whether a DataLoader's sampler shuffles; ValueError for one that cannot be resharded."""
+    if type(sampler) is SequentialSampler:
+        return False
+    if type(sampler) is RandomSampler:
+        if sampler.replacement or sampler.num_samples != size:
+            raise ValueError(
+                "cannot reshard a RandomSampler that draws with replacement or a different number "
+                f"of samples (replacement={sampler.replacement}, num_samples={sampler.num_samples})"
+            )
+        return True
+    raise ValueError(
+        f"cannot reshard a DataLoader with a custom sampler ({type(sampler).__name__}); "
+        "use a plain or shuffled DataLoader, or build a ShardedLoader"
+    )
