@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/paratrain launch -w 2 -s 1 -- examples/ps_train.py "$@"
+exec .venv/bin/paratrain launch -w 2 -s 1 -- examples/digits.py "$@"

@@ -2,6 +2,7 @@
 
 import paratrain
 ctx = paratrain.init()      # serves and exits on the scheduler and servers; returns on workers
+model, optimizer, loader = paratrain.prepare(model, optimizer, loader)   # strategy from the launch
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Context", "JobConfig", "init", "__version__"]
+__all__ = ["Context", "JobConfig", "Strategy", "Trainer", "init", "prepare", "__version__"]
 
 if TYPE_CHECKING:
     from paratrain.cluster.config import JobConfig
     from paratrain.node import Context, init
+    from paratrain.train import Strategy, Trainer, prepare
 
 
 def __getattr__(name: str) -> Any:
@@ -22,6 +24,10 @@ def __getattr__(name: str) -> Any:
         from paratrain import node
 
         return getattr(node, name)
+    if name in ("Strategy", "Trainer", "prepare"):
+        from paratrain import train
+
+        return getattr(train, name)
     if name == "JobConfig":
         from paratrain.cluster.config import JobConfig
 

@@ -1,6 +1,6 @@
 """The `paratrain` command.
 
-    paratrain launch -w 4 -s 2 [--host H] [--timeout SECONDS] [--] train.py [script args...]
+    paratrain launch -w 4 -s 2 [--strategy NAME] [--host H] [--timeout SECONDS] [--] train.py [args...]
 
 Everything after the script is passed to it unparsed, options included. The command exits with
 the job's exit status: 0 when every worker succeeded, 130 when interrupted, 1 otherwise.
@@ -42,6 +42,13 @@ def main() -> None:
     help="Number of server processes (0: no servers, e.g. a collective job).",
 )
 @click.option(
+    "--strategy",
+    default=None,
+    help="The Trainer's strategy for this job (PARATRAIN_STRATEGY): dist_sync, dist_async, collective, "
+    "hybrid, ... with optional settings, e.g. 'collective:accumulation_steps=4'. Default: dist_sync with "
+    "servers, collective without.",
+)
+@click.option(
     "--host",
     default="127.0.0.1",
     show_default=True,
@@ -61,6 +68,7 @@ def launch(
     ctx: click.Context,
     workers: int,
     servers: int,
+    strategy: str | None,
     host: str,
     timeout_s: float | None,
     script: str,
@@ -75,5 +83,6 @@ def launch(
         num_servers=servers,
         host=host,
         timeout_s=timeout_s,
+        env={"PARATRAIN_STRATEGY": strategy} if strategy else {},
     )
     ctx.exit(run_local_job(config).exit_code)

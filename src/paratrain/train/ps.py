@@ -1,0 +1,183 @@
+"""Parameter-server data parallel: the model's parameters are kvstore keys (their names).
+
+Each gradient is pushed the moment backward has accumulated it (a post-accumulate-grad hook), in
+buckets of about `bucket_mb`, with the pull of that bucket's new values in the same round trip
+(pushpull): while backward goes on, earlier buckets are already on the wire, and their new weights
+come back as soon as the servers have them. `step()` only waits for what is still in flight.
+
+    update_on="server": the servers hold the weights and run the optimizer (kv.set_optimizer with the
+        local optimizer's class and hyperparameters); workers copy the pulled weights in.
+    update_on="worker": the servers only sum; each worker pulls the mean gradient into .grad and
+        steps its own optimizer (compression: the gradient keys are fp16 / bf16).
+
+In sync and bounded modes a worker pushes grad / (accumulation_steps * num_workers), so a round's sum
+is the global mean gradient and one server step equals one single-process step on the global batch. In
+async mode each push is applied on its own and is grad / accumulation_steps: one worker's step.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain import kvstore
+from paratrain.kvstore.api import KVStoreConfig
+from paratrain.train.strategy import Strategy
+
+logger = logging.getLogger(__name__)
+
+_COMPRESSED = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Optimizer settings that are not hyperparameters, or that cannot run on a server's slice.
+_NOT_SENT = ("params", "initial_lr", "foreach", "fused", "capturable", "differentiable", "name")
+
+
+def server_hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The hyperparameters that rebuild `optimizer` on the servers; ValueError where it cannot be."""
+    groups = [
+        {k: v for k, v in g.items() if k not in _NOT_SENT and v is not None} for g in optimizer.param_groups
+    ]
+    if any(g != groups[0] for g in groups[1:]):
+        raise ValueError(
+            "the optimizer's parameter groups have different hyperparameters; the servers run one "
+            "optimizer for every key: use update_on='worker'"
+        )
+    return {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in groups[0].items()}
+
+
+class PSEngine:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, ctx: Any
+    ) -> None:
+        self.model = model
+        self.strategy = strategy
+        self.on_server = strategy.update_on == "server"
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not self.named:
+            raise ValueError("the model has no parameters that require grad")
+        self.keys = [name for name, _ in self.named]
+        self.params = [p for _, p in self.named]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        config = KVStoreConfig(
+            consistency=strategy.consistency, staleness=strategy.staleness, aggregation=strategy.aggregation
+        )
+        self.kv = kvstore.create(config, ctx)
+        workers = 1 if strategy.consistency == "async" else ctx.num_workers
+        self.scale = 1.0 / (workers * strategy.accumulation_steps)
+        self.wire_dtype = _COMPRESSED.get(strategy.compression or "")
+        with torch.no_grad():
+            if self.on_server:
+                self.kv.init(self.keys, [p.detach().cpu() for p in self.params])
+                self.hyper = server_hyperparameters(optimizer)
+                self.kv.set_optimizer(type(optimizer), **self.hyper)
+            else:
+                self.kv.init(self.keys, [torch.zeros(p.shape, dtype=self._dtype(p)) for p in self.params])
+        self.staging = [torch.empty(p.shape, dtype=self._dtype(p)) for p in self.params]
+        if self.on_server:
+            self.pull_parameters()  # every worker starts from worker 0's values
+        self.bucket_bytes = int(strategy.bucket_mb * 2**20)
+        self.sync_now = True
+        self._bucket: list[int] = []
+        self._bucket_size = 0
+        self._sent: set[int] = set()
+        self._in_flight: list[tuple[Any, list[torch.Tensor]]] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def _dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The key's type: the parameter's, or the compressed gradient's (update_on="worker")."""
+        if self.on_server or self.wire_dtype is None:
+            return p.dtype
+        return self.wire_dtype
+
+    # -- pushing as backward goes ----------------------------------------------------------------
+    def set_sync(self, sync: bool) -> None:
+        self.sync_now = sync
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self.sync_now:
+            return  # an accumulation micro-step: the gradient stays in .grad
+        i = self.index[id(param)]
+        if i in self._sent:
+            return  # a second backward through the same step: sent with step()'s check below
+        self._bucket.append(i)
+        self._bucket_size += param.grad.numel() * param.grad.element_size()
+        if self._bucket_size >= self.bucket_bytes:
+            self._send_bucket()
+
+    def _send_bucket(self) -> None:
+        if not self._bucket:
+            return
+        with torch.no_grad():
+            values = [self._wire_value(i) for i in self._bucket]
+        handle = self.kv.pushpull_async(
+            [self.keys[i] for i in self._bucket], values, out=[self.staging[i] for i in self._bucket]
+        )
+        self._in_flight.append((handle, values))  # values stay alive until the push is done
+        self._sent.update(self._bucket)
+        self._bucket, self._bucket_size = [], 0
+
+    def _wire_value(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        if p.grad is None:
+            return torch.zeros(p.shape, dtype=self._dtype(p))  # every key joins every round
+        if p.grad.is_sparse:
+            raise ValueError(
+                f"parameter {self.keys[i]!r} has a sparse gradient; use kvstore.embedding's "
+                "DistributedEmbedding for sparse tables"
+            )
+        return (p.grad.detach() * self.scale).to(device="cpu", dtype=self._dtype(p))
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer, local_step: Any) -> Any:
+        if self.on_server:
+            self._check_hyperparameters(optimizer)
+        self._bucket.extend(
+            i for i in range(len(self.params)) if i not in self._sent and i not in self._bucket
+        )
+        self._send_bucket()
+        for handle, _ in self._in_flight:
+            handle.wait()
+        self._in_flight, self._sent = [], set()
+        with torch.no_grad():
+            if self.on_server:
+                for p, value in zip(self.params, self.staging, strict=True):
+                    p.copy_(value)
+                return None
+            for p, mean in zip(self.params, self.staging, strict=True):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.copy_(mean)
+        return local_step()
+
+    def _check_hyperparameters(self, optimizer: torch.optim.Optimizer) -> None:
+        now = server_hyperparameters(optimizer)
+        if now != self.hyper:
+            changed = {k: (self.hyper.get(k), v) for k, v in now.items() if self.hyper.get(k) != v}
+            raise ValueError(
+                f"optimizer hyperparameters changed {changed} (old, new), but the optimizer runs on the "
+                "servers with the values it started with: use update_on='worker' with an LR schedule"
+            )
+
+    def pull_parameters(self) -> None:
+        self.kv.pull(self.keys, out=self.staging)
+        with torch.no_grad():
+            for p, value in zip(self.params, self.staging, strict=True):
+                p.copy_(value)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def save(self, folder: Path) -> None:
+        """Every worker calls it: the servers' values and optimizer state (worker 0 writes)."""
+        self.kv.save_state(folder / "servers.pt")
+
+    def restore(self, folder: Path) -> None:
+        self.kv.load_state(folder / "servers.pt")
+        if self.on_server:
+            self.pull_parameters()
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self.kv.close()

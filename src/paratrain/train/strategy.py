@@ -1,0 +1,175 @@
+"""A strategy: the whole choice of how one training script's work is split, as one frozen value.
+
+    Strategy.parse("dist_async")                      # MXNet names map onto strategies
+    Strategy(architecture="collective", accumulation_steps=4, compression="bf16")
+    Strategy.parse("collective").replace(local_sgd_period=8)
+
+Switching strategy is a change of this value (or of the PARATRAIN_STRATEGY environment variable, which
+`paratrain launch --strategy` sets), never of the training script.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+ARCHITECTURES = ("local", "collective", "ps", "hybrid")
+CONSISTENCIES = ("sync", "async", "bounded")
+UPDATE_ON = ("server", "worker")
+AGGREGATIONS = ("process", "host")
+COMPRESSIONS = (None, "fp16", "bf16")
+SCHEDULES = ("1f1b", "gpipe")
+ENV_VAR = "PARATRAIN_STRATEGY"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    architecture: str = "collective"
+    """local: no communication (one process, or independent workers); collective: gradients averaged by
+    all-reduce (torch DDP); ps: parameters on the servers (the kvstore); hybrid: dense parameters by
+    all-reduce, embedding tables (kvstore.embedding.DistributedEmbedding) on the servers."""
+    consistency: str = "sync"
+    """ps only. sync, async (each worker's push is applied on arrival) or bounded (see staleness)."""
+    staleness: int = 0
+    """The bound s of bounded consistency: a worker runs at most s steps ahead of the slowest."""
+    update_on: str = "server"
+    """ps only. server: the optimizer runs on the servers and workers pull weights; worker: servers
+    only sum gradients and every worker steps its own optimizer on the pulled mean."""
+    aggregation: str = "process"
+    """ps only. host: the workers of one machine reduce first and one of them talks to the servers."""
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step; gradients sync only on the last and are averaged over all."""
+    local_sgd_period: int = 0
+    """collective only. >0: no per-step all-reduce; parameters are averaged every this many steps."""
+    compression: str | None = None
+    """fp16 or bf16: gradients travel in that type (collective, or ps with update_on="worker")."""
+    pipeline_stages: int = 1
+    """>1: the model (an nn.Sequential) is cut into this many stages, one per worker (pipeline/)."""
+    micro_batches: int = 1
+    """Micro-batches per pipelined step."""
+    pipeline_schedule: str = "1f1b"
+    """1f1b or gpipe."""
+    bucket_mb: float = 25.0
+    """Gradients are sent in buckets of about this size as backward produces them."""
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> ValueError:
+            return ValueError(f"Strategy.{field}={getattr(self, field)!r} {why}")
+
+        for field, allowed in (
+            ("architecture", ARCHITECTURES),
+            ("consistency", CONSISTENCIES),
+            ("update_on", UPDATE_ON),
+            ("aggregation", AGGREGATIONS),
+            ("compression", COMPRESSIONS),
+            ("pipeline_schedule", SCHEDULES),
+        ):
+            if getattr(self, field) not in allowed:
+                raise bad(field, f"is not one of {allowed}")
+        for field, least in (
+            ("staleness", 0),
+            ("accumulation_steps", 1),
+            ("local_sgd_period", 0),
+            ("pipeline_stages", 1),
+            ("micro_batches", 1),
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise bad(field, f"must be an int >= {least}")
+        if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
+            raise bad("bucket_mb", "must be a number > 0")
+        ps = self.architecture == "ps"
+        if self.staleness and self.consistency != "bounded":
+            raise bad("staleness", f"needs consistency='bounded', not {self.consistency!r}")
+        if not ps and self.architecture != "hybrid" and self.consistency != "sync":
+            raise bad("consistency", f"needs architecture='ps' or 'hybrid', not {self.architecture!r}")
+        if not ps and self.aggregation != "process":
+            raise bad("aggregation", f"needs architecture='ps', not {self.architecture!r}")
+        if ps and self.consistency != "sync" and self.update_on == "worker":
+            raise bad(
+                "update_on",
+                f"with consistency={self.consistency!r} needs 'server': workers stepping on stale sums "
+                "would drift apart",
+            )
+        if self.local_sgd_period and self.architecture != "collective":
+            raise bad("local_sgd_period", f"needs architecture='collective', not {self.architecture!r}")
+        if self.local_sgd_period and self.compression:
+            raise bad("compression", "does nothing with local SGD (parameters are averaged in full)")
+        if self.compression and ps and self.update_on == "server":
+            raise bad("compression", "needs update_on='worker' in a parameter-server strategy")
+        if self.pipeline_stages > 1 and self.accumulation_steps > 1:
+            raise bad("accumulation_steps", "is micro_batches in a pipeline; set that instead")
+
+    def replace(self, **changes: Any) -> Strategy:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """Whether the optimizer runs on the servers."""
+        return self.architecture == "ps" and self.update_on == "server"
+
+    @classmethod
+    def parse(cls, name: str | Strategy) -> Strategy:
+        """A strategy from its name: local, device, dist_sync, dist_async, dist_sync_device,
+        dist_async_device (MXNet's kvstore types), collective, ps, hybrid, with optional
+        `field=value` settings after a colon: "collective:accumulation_steps=4,compression=bf16"."""
+        if isinstance(name, Strategy):
+            return name
+        if not isinstance(name, str):
+            raise TypeError(f"strategy must be a str or a Strategy, not {type(name).__name__}")
+        base, _, settings = name.partition(":")
+        base = base.strip()
+        if base not in NAMED:
+            raise ValueError(f"strategy {base!r} is not one of {', '.join(NAMED)}")
+        changes = {}
+        for item in filter(None, (s.strip() for s in settings.split(","))):
+            field, eq, text = item.partition("=")
+            field = field.strip()
+            if not eq or field not in FIELD_TYPES:
+                raise ValueError(f"strategy setting {item!r} is not field=value for a field of Strategy")
+            changes[field] = _convert(field, text.strip())
+        return NAMED[base].replace(**changes)
+
+
+FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Strategy)}
+
+
+def _convert(field: str, text: str) -> Any:
+    kind = FIELD_TYPES[field]
+    try:
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+    except ValueError:
+        raise ValueError(f"strategy setting {field}={text!r} is not a number") from None
+    return None if text in ("", "none", "None") else text
+
+
+NAMED = {
+    "local": Strategy(architecture="local"),
+    "device": Strategy(architecture="local"),
+    "collective": Strategy(architecture="collective"),
+    "ps": Strategy(architecture="ps"),
+    "dist_sync": Strategy(architecture="ps"),
+    "dist_async": Strategy(architecture="ps", consistency="async"),
+    "dist_sync_device": Strategy(architecture="ps", aggregation="host"),
+    "dist_async_device": Strategy(architecture="ps", consistency="async", aggregation="host"),
+    "hybrid": Strategy(architecture="hybrid"),
+}
+
+
+def resolve_strategy(strategy: str | Strategy | None, num_servers: int, distributed: bool = True) -> Strategy:
+    """The given strategy, else PARATRAIN_STRATEGY, else dist_sync where the job has servers and
+    collective where it has none. A script run alone (not `distributed`) may name any strategy."""
+    if strategy is None:
+        strategy = os.environ.get(ENV_VAR) or ("dist_sync" if num_servers else "collective")
+    strategy = Strategy.parse(strategy)
+    if distributed and strategy.architecture in ("ps", "hybrid") and not num_servers:
+        raise ValueError(
+            f"strategy architecture={strategy.architecture!r} needs servers, and this job has none "
+            "(launch with -s 1 or more, or use strategy 'collective')"
+        )
+    return strategy

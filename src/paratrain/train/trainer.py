@@ -1,0 +1,356 @@
+"""The Trainer: a model, its optimizer and its data, bound to a strategy.
+
+    ctx = paratrain.init()
+    model, optimizer, loader = paratrain.prepare(model, optimizer, loader)   # the loop is unchanged
+
+or, for checkpoints that resume the same run and a progress line with the loss:
+
+    trainer = paratrain.Trainer(model, optimizer, loader, checkpoint_dir="ckpt", checkpoint_every=100)
+    for epoch in trainer.epochs(10):
+        for x, y in trainer.loader:
+            trainer.step(loss_fn(trainer.model(x), y))     # backward, optimizer step, zero_grad
+
+How it works. The optimizer object is made distributed in place: its class becomes a subclass whose
+`step()` counts micro-steps (gradient accumulation), lets the engine sync the gradients and then
+steps (or, with the optimizer on the servers, copies the new weights in), and whose `zero_grad()`
+keeps gradients between micro-steps. LR schedulers made afterwards wrap that step as usual. A forward
+pre-hook on the model tells the engine whether this micro-step's backward must sync (the last one
+does). Engines: LocalEngine (one process, or architecture "local"), CollectiveEngine (DDP or local
+SGD; also the dense half of "hybrid"), PSEngine (train/ps.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from paratrain import checkpoint
+from paratrain.data import ShardedLoader
+from paratrain.metrics import NullMetrics, Progress, open_metrics
+from paratrain.train.strategy import Strategy, resolve_strategy
+
+logger = logging.getLogger(__name__)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP and torch.compile wrappers (for state dicts)."""
+    while True:
+        inner = (
+            getattr(model, "module", None) if isinstance(model, nn.parallel.DistributedDataParallel) else None
+        )
+        inner = inner or getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
+
+
+def sparse_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules whose tables live on the servers and push their own gradients (kvstore.embedding)."""
+    return [m for m in unwrap(model).modules() if getattr(m, "paratrain_sparse", False)]
+
+
+class LocalEngine:
+    """No communication: one process, or workers that train independently."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def set_sync(self, sync: bool) -> None:
+        pass
+
+    def step(self, optimizer: torch.optim.Optimizer, local_step: Any) -> Any:
+        return local_step()
+
+    def save(self, folder: Path) -> None:
+        pass
+
+    def restore(self, folder: Path) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class CollectiveEngine(LocalEngine):
+    """All-reduce data parallel: DDP (gradients averaged in buckets during backward), or local SGD."""
+
+    def __init__(self, model: nn.Module, strategy: Strategy, ctx: Any) -> None:
+        from paratrain import collective
+        from paratrain.cluster.rendezvous import init_torch_distributed
+
+        init_torch_distributed(ctx, collective.backend_for(model))
+        self.local_sgd = None
+        if strategy.local_sgd_period:
+            super().__init__(model)
+            self.local_sgd = collective.LocalSGD(model, strategy.local_sgd_period)
+        elif any(p.requires_grad for p in model.parameters()):
+            super().__init__(
+                collective.wrap_ddp(model, bucket_mb=strategy.bucket_mb, compression=strategy.compression)
+            )
+        else:
+            super().__init__(model)  # nothing dense to average (e.g. only sparse tables)
+
+    def set_sync(self, sync: bool) -> None:
+        if isinstance(self.model, nn.parallel.DistributedDataParallel):
+            self.model.require_backward_grad_sync = sync
+
+    def step(self, optimizer: torch.optim.Optimizer, local_step: Any) -> Any:
+        result = local_step()
+        if self.local_sgd is not None:
+            self.local_sgd.after_step()
+        return result
+
+
+class _BeforeForward:
+    """The model's forward pre-hook. It holds the trainer weakly and survives copy.deepcopy of the
+    model (an EMA copy, say) as itself: the copy's forwards are not the trainer's and are ignored."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = weakref.ref(trainer)
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        trainer = self.trainer()
+        if trainer is not None:
+            trainer._before_forward(module, args)
+
+    def __deepcopy__(self, memo: dict) -> _BeforeForward:
+        return self
+
+
+def _make_distributed(optimizer: torch.optim.Optimizer, trainer: Trainer) -> None:
+    """Swap `optimizer`'s class for a subclass whose step and zero_grad go through `trainer`."""
+    base = type(optimizer)
+    if getattr(base, "_paratrain_distributed", False):
+        raise ValueError("this optimizer was already given to a paratrain Trainer")
+
+    def step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
+        return trainer._optimizer_step(lambda: base.step(self, closure))
+
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        if trainer._micro == 0:  # keep the gradients accumulated over micro-steps
+            base.zero_grad(self, set_to_none)
+
+    optimizer.__class__ = type(
+        base.__name__, (base,), {"step": step, "zero_grad": zero_grad, "_paratrain_distributed": True}
+    )
+    optimizer.trainer = trainer  # type: ignore[attr-defined]
+
+
+class Trainer:
+    """See the module docstring. `strategy`: a Strategy, its name (see Strategy.parse), or None for
+    PARATRAIN_STRATEGY / the job's default. `loader`: a torch DataLoader (resharded for this worker)
+    or a ShardedLoader. Checkpoints every `checkpoint_every` steps into `checkpoint_dir` (keeping the
+    last `keep`); with `resume`, a run whose checkpoint_dir holds a checkpoint continues from it.
+    Metrics (loss, samples/s, lr) go to `metrics_dir` as JSON lines and TensorBoard scalars, and a
+    progress line on worker 0."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loader: DataLoader | ShardedLoader | None = None,
+        *,
+        strategy: str | Strategy | None = None,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int = 0,
+        keep: int = 3,
+        resume: bool = True,
+        metrics_dir: str | Path | None = None,
+        log_every: int = 10,
+        progress: bool = True,
+        seed: int = 0,
+        ctx: Any = None,
+    ) -> None:
+        import paratrain
+
+        self.ctx = ctx or paratrain.init()
+        self.strategy = resolve_strategy(strategy, self.ctx.num_servers, self.ctx.distributed)
+        if self.strategy.pipeline_stages > 1:
+            raise ValueError(
+                "Strategy.pipeline_stages > 1 runs through paratrain.pipeline.pipeline_for (the model is "
+                "cut into stages); the Trainer drives data parallel strategies"
+            )
+        if checkpoint_every and checkpoint_dir is None:
+            raise ValueError(f"checkpoint_every={checkpoint_every} needs a checkpoint_dir")
+        self.rank, self.num_workers = self.ctx.rank, self.ctx.num_workers
+        self.steps = 0
+        """Optimizer steps taken (accumulation micro-steps count once)."""
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every, self.keep, self.log_every = checkpoint_every, keep, log_every
+        self._micro = 0
+        self._samples = 0
+        self._scalars: dict[str, float] = {}
+        self.loader = self._shard(loader, seed)
+        self.optimizer = optimizer
+        found = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir and resume else None
+        if found is not None:
+            self._restore_local(
+                found, model
+            )  # before the engine: DDP and the kvstore start from these values
+        self.engine = self._engine(model, optimizer)
+        if found is not None:
+            self.engine.restore(found.path)
+            logger.info("resumed from %s at step %d", found.path, self.steps)
+        self.model = self.engine.model
+        self.model.register_forward_pre_hook(_BeforeForward(self))
+        _make_distributed(optimizer, self)
+        self.sparse = sparse_modules(model)
+        lead = self.rank == 0
+        self.metrics = open_metrics(metrics_dir, rank=self.rank) if metrics_dir and lead else NullMetrics()
+        self.progress = Progress(enabled=progress and lead, initial=self.steps)
+
+    def _engine(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        arch = self.strategy.architecture
+        if not self.ctx.distributed or arch == "local":
+            return LocalEngine(model)
+        if arch == "ps":
+            from paratrain.train.ps import PSEngine
+
+            return PSEngine(model, optimizer, self.strategy, self.ctx)
+        return CollectiveEngine(model, self.strategy, self.ctx)  # collective, and hybrid's dense part
+
+    def _shard(self, loader: Any, seed: int) -> ShardedLoader | None:
+        if loader is None or isinstance(loader, ShardedLoader):
+            return loader
+        if isinstance(loader, DataLoader):
+            return ShardedLoader.from_loader(loader, self.num_workers, self.rank, seed)
+        raise TypeError(f"loader must be a torch DataLoader or a ShardedLoader, not {type(loader).__name__}")
+
+    # -- the training loop ------------------------------------------------------------------------
+    def epochs(self, count: int) -> Iterator[int]:
+        """The epochs left of `count` (all of them, unless the run resumed part-way)."""
+        start = self.loader.epoch if self.loader is not None else 0
+        yield from range(start, count)
+
+    def step(self, loss: torch.Tensor) -> None:
+        """backward, optimizer step (every accumulation_steps calls) and zero_grad; logs the loss."""
+        loss.backward()
+        self._scalars["loss"] = loss.detach()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def log(self, **scalars: float | torch.Tensor) -> None:
+        """Scalars for the progress line and the metrics of the next optimizer step."""
+        self._scalars.update(scalars)
+
+    def _before_forward(self, module: nn.Module, args: tuple) -> None:
+        if module is self.model and torch.is_grad_enabled() and module.training:
+            self.engine.set_sync(self._micro == self.strategy.accumulation_steps - 1)
+            if args and isinstance(args[0], torch.Tensor) and args[0].dim():
+                self._samples += args[0].shape[0]
+
+    def _optimizer_step(self, local_step: Any) -> Any:
+        k = self.strategy.accumulation_steps
+        self._micro += 1
+        if self._micro < k:
+            return None
+        self._micro = 0
+        for module in self.sparse:
+            module.flush()  # their gradients were pushed during backward
+        if k > 1 and not isinstance(self.engine, _ps_engine()):
+            with torch.no_grad():
+                for group in self.optimizer.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.div_(k)
+        result = self.engine.step(self.optimizer, local_step)
+        self.steps += 1
+        self._after_step()
+        return result
+
+    def _after_step(self) -> None:
+        scalars = {k: float(v) for k, v in self._scalars.items()}
+        samples, self._samples = self._samples * self.num_workers, 0
+        self.progress.update(steps=1, samples=samples, **scalars)
+        if self.steps % self.log_every == 0:
+            rate = self.progress.samples_per_s
+            lr = self.optimizer.param_groups[0].get("lr")
+            extra = {"samples_per_s": rate} if rate else {}
+            self.metrics.log(
+                self.steps, {**scalars, **extra, **({"lr": float(lr)} if lr is not None else {})}
+            )
+        if self.checkpoint_every and self.steps % self.checkpoint_every == 0:
+            self.save_checkpoint()
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _per_worker_model(self) -> bool:
+        """Whether workers' parameters may differ (then each saves its own)."""
+        return self.strategy.architecture == "local" or bool(self.strategy.local_sgd_period)
+
+    def save_checkpoint(self) -> Path | None:
+        """Every worker calls it (the Trainer does, every checkpoint_every steps); returns the
+        checkpoint's folder on worker 0 once committed. Between micro-steps it refuses."""
+        if self.checkpoint_dir is None:
+            raise ValueError("save_checkpoint needs the Trainer's checkpoint_dir")
+        if self._micro:
+            raise ValueError("save_checkpoint between accumulation micro-steps would lose gradients")
+        folder = checkpoint.staging_dir(self.checkpoint_dir, self.steps)
+        self.engine.save(folder)
+        worker = {
+            "steps": self.steps,
+            "loader": self.loader.state_dict() if self.loader is not None else None,
+            "rng": {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])},
+        }
+        own = self._per_worker_model()
+        if own or self.rank == 0:
+            state = {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict()}
+            if own:
+                worker.update(state)
+            else:
+                checkpoint.save_file(folder / "model.pt", state)
+        checkpoint.save_file(folder / f"worker-{self.rank}.pt", worker)
+        self.ctx.barrier(name=f"checkpoint-{self.steps}")
+        if self.rank != 0:
+            return None
+        meta = {"strategy": dataclasses.asdict(self.strategy), "num_workers": self.num_workers}
+        return checkpoint.commit(self.checkpoint_dir, self.steps, meta, keep=self.keep)
+
+    def _restore_local(self, found: checkpoint.Checkpoint, model: nn.Module) -> None:
+        if found.meta.get("num_workers") != self.num_workers:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {found.path} was taken with {found.meta.get('num_workers')} workers; this job "
+                f"has {self.num_workers} (resuming the same run needs the same number)"
+            )
+        worker = checkpoint.load_file(found.file(f"worker-{self.rank}.pt"))
+        state = worker if self._per_worker_model() else checkpoint.load_file(found.file("model.pt"))
+        unwrap(model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = worker["steps"]
+        if self.loader is not None and worker["loader"] is not None:
+            self.loader.load_state_dict(worker["loader"])
+        torch.set_rng_state(worker["rng"]["torch"])
+        python = random.getstate()
+        random.setstate((python[0], tuple(worker["rng"]["python"]), python[2]))
+
+    def close(self) -> None:
+        """Stop the progress line, flush metrics, leave the servers' rounds."""
+        self.progress.close()
+        self.metrics.close()
+        self.engine.close()
+
+
+def _ps_engine() -> type:
+    from paratrain.train.ps import PSEngine
+
+    return PSEngine
+
+
+def prepare(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader | ShardedLoader | None = None,
+    **options: Any,
+) -> tuple:
+    """(model, optimizer, loader) ready for an unchanged training loop, or (model, optimizer) without a
+    loader. `options` are the Trainer's (strategy=..., ...)."""
+    trainer = Trainer(model, optimizer, loader, **options)
+    return (trainer.model, trainer.optimizer) + ((trainer.loader,) if loader is not None else ())

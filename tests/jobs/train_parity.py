@@ -1,0 +1,107 @@
+"""Trainer parity job: a strategy's parameters against a reference computed in this process.
+
+argv: strategy steps [options]   options: compile, tol=X, ckpt=DIR, stop=N (checkpoint every step,
+stop after step N: the next run with the same ckpt resumes), loss=mse|ce
+
+The reference simulates the workers in one process: W replicas of the same model, each computing the
+gradient of its own ShardedLoader batches (split into the strategy's micro-batches), then: averaged
+and stepped (sync data parallel: one model on the global batch), or stepped alone and averaged every
+H steps (local SGD), or never averaged (architecture "local").
+"""
+
+import sys
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import paratrain
+from paratrain.data import ShardedLoader
+from paratrain.train import Strategy, Trainer, unwrap
+
+ctx = paratrain.init()
+strategy_name, steps = sys.argv[1], int(sys.argv[2])
+opts = dict(a.partition("=")[::2] for a in sys.argv[3:])
+strategy = Strategy.parse(strategy_name)
+W, k = ctx.num_workers, strategy.accumulation_steps
+BATCH = 12 // W  # per worker: the global batch is 12 samples
+tol = float(opts.get("tol", "1e-5"))
+
+g = torch.Generator().manual_seed(1)
+data = TensorDataset(torch.randn(150, 8, generator=g), torch.randn(150, 3, generator=g))
+
+
+def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+
+def train_micro(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: callable) -> None:
+    for xm, ym in zip(x.chunk(k), y.chunk(k), strict=True):
+        step(nn.functional.mse_loss(model(xm), ym))
+
+
+# -- the job under test ---------------------------------------------------------------------------
+model, optimizer = build()
+if "compile" in opts:
+    model = torch.compile(model, backend="aot_eager")
+ckpt = opts.get("ckpt")
+stop = int(opts.get("stop", steps))
+trainer = Trainer(
+    model,
+    optimizer,
+    DataLoader(data, batch_size=BATCH, shuffle=True),
+    strategy=strategy,
+    checkpoint_dir=ckpt,
+    checkpoint_every=1 if ckpt else 0,
+    progress=False,
+)
+resumed_at = trainer.steps
+for _ in trainer.epochs(100):
+    for x, y in trainer.loader:
+        if trainer.steps >= stop:
+            break
+        train_micro(trainer.model, x, y, trainer.step)
+    if trainer.steps >= stop:
+        break
+print(f"trained steps {resumed_at}..{trainer.steps}")
+trainer.close()
+if stop < steps:
+    sys.exit(0)
+
+# -- the reference --------------------------------------------------------------------------------
+replicas = [build() for _ in range(W)]
+loaders = [ShardedLoader(data, BATCH, num_replicas=W, rank=r, shuffle=True) for r in range(W)]
+taken = 0
+while taken < steps:
+    for batches in zip(*loaders, strict=True):
+        if taken == steps:
+            break
+        grads = []
+        for (m, opt), (x, y) in zip(replicas, batches, strict=True):
+            opt.zero_grad()
+            train_micro(m, x, y, lambda loss: (loss / k).backward())
+            grads.append([p.grad.clone() for p in m.parameters()])
+        taken += 1
+        if strategy.architecture != "local" and not strategy.local_sgd_period:
+            mean = [sum(gs) / W for gs in zip(*grads, strict=True)]
+            for m, _ in replicas:
+                for p, gm in zip(m.parameters(), mean, strict=True):
+                    p.grad.copy_(gm)
+        for _, opt in replicas:
+            opt.step()
+        if strategy.local_sgd_period and taken % strategy.local_sgd_period == 0:
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m, _ in replicas), strict=True):
+                    mean = sum(p for p in ps) / W
+                    for p in ps:
+                        p.copy_(mean)
+
+expected = replicas[ctx.rank][0].state_dict()
+got = unwrap(trainer.model).state_dict()
+diff = max((got[name] - value).abs().max().item() for name, value in expected.items())
+moved = max((value - build()[0].state_dict()[name]).abs().max().item() for name, value in expected.items())
+assert moved > 10 * tol, f"the reference barely moved ({moved}): the check would prove nothing"
+assert diff <= tol, f"worker {ctx.rank}: parameters differ from the reference by {diff} > {tol}"
+print(f"parity ok: max abs diff {diff:.2e} (parameters moved {moved:.2e})")

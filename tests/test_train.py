@@ -1,0 +1,253 @@
+"""The Trainer and its strategies: parity with single-process training, accumulation, resume."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from paratrain import checkpoint
+from paratrain.node import Context
+from paratrain.testing import run_job
+from paratrain.train import Strategy, Trainer, prepare, resolve_strategy
+from paratrain.train.ps import server_hyperparameters
+
+JOBS = Path(__file__).parent / "jobs"
+
+
+# -- strategies, without processes ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "fields"),
+    [
+        ("local", {"architecture": "local"}),
+        ("device", {"architecture": "local"}),
+        ("dist_sync", {"architecture": "ps", "consistency": "sync", "update_on": "server"}),
+        ("dist_async", {"architecture": "ps", "consistency": "async"}),
+        ("dist_sync_device", {"architecture": "ps", "aggregation": "host"}),
+        ("dist_async_device", {"architecture": "ps", "consistency": "async", "aggregation": "host"}),
+        ("collective", {"architecture": "collective"}),
+        ("hybrid", {"architecture": "hybrid"}),
+        ("ps:consistency=bounded,staleness=2", {"consistency": "bounded", "staleness": 2}),
+        (
+            "collective:accumulation_steps=4,compression=bf16",
+            {"accumulation_steps": 4, "compression": "bf16"},
+        ),
+        ("collective: local_sgd_period = 8", {"local_sgd_period": 8}),
+        ("ps:update_on=worker,compression=fp16,bucket_mb=0.5", {"compression": "fp16", "bucket_mb": 0.5}),
+    ],
+)
+def test_strategy_names_and_settings(name, fields):
+    strategy = Strategy.parse(name)
+    for field, value in fields.items():
+        assert getattr(strategy, field) == value
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Strategy(architecture="mesh"), "Strategy.architecture='mesh'"),
+        (lambda: Strategy(accumulation_steps=0), "Strategy.accumulation_steps=0"),
+        (lambda: Strategy(compression="int8"), "Strategy.compression='int8'"),
+        (
+            lambda: Strategy(architecture="ps", staleness=2),
+            "Strategy.staleness=2 needs consistency='bounded'",
+        ),
+        (lambda: Strategy(consistency="async"), "Strategy.consistency='async' needs architecture='ps'"),
+        (lambda: Strategy(architecture="ps", local_sgd_period=4), "Strategy.local_sgd_period=4"),
+        (lambda: Strategy(architecture="ps", consistency="async", update_on="worker"), "Strategy.update_on"),
+        (lambda: Strategy(architecture="ps", compression="fp16"), "needs update_on='worker'"),
+        (lambda: Strategy(aggregation="host"), "Strategy.aggregation='host' needs architecture='ps'"),
+        (lambda: Strategy.parse("dist_fast"), "strategy 'dist_fast' is not one of"),
+        (lambda: Strategy.parse("ps:speed=3"), "strategy setting 'speed=3'"),
+        (lambda: Strategy.parse("ps:staleness=two"), "staleness='two' is not a number"),
+    ],
+)
+def test_bad_strategies_name_the_field_and_value(make, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        make()
+
+
+def test_default_strategy_follows_the_environment_and_the_job(monkeypatch):
+    monkeypatch.delenv("PARATRAIN_STRATEGY", raising=False)
+    assert resolve_strategy(None, num_servers=2).architecture == "ps"
+    assert resolve_strategy(None, num_servers=0).architecture == "collective"
+    monkeypatch.setenv("PARATRAIN_STRATEGY", "dist_async")
+    assert resolve_strategy(None, num_servers=1).consistency == "async"
+    with pytest.raises(ValueError, match="needs servers, and this job has none"):
+        resolve_strategy("dist_sync", num_servers=0)
+    assert resolve_strategy("dist_sync", num_servers=0, distributed=False).architecture == "ps"
+
+
+def test_server_optimizer_takes_the_local_hyperparameters_and_refuses_mixed_groups():
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    hyper = server_hyperparameters(torch.optim.Adam([a, b], lr=0.01, betas=(0.8, 0.9)))
+    assert hyper["lr"] == 0.01 and tuple(hyper["betas"]) == (0.8, 0.9) and "params" not in hyper
+    assert "foreach" not in hyper and "fused" not in hyper
+    mixed = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.5}], lr=0.1)
+    with pytest.raises(ValueError, match="use update_on='worker'"):
+        server_hyperparameters(mixed)
+
+
+# -- the Trainer in one process -------------------------------------------------------------------
+ALONE = Context("worker", 0, 1, 0)
+
+
+def _model_and_data(seed: int = 0) -> tuple[nn.Module, TensorDataset]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
+    g = torch.Generator().manual_seed(3)
+    return model, TensorDataset(torch.randn(64, 5, generator=g), torch.randn(64, 2, generator=g))
+
+
+def test_accumulating_k_micro_batches_equals_one_batch_k_times_larger():
+    big, data = _model_and_data()
+    small, _ = _model_and_data()
+    opt_big = torch.optim.Adam(big.parameters(), lr=0.01)
+    opt_small = torch.optim.Adam(small.parameters(), lr=0.01)
+    trainer = Trainer(small, opt_small, strategy="collective:accumulation_steps=4", progress=False, ctx=ALONE)
+    x, y = data.tensors
+    for step in range(3):
+        xb, yb = x[step * 16 : (step + 1) * 16], y[step * 16 : (step + 1) * 16]
+        opt_big.zero_grad()
+        nn.functional.mse_loss(big(xb), yb).backward()
+        opt_big.step()
+        for xm, ym in zip(xb.chunk(4), yb.chunk(4), strict=True):
+            trainer.step(nn.functional.mse_loss(trainer.model(xm), ym))
+        assert trainer.steps == step + 1
+    for p, q in zip(big.parameters(), small.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_prepare_keeps_the_loop_and_lr_schedulers_work():
+    model, data = _model_and_data()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, optimizer, loader = prepare(
+        model,
+        optimizer,
+        DataLoader(data, batch_size=8),
+        strategy="collective:accumulation_steps=2",
+        ctx=ALONE,
+    )
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    kept, alone = [], []
+    for i, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        twin = copy.deepcopy(model)
+        nn.functional.mse_loss(twin(x), y).backward()
+        nn.functional.mse_loss(model(x), y).backward()
+        kept.append(model[0].weight.grad.clone())
+        alone.append(twin[0].weight.grad)
+        optimizer.step()
+        if i % 2 == 1:
+            schedule.step()
+    assert len(kept) == 8 and optimizer.trainer.steps == 4
+    assert optimizer.param_groups[0]["lr"] == 1.0 / 2**4
+    for i in range(0, 8, 2):  # zero_grad clears after a real step and keeps between micro-steps
+        torch.testing.assert_close(kept[i], alone[i])
+        torch.testing.assert_close(kept[i + 1], alone[i] + alone[i + 1])
+
+
+def test_checkpoint_resumes_the_same_run_and_metrics_are_written(tmp_path):
+    def run(stop: int) -> nn.Module:
+        model, data = _model_and_data()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        loader = DataLoader(data, batch_size=8, shuffle=True)
+        trainer = Trainer(
+            model,
+            optimizer,
+            loader,
+            checkpoint_dir=tmp_path / "ckpt",
+            checkpoint_every=3,
+            metrics_dir=tmp_path / "metrics",
+            log_every=1,
+            progress=False,
+            ctx=ALONE,
+        )
+        for _ in trainer.epochs(3):
+            for x, y in trainer.loader:
+                if trainer.steps == stop:
+                    trainer.close()
+                    return trainer.model
+                trainer.step(nn.functional.mse_loss(trainer.model(x), y))
+        trainer.close()
+        return trainer.model
+
+    run(stop=12)  # 24 steps in all (3 epochs of 8); stops at a checkpoint, mid-epoch 2
+    assert checkpoint.latest(tmp_path / "ckpt").step == 12
+    resumed = run(stop=-1)
+    (tmp_path / "other").mkdir()
+    straight, data = _model_and_data()
+    optimizer = torch.optim.Adam(straight.parameters(), lr=0.01)
+    trainer = Trainer(
+        straight, optimizer, DataLoader(data, batch_size=8, shuffle=True), progress=False, ctx=ALONE
+    )
+    for _ in trainer.epochs(3):
+        for x, y in trainer.loader:
+            trainer.step(nn.functional.mse_loss(trainer.model(x), y))
+    assert trainer.steps == 24
+    for p, q in zip(straight.parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    lines = [
+        json.loads(line) for line in (tmp_path / "metrics" / "metrics-rank0.jsonl").read_text().splitlines()
+    ]
+    assert [line["step"] for line in lines] == list(range(1, 25))
+    assert all("loss" in line and "lr" in line for line in lines)
+
+
+def test_a_checkpoint_from_another_number_of_workers_is_refused(tmp_path):
+    model, data = _model_and_data()
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path, progress=False, ctx=ALONE
+    )
+    trainer.save_checkpoint()
+    meta = tmp_path / "step-00000000" / "meta.json"
+    meta.write_text(meta.read_text().replace('"num_workers": 1', '"num_workers": 4'))
+    with pytest.raises(checkpoint.CheckpointError, match="taken with 4 workers; this job has 1"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint_dir=tmp_path, ctx=ALONE)
+
+
+# -- jobs: parity with the single-process reference ------------------------------------------------
+PARITY = [
+    (2, 0, "collective", ()),
+    (3, 0, "collective:accumulation_steps=2", ()),
+    (2, 0, "collective:local_sgd_period=2", ()),
+    (2, 0, "collective:compression=bf16", ("tol=1e-2",)),
+    (2, 0, "collective", ("compile",)),
+    (2, 1, "dist_sync", ()),
+    (3, 2, "ps:update_on=worker,accumulation_steps=2", ()),
+    (3, 2, "ps:consistency=bounded", ()),
+    (2, 1, "dist_sync", ("compile",)),
+    (2, 1, "ps:update_on=worker,compression=fp16", ("tol=1e-3",)),
+    (2, 1, "dist_sync_device", ()),
+    (2, 1, "hybrid", ()),
+]
+
+
+@pytest.mark.parametrize(("workers", "servers", "strategy", "options"), PARITY)
+def test_strategy_matches_single_process_training(workers, servers, strategy, options):
+    outcome = run_job(
+        JOBS / "train_parity.py",
+        workers=workers,
+        servers=servers,
+        args=(strategy, "6", *options),
+        timeout_s=240,
+    )
+    for rank in range(workers):
+        assert any(line.startswith("parity ok") for line in outcome.lines("worker", rank)), outcome.stdout
+
+
+@pytest.mark.parametrize(("servers", "strategy"), [(0, "collective"), (1, "dist_sync")])
+def test_resuming_from_a_checkpoint_ends_where_an_uninterrupted_run_does(tmp_path, servers, strategy):
+    args = (strategy, "6", f"ckpt={tmp_path}")
+    first = run_job(
+        JOBS / "train_parity.py", workers=2, servers=servers, args=(*args, "stop=3"), timeout_s=240
+    )
+    assert "trained steps 0..3" in first.lines("worker", 0)
+    assert checkpoint.latest(tmp_path).step == 3
+    second = run_job(JOBS / "train_parity.py", workers=2, servers=servers, args=args, timeout_s=240)
+    for rank in range(2):
+        lines = second.lines("worker", rank)
+        assert "trained steps 3..6" in lines and any(line.startswith("parity ok") for line in lines), lines
