@@ -5,7 +5,7 @@
 The model: conv 3->32, conv 32->64 (3x3, each followed by ReLU and 2x2 max-pooling), fc 4096->256->10,
 on 3x32x32 inputs, batch 64 per worker, SGD with momentum. Every process uses one thread (2 workers
 on 2 cores). Measured in one run, each a figure of samples/s over all workers (the slowest worker's
-elapsed time for `iters` steps after `warmup` untimed ones):
+elapsed time for `iters` steps after `warmup` untimed ones), the median of `rounds` interleaved runs:
 
 - 1 process: the plain torch loop.
 - torch DDP: DistributedDataParallel on Gloo, 2 processes (the anchor).
@@ -21,6 +21,7 @@ import argparse
 import io
 import os
 import re
+import statistics
 import sys
 import threading
 import time
@@ -229,6 +230,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=40, help="timed steps")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each; the median is shown")
     parser.add_argument("--timeout", type=float, default=300.0, help="limit per measurement (s)")
     parser.add_argument("--plot", metavar="PATH", help="also save a bar chart (needs matplotlib)")
     parser.add_argument("--paratrain-role", action="store_true", help=argparse.SUPPRESS)
@@ -249,19 +251,24 @@ def main() -> None:
         "paratrain ps sync": (WORKERS, lambda: paratrain_job(args, "dist_sync", 1)),
         "paratrain ps async": (WORKERS, lambda: paratrain_job(args, "dist_async", 1)),
     }
-    rates: dict[str, float | str] = {}
-    for name, (workers, run) in runs.items():
-        try:
-            seconds = run()
-        except Exception as exc:  # one broken run must not hide the others
-            print(f"{name} failed: {exc!r}", file=sys.stderr)
-            seconds = "failed"
-        rates[name] = workers * BATCH * args.iters / seconds if isinstance(seconds, float) else seconds
+    measured: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.rounds):  # rounds interleave the runs, so a busy spell hits all of them
+        for name, (workers, run) in runs.items():
+            try:
+                seconds = run()
+            except Exception as exc:  # one broken run must not hide the others
+                print(f"{name} failed: {exc!r}", file=sys.stderr)
+                continue
+            if isinstance(seconds, float):
+                measured[name].append(workers * BATCH * args.iters / seconds)
+    rates: dict[str, float | str] = {
+        name: statistics.median(values) if values else "failed" for name, values in measured.items()
+    }
     anchor = rates["torch DDP (gloo)"]
     print(
         f"small CNN (conv 3->32, conv 32->64, fc 4096->256->10), batch {BATCH} per worker, "
         f"{WORKERS} workers, 1 thread each, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{args.iters} steps after {args.warmup}"
+        f"{args.iters} steps after {args.warmup}, median of {args.rounds} rounds"
     )
     width = max(map(len, rates))
     print(f"{'run':<{width}} | samples/s | x DDP")

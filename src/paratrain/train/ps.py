@@ -79,6 +79,8 @@ class PSEngine:
         if self.on_server:
             self.pull_parameters()  # every worker starts from worker 0's values
         self.bucket_bytes = int(strategy.bucket_mb * 2**20)
+        # As DDP does: the first bucket of a step is small, so the wire starts early in backward.
+        self.first_bucket_bytes = min(self.bucket_bytes, 2**20)
         self.sync_now = True
         self._bucket: list[int] = []
         self._bucket_size = 0
@@ -104,7 +106,8 @@ class PSEngine:
             return  # a second backward through the same step: sent with step()'s check below
         self._bucket.append(i)
         self._bucket_size += param.grad.numel() * param.grad.element_size()
-        if self._bucket_size >= self.bucket_bytes:
+        first = not self._in_flight
+        if self._bucket_size >= (self.first_bucket_bytes if first else self.bucket_bytes):
             self._send_bucket()
 
     def _send_bucket(self) -> None:
