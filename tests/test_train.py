@@ -197,6 +197,39 @@ def test_checkpoint_resumes_the_same_run_and_metrics_are_written(tmp_path):
     assert all("loss" in line and "lr" in line for line in lines)
 
 
+def test_a_pipeline_strategy_trains_through_train_step_alone():
+    model, data = _model_and_data()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        strategy="collective:pipeline_stages=3,micro_batches=4,pipeline_schedule=gpipe",
+        loss_fn=nn.functional.mse_loss,
+        progress=False,
+        ctx=ALONE,
+    )
+    x, y = data.tensors
+    for step in range(3):
+        xb, yb = x[step * 16 : (step + 1) * 16], y[step * 16 : (step + 1) * 16]
+        loss = trainer.train_step(xb, yb)
+        ref_opt.zero_grad()
+        expected = nn.functional.mse_loss(reference(xb), yb)
+        expected.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, expected.detach())
+    assert len(trainer.pipe.module.stages) == 3  # alone: every stage in this process
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    with pytest.raises(ValueError, match="needs Trainer\\(loss_fn=...\\)"):
+        Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            strategy="collective:pipeline_stages=2",
+            ctx=ALONE,
+        )
+
+
 def test_a_checkpoint_from_another_number_of_workers_is_refused(tmp_path):
     model, data = _model_and_data()
     trainer = Trainer(
@@ -223,6 +256,7 @@ PARITY = [
     (2, 1, "ps:update_on=worker,compression=fp16", ("tol=1e-3",)),
     (2, 1, "dist_sync_device", ()),
     (2, 1, "hybrid", ()),
+    (4, 0, "collective:pipeline_stages=2,micro_batches=3", ()),  # a 2 x 2 mesh through train_step
 ]
 
 

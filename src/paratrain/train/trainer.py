@@ -167,6 +167,7 @@ class Trainer:
         metrics_dir: str | Path | None = None,
         log_every: int = 10,
         progress: bool = True,
+        loss_fn: Any = None,
         seed: int = 0,
         ctx: Any = None,
     ) -> None:
@@ -174,14 +175,26 @@ class Trainer:
 
         self.ctx = ctx or paratrain.init()
         self.strategy = resolve_strategy(strategy, self.ctx.num_servers, self.ctx.distributed)
-        if self.strategy.pipeline_stages > 1:
+        self.loss_fn = loss_fn
+        self.pipelined = self.strategy.pipeline_stages > 1
+        if self.pipelined and loss_fn is None:
             raise ValueError(
-                "Strategy.pipeline_stages > 1 runs through paratrain.pipeline.pipeline_for (the model is "
-                "cut into stages); the Trainer drives data parallel strategies"
+                f"Strategy.pipeline_stages={self.strategy.pipeline_stages} needs Trainer(loss_fn=...) and "
+                "trainer.train_step(inputs, targets): the loss is computed on the last stage"
             )
+        self.pipe: Any = None
+        self._pending_optimizer_state: dict | None = None
         if checkpoint_every and checkpoint_dir is None:
             raise ValueError(f"checkpoint_every={checkpoint_every} needs a checkpoint_dir")
         self.rank, self.num_workers = self.ctx.rank, self.ctx.num_workers
+        # Data parallel replicas: every worker, or in a pipeline the stages x replicas mesh's replicas
+        # (rank q is stage q % stages of replica q // stages; a replica's stages read the same batches).
+        stages = self.strategy.pipeline_stages if self.ctx.distributed else 1
+        if self.num_workers % stages:
+            raise ValueError(
+                f"Strategy.pipeline_stages={stages} does not divide the job's {self.num_workers} workers"
+            )
+        self.replicas, self.replica = self.num_workers // stages, self.rank // stages
         self.steps = 0
         """Optimizer steps taken (accumulation micro-steps count once)."""
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -210,8 +223,8 @@ class Trainer:
 
     def _engine(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
         arch = self.strategy.architecture
-        if not self.ctx.distributed or arch == "local":
-            return LocalEngine(model)
+        if not self.ctx.distributed or arch == "local" or self.pipelined:
+            return LocalEngine(model)  # a pipeline syncs its stage replicas itself
         if arch == "ps":
             from paratrain.train.ps import PSEngine
 
@@ -222,7 +235,7 @@ class Trainer:
         if loader is None or isinstance(loader, ShardedLoader):
             return loader
         if isinstance(loader, DataLoader):
-            return ShardedLoader.from_loader(loader, self.num_workers, self.rank, seed)
+            return ShardedLoader.from_loader(loader, self.replicas, self.replica, seed)
         raise TypeError(f"loader must be a torch DataLoader or a ShardedLoader, not {type(loader).__name__}")
 
     # -- the training loop ------------------------------------------------------------------------
@@ -230,6 +243,42 @@ class Trainer:
         """The epochs left of `count` (all of them, unless the run resumed part-way)."""
         start = self.loader.epoch if self.loader is not None else 0
         yield from range(start, count)
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """One training step on a batch with the Trainer's loss_fn, under any strategy: pipelined
+        (the loss is returned on the last stage only, None elsewhere) or data parallel."""
+        if self.loss_fn is None:
+            raise ValueError("train_step needs Trainer(loss_fn=...)")
+        if not self.pipelined:
+            loss = self.loss_fn(self.model(inputs), targets)
+            self.step(loss)
+            return loss.detach()
+        if self.pipe is None:
+            self._build_pipeline(inputs)
+        self._samples += inputs.shape[0]
+        loss = self.pipe.step(inputs, targets)
+        if loss is not None:
+            self._scalars["loss"] = loss.detach()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss
+
+    def _build_pipeline(self, inputs: torch.Tensor) -> None:
+        """Cut the model into stages (balanced on a micro-batch of the first batch) and keep only this
+        stage's parameters in the optimizer (the same Parameter objects: the stage holds the blocks)."""
+        from paratrain.pipeline import PipelineConfig, pipeline_for
+
+        config = PipelineConfig.from_strategy(self.strategy)
+        sample = inputs[: max(1, inputs.shape[0] // config.micro_batches)]
+        self.pipe = pipeline_for(
+            unwrap(self.model), config, loss_fn=self.loss_fn, sample_input=sample, ctx=self.ctx
+        )
+        mine = {id(p) for p in self.pipe.module.parameters()}
+        for group in self.optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in mine]
+        if self._pending_optimizer_state is not None:
+            self.optimizer.load_state_dict(self._pending_optimizer_state)
+            self._pending_optimizer_state = None
 
     def step(self, loss: torch.Tensor) -> None:
         """backward, optimizer step (every accumulation_steps calls) and zero_grad; logs the loss."""
@@ -269,7 +318,7 @@ class Trainer:
 
     def _after_step(self) -> None:
         scalars = {k: float(v) for k, v in self._scalars.items()}
-        samples, self._samples = self._samples * self.num_workers, 0
+        samples, self._samples = self._samples * self.replicas, 0
         self.progress.update(steps=1, samples=samples, **scalars)
         if self.steps % self.log_every == 0:
             rate = self.progress.samples_per_s
@@ -284,7 +333,7 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------------
     def _per_worker_model(self) -> bool:
         """Whether workers' parameters may differ (then each saves its own)."""
-        return self.strategy.architecture == "local" or bool(self.strategy.local_sgd_period)
+        return self.strategy.architecture == "local" or bool(self.strategy.local_sgd_period) or self.pipelined
 
     def save_checkpoint(self) -> Path | None:
         """Every worker calls it (the Trainer does, every checkpoint_every steps); returns the
@@ -323,7 +372,10 @@ class Trainer:
         worker = checkpoint.load_file(found.file(f"worker-{self.rank}.pt"))
         state = worker if self._per_worker_model() else checkpoint.load_file(found.file("model.pt"))
         unwrap(model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.pipelined:  # saved with this stage's parameters only: loaded once the stage is cut
+            self._pending_optimizer_state = state["optimizer"]
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.steps = worker["steps"]
         if self.loader is not None and worker["loader"] is not None:
             self.loader.load_state_dict(worker["loader"])
