@@ -10,6 +10,7 @@ for epoch in range(epochs):
 from __future__ import annotations
 
 from paratrain.data.cifar10 import CIFAR10, write_cifar10_binary
+from paratrain.data.criteo import read_criteo, write_synthetic_criteo, zipf_ranks
 from paratrain.data.digits import digits
 from paratrain.data.loader import ShardedLoader
 from paratrain.data.sampler import ShardSampler
@@ -22,6 +23,9 @@ __all__ = [
     "digits",
     "local_devices",
     "merge",
+    "read_criteo",
     "split_and_load",
     "write_cifar10_binary",
+    "write_synthetic_criteo",
+    "zipf_ranks",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from paratrain.kvstore.placement import DEFAULT_SLICE_ELEMENTS
 
@@ -57,3 +58,91 @@ def resolve_kind(kind: str | KVStoreConfig) -> KVStoreConfig:
     if kind not in KINDS:
         raise ValueError(f"kvstore kind {kind!r} is not one of {', '.join(KINDS)} or a KVStoreConfig")
     return KINDS[kind]
+
+
+# -- sparse tables (kvstore/sparse.py on the servers, kvstore/embedding.py on the workers) -----------
+INITIALIZERS = ("zeros", "uniform", "normal")
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """How a sparse table creates, keeps and drops rows. Limits are per server."""
+
+    initializer: str = "uniform"
+    """zeros, uniform (in [-init_scale, init_scale)) or normal (std init_scale). Drawn from a hash of
+    the row's id and init_seed: a new row's value depends on nothing else (not on server or time)."""
+    init_scale: float = 0.01
+    """The initializer's scale (see initializer)."""
+    init_seed: int = 0
+    """Seeds the initializer's hash."""
+    admit_after: int = 1
+    """A row is created at the n-th training pull of its id; until then it reads as zeros and its
+    gradients are dropped."""
+    admit_probability: float = 1.0
+    """From then on, each training pull creates it with this probability (a hash of id and step, so
+    a replay decides the same)."""
+    ttl_steps: int = 0
+    """Rows not pulled or pushed for training in this many steps are evicted (0: never)."""
+    max_rows: int = 0
+    """Per server: past this many rows the least recently seen are evicted (0: no cap)."""
+    max_bytes: int = 0
+    """Per server: the same cap in bytes of rows held: value, optimizer state, bookkeeping (0: none)."""
+    sweep_every: int = 1
+    """How often, in steps, rows are checked against ttl_steps."""
+    reserve_rows: int = 1024
+    """Rows preallocated on each server; storage doubles when full."""
+
+    def __post_init__(self) -> None:
+        if self.initializer not in INITIALIZERS:
+            raise ValueError(f"TableConfig.initializer={self.initializer!r} is not one of {INITIALIZERS}")
+        if not isinstance(self.init_scale, (int, float)) or not self.init_scale >= 0:
+            raise ValueError(f"TableConfig.init_scale={self.init_scale!r} must be a number >= 0")
+        if not (isinstance(self.admit_probability, (int, float)) and 0 < self.admit_probability <= 1):
+            raise ValueError(f"TableConfig.admit_probability={self.admit_probability!r} must be in (0, 1]")
+        minimums = {"init_seed": 0, "admit_after": 1, "ttl_steps": 0, "max_rows": 0, "max_bytes": 0}
+        minimums |= {"sweep_every": 1, "reserve_rows": 1}
+        for name, least in minimums.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"TableConfig.{name}={value!r} must be an int >= {least}")
+
+
+class TableError(ValueError):
+    """A sparse-table request a server refuses; the worker gets the message."""
+
+
+class SparseAPI:
+    """The sparse-table half of a kvstore's API. The store's `tables` object (embedding.TableClient
+    with servers, embedding.LocalTables without) does the work."""
+
+    tables: Any
+
+    def init_table(self, key: Any, dim: int, config: TableConfig | None = None) -> None:
+        """Declare table `key` of float32 rows of `dim` values, addressed by int64 ids and sharded
+        by a hash of the id. Every worker declares the same tables with the same config."""
+        self.tables.init_table(key, dim, config or TableConfig())
+
+    def row_sparse_pull(self, key: Any, out: Any, row_ids: Any, *, train: bool = True) -> int | None:
+        """out[i] = the row of row_ids[i] (out: float32 [len(row_ids), dim]); each unique id moves
+        once. `train`: absent rows are created (after admission) and rows count as seen; otherwise
+        absent rows read as zeros and nothing changes. Returns the table's version pulled."""
+        return self.tables.row_sparse_pull(key, out, row_ids, train=train)
+
+    def push_sparse(self, key: Any, row_ids: Any, grads: Any) -> Any:
+        """Push gradients for rows (grads[i] for row_ids[i]; repeated ids are summed first) and
+        return a handle at once. Consistency as for dense keys."""
+        return self.tables.push_sparse(key, row_ids, grads)
+
+    def set_table_optimizer(self, key: Any, optimizer: Any, **hyperparameters: Any) -> None:
+        """The table's own lazy optimizer: torch.optim.SGD, Adagrad or Adam (SparseAdam), by class
+        or path. Without one a table follows set_optimizer, where that optimizer has a sparse form."""
+        self.tables.set_table_optimizer(key, optimizer, hyperparameters)
+
+    def table_stats(self, key: Any) -> list[dict[str, Any]]:
+        """Per server: rows and bytes held, reserved bytes, admission, eviction and traffic counts."""
+        return self.tables.table_stats(key)
+
+    def export_table(self, key: Any, path: Any) -> None:
+        """Write the table's ids and rows (no optimizer state) for serving; every worker calls it,
+        worker 0 writes. Load with embedding.ServingEmbedding.from_export(path)."""
+        self.tables.export_table(key, path)

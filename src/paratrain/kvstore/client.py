@@ -20,9 +20,9 @@ import torch
 
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import optim
-from paratrain.kvstore.api import KVStoreConfig
+from paratrain.kvstore.api import KVStoreConfig, SparseAPI
 from paratrain.kvstore.placement import Placement, Slice
-from paratrain.kvstore.state import Entry, read_state, write_state
+from paratrain.kvstore.state import Entry, read_state, read_tables, write_state
 from paratrain.node import Context
 from paratrain.transport.rpc import Future, RpcClient
 from paratrain.transport.tensors import dtype_name
@@ -108,7 +108,7 @@ def flat_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1)
 
 
-class DistKVStore:
+class DistKVStore(SparseAPI):
     """kvstore kinds dist_sync, dist_async and bounded staleness, talking to the job's servers."""
 
     def __init__(
@@ -141,6 +141,7 @@ class DistKVStore:
         self._placement = Placement(len(self._clients), config.slice_elements)
         self._keys: dict[Any, KeyInfo] = {}
         self._closed = False
+        self._tables: Any = None  # embedding.TableClient, made on first use of a sparse table
         self._members = list(range(ctx.num_workers)) if members is None else members
         self._barrier = barrier or (lambda name: ctx.barrier(name=name))
         mode = "async" if config.consistency == "async" else "rounds"
@@ -149,6 +150,15 @@ class DistKVStore:
             self._all_servers("configure", meta)
         self._barrier("kvstore-create")
         atexit.register(self.close)
+
+    @property
+    def tables(self) -> Any:
+        """The sparse tables' half of the API (SparseAPI; kvstore/embedding.py does the work)."""
+        if self._tables is None:
+            from paratrain.kvstore.embedding import TableClient
+
+            self._tables = TableClient(self._clients, self.rank, self.config, self._barrier, self._timeout_s)
+        return self._tables
 
     # -- helpers ----------------------------------------------------------------------------------
     def _all_servers(self, op: str, meta: dict, tensors_for: Callable[[int], list] | None = None) -> list:
@@ -354,7 +364,8 @@ class DistKVStore:
         if self.rank == 0:
             replies = self._wait([c.request("get_state") for c in self._clients])
             optimizer = next((r.meta["optimizer"] for r in replies if r.meta["optimizer"]), [])
-            write_state(path, gather_state(replies), optimizer)
+            tables = self._tables.gather() if self._tables is not None and self._tables.tables else ()
+            write_state(path, gather_state(replies), optimizer, tables)
         self.barrier()
 
     def load_state(self, path: str | os.PathLike[str]) -> None:
@@ -367,8 +378,12 @@ class DistKVStore:
                 for s, (meta, tensors) in per_server.items()
             ]
             self._wait(futures)
+            if self._tables is not None:
+                self._tables.load(read_tables(path))
         for info in self._keys.values():
             info.clock = 0
+        if self._tables is not None:
+            self._tables.reset_clocks()
         self.barrier()
 
     def close(self) -> None:

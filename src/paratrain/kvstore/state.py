@@ -5,6 +5,7 @@ to a temporary file and renamed, so a reader never sees half a file."""
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,9 +17,14 @@ STATE_FORMAT = "paratrain.kvstore/1"
 
 # One key's entry: (key, whole value, optimizer state tensors by name).
 Entry = tuple[Any, torch.Tensor, dict[str, torch.Tensor]]
+# One sparse table's entry (embedding.TableClient.gather): key, dim, config, step, and tensors by id:
+# "ids", "values", "ages" (steps since each row was last seen) and "state" (optimizer state by name).
+TableEntry = dict[str, Any]
 
 
-def write_state(path: str | os.PathLike[str], entries: list[Entry], optimizer: list) -> None:
+def write_state(
+    path: str | os.PathLike[str], entries: list[Entry], optimizer: list, tables: Sequence[TableEntry] = ()
+) -> None:
     state = {
         "format": STATE_FORMAT,
         "keys": [{"key": k, "shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v, _ in entries],
@@ -26,6 +32,12 @@ def write_state(path: str | os.PathLike[str], entries: list[Entry], optimizer: l
         "state": {n: s for n, (_, _, s) in enumerate(entries) if s},
         "optimizer": optimizer,
     }
+    if tables:
+        state["tables"] = list(tables)
+    _write(path, state)
+
+
+def _write(path: str | os.PathLike[str], state: dict) -> None:
     tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -36,3 +48,18 @@ def read_state(path: str | os.PathLike[str]) -> list[Entry]:
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise KVStoreError(f"{path} is not a paratrain kvstore state file")
     return [(e["key"], state["values"][n], state["state"].get(n, {})) for n, e in enumerate(state["keys"])]
+
+
+def read_tables(path: str | os.PathLike[str]) -> list[TableEntry]:
+    """The sparse tables of a state file (none in files without tables)."""
+    state = torch.load(path, weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise KVStoreError(f"{path} is not a paratrain kvstore state file")
+    return list(state.get("tables", []))
+
+
+def write_tables(path: str | os.PathLike[str], tables: Sequence[TableEntry]) -> None:
+    """Add sparse tables to a state file that write_state wrote (the local store's save_state)."""
+    state = torch.load(path, weights_only=True)
+    state["tables"] = list(tables)
+    _write(path, state)

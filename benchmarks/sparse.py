@@ -1,0 +1,309 @@
+"""paratrain's sparse tables against torch.nn.Embedding and a torch RPC parameter server, in one run.
+
+    python benchmarks/sparse.py [--iters 100] [--warmup 20] [--rows 1000000] [--dim 16]
+
+Setup: a table of `rows` x `dim` float32 (ids 0..rows-1, all rows created before timing), 2 workers and
+2 servers on loopback; each worker draws batches of 1024 x 26 ids from a Zipf(exponent) law over the
+rows (about 8,800 unique ids a batch at the defaults). One step: dedup the batch's ids, pull the
+unique rows, form their gradients (a fixed upstream gradient per lookup, summed per row), push them,
+and wait until the servers applied them with Adagrad. Compared, in this run:
+
+- paratrain: `kv.tables.route/pull/push` (what DistributedEmbedding does each step) on a
+  "dist_sync" and a "dist_async" store (this file again, as a job, in its --paratrain-role mode);
+- torch.nn.Embedding(sparse=True) + torch.optim.Adagrad in one process: the same lookups and updates;
+- a torch.distributed.rpc parameter server: each server holds its rows (id % 2) and their Adagrad
+  sums as two tensors; a worker calls pull, then push, on each server (pushes are applied on arrival
+  and acknowledged; the worker waits for the acknowledgements before its next pull).
+
+Figures: steps/s per worker (timed steps / seconds, the slowest worker) and rows/s per server: unique
+rows per step x steps/s, summed over workers, divided by servers (a row counts once though it moves
+twice). For the one-process anchor, its own steps/s and rows/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import re
+import sys
+import threading
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch.distributed import rpc
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import _anchors  # noqa: E402
+
+RESULT = re.compile(r"SPARSEBENCH rank=(\d+) steps_per_s=([0-9.eE+-]+) unique=([0-9.]+)")
+NUM_WORKERS, NUM_SERVERS, BATCH, FIELDS = 2, 2, 1024, 26
+
+
+def batches(args: argparse.Namespace, rank: int) -> list[torch.Tensor]:
+    """The batches of one worker: ids 0..rows-1 drawn by a Zipf law, scattered so that popular ids
+    are not neighbours (as hashed features are not)."""
+    from paratrain.data.criteo import zipf_ranks
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    count = args.warmup + args.iters
+    ranks = zipf_ranks(count * BATCH * FIELDS, args.rows, args.exponent, g) - 1
+    scatter = torch.randperm(args.rows, generator=torch.Generator().manual_seed(7))
+    return list(scatter[ranks].reshape(count, BATCH * FIELDS))
+
+
+def upstream(args: argparse.Namespace) -> torch.Tensor:
+    return torch.full((BATCH * FIELDS, args.dim), 1e-3)
+
+
+def row_grads(grad: torch.Tensor, inverse: torch.Tensor, unique: int) -> torch.Tensor:
+    return torch.zeros(unique, grad.shape[1]).index_add_(0, inverse, grad)
+
+
+def rate(per_step_s: float) -> float:
+    return 1.0 / per_step_s
+
+
+# ------------------------------------------------------------------------------- paratrain
+def paratrain_role(args: argparse.Namespace) -> None:
+    import paratrain
+    import paratrain.kvstore
+    from paratrain.kvstore import TableConfig
+
+    torch.set_num_threads(1)
+    ctx = paratrain.init()
+    kv = paratrain.kvstore.create(args.kind)
+    kv.init_table("emb", args.dim, TableConfig(reserve_rows=args.rows // NUM_SERVERS + 4096))
+    kv.set_table_optimizer("emb", torch.optim.Adagrad, lr=0.01)
+    tables, grad = kv.tables, upstream(args)
+    every = torch.arange(ctx.rank, args.rows, NUM_WORKERS)  # create every row before timing
+    for part in every.split(65536):
+        handle, _ = tables.pull("emb", tables.route(part), True)
+        handle.wait()
+    kv.barrier()
+    mine = batches(args, ctx.rank)
+    uniques = []
+
+    def step(ids: torch.Tensor) -> None:
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        route = tables.route(unique)
+        handle, rows = tables.pull("emb", route, True)
+        handle.wait()
+        grads = row_grads(grad, inverse if route.index is None else route.index[inverse], len(unique))
+        tables.push("emb", route, grads).wait()
+        uniques.append(len(unique))
+
+    seconds = timed(step, mine, args.warmup, kv.barrier)
+    print(
+        f"SPARSEBENCH rank={ctx.rank} steps_per_s={args.iters / seconds:.3f} "
+        f"unique={sum(uniques) / len(uniques):.1f}",
+        flush=True,
+    )
+
+
+def timed(step: Any, inputs: list[torch.Tensor], warmup: int, before_timing: Any = None) -> float:
+    """Seconds for the steps after the first `warmup` ones."""
+    for ids in inputs[:warmup]:
+        step(ids)
+    if before_timing is not None:
+        before_timing()
+    start = time.perf_counter()
+    for ids in inputs[warmup:]:
+        step(ids)
+    return time.perf_counter() - start
+
+
+def paratrain_job(args: argparse.Namespace, kind: str) -> tuple[float, float] | str:
+    """(steps/s of the slowest worker, mean unique ids a step), or why there is none."""
+    from paratrain.launch.local import LocalJobConfig, run_local_job
+
+    role_args = ["--paratrain-role", "--kind", kind, "--rows", str(args.rows), "--dim", str(args.dim)]
+    role_args += ["--warmup", str(args.warmup), "--iters", str(args.iters), "--exponent", str(args.exponent)]
+    config = LocalJobConfig(
+        script=os.path.abspath(__file__),
+        args=tuple(role_args),
+        num_workers=NUM_WORKERS,
+        num_servers=NUM_SERVERS,
+        timeout_s=args.timeout,
+    )
+    out, err = io.StringIO(), io.StringIO()
+    result = run_local_job(config, out=out, err=err)
+    found = [m.groups() for m in RESULT.finditer(out.getvalue())]
+    if result.exit_code != 0 or len(found) != NUM_WORKERS:
+        tail = "\n".join(err.getvalue().splitlines()[-40:])
+        print(f"paratrain {kind} job failed:\n{tail}", file=sys.stderr)
+        return "failed"
+    return min(float(f[1]) for f in found), sum(float(f[2]) for f in found) / len(found)
+
+
+# ------------------------------------------------------------------------------- torch.nn, one process
+def torch_embedding(args: argparse.Namespace) -> tuple[float, float]:
+    torch.set_num_threads(1)
+    emb = torch.nn.Embedding(args.rows, args.dim, sparse=True)
+    optimizer = torch.optim.Adagrad(emb.parameters(), lr=0.01)
+    grad, inputs = upstream(args), batches(args, 0)
+    uniques = [len(torch.unique(ids)) for ids in inputs[args.warmup :]]
+
+    def step(ids: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        emb(ids).backward(grad)
+        optimizer.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sparse invariant checks: torch's own notice
+        seconds = timed(step, inputs, args.warmup)
+    return args.iters / seconds, sum(uniques) / len(uniques)
+
+
+# ------------------------------------------------------------------------------- rpc parameter server
+class _Table:
+    """One RPC server's rows (ids with id % servers == rank, at id // servers) and Adagrad sums."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        self.value = torch.randn(rows, dim) * 0.01
+        self.sum = torch.zeros(rows, dim)
+        self.lock = threading.Lock()  # RPC runs calls on several threads: one update at a time
+
+
+_table: _Table | None = None
+
+
+def _rpc_pull(local: torch.Tensor) -> torch.Tensor:
+    assert _table is not None
+    return _table.value.index_select(0, local)
+
+
+def _rpc_push(local: torch.Tensor, grads: torch.Tensor) -> bool:
+    assert _table is not None
+    with _table.lock:
+        _apply(_table, local, grads)
+    return True
+
+
+def _apply(table: _Table, local: torch.Tensor, grads: torch.Tensor) -> None:
+    total = table.sum.index_select(0, local).add_(grads.pow(2))
+    table.sum.index_copy_(0, local, total)
+    update = grads / total.sqrt_().add_(1e-10)
+    table.value.index_copy_(0, local, table.value.index_select(0, local).sub_(update, alpha=0.01))
+
+
+def rpc_process(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    global _table
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+    name = f"worker{rank}" if rank < NUM_WORKERS else f"server{rank - NUM_WORKERS}"
+    if rank >= NUM_WORKERS:
+        _table = _Table(args.rows // NUM_SERVERS + 1, args.dim)
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=300, num_worker_threads=8
+    )
+    rpc.init_rpc(name, rank=rank, world_size=NUM_WORKERS + NUM_SERVERS, rpc_backend_options=options)
+    if rank < NUM_WORKERS:
+        grad = upstream(args)
+
+        def step(ids: torch.Tensor) -> None:
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            server = unique % NUM_SERVERS
+            order = torch.argsort(server, stable=True)
+            counts = torch.bincount(server, minlength=NUM_SERVERS).tolist()
+            parts = (unique[order] // NUM_SERVERS).split(counts)
+            pulls = [rpc.rpc_async(f"server{s}", _rpc_pull, args=(p,)) for s, p in enumerate(parts)]
+            torch.cat([f.wait() for f in pulls])  # the rows, in `order`
+            where = torch.empty_like(order)
+            where[order] = torch.arange(len(order))
+            grads = row_grads(grad, where[inverse], len(unique)).split(counts)
+            pushes = [
+                rpc.rpc_async(f"server{s}", _rpc_push, args=(p, g))
+                for s, (p, g) in enumerate(zip(parts, grads))
+            ]
+            torch.futures.wait_all(pushes)
+
+        results.put(args.iters / timed(step, batches(args, rank), args.warmup))
+    rpc.shutdown()
+
+
+def rpc_ps(args: argparse.Namespace) -> float:
+    port = _anchors.free_port()
+    with _anchors.Children(args.timeout) as kids:
+        for rank in range(NUM_WORKERS + NUM_SERVERS):
+            kids.start(f"rpc rank {rank}", rpc_process, rank, port, args)
+        return min(kids.collect(NUM_WORKERS))
+
+
+# ------------------------------------------------------------------------------- driver
+def anchor(name: str, measure: Any, *measure_args: Any) -> Any:
+    try:
+        return measure(*measure_args)
+    except Exception as exc:  # one broken anchor must not hide the others
+        print(f"{name} failed: {exc!r}", file=sys.stderr)
+        return "failed"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=100, help="timed steps per worker")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps first")
+    parser.add_argument("--rows", type=int, default=1_000_000, help="rows in the table")
+    parser.add_argument("--dim", type=int, default=16, help="values per row")
+    parser.add_argument("--exponent", type=float, default=1.1, help="of the Zipf law of the ids")
+    parser.add_argument("--timeout", type=float, default=300.0, help="limit per measurement (s)")
+    parser.add_argument("--paratrain-role", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kind", default="dist_sync", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.iters < 1 or args.warmup < 0:
+        parser.error("--iters must be >= 1 and --warmup >= 0")
+    if args.paratrain_role:
+        paratrain_role(args)
+        return
+    nn_result = anchor("torch.nn.Embedding", torch_embedding, args)
+    unique = nn_result[1] if isinstance(nn_result, tuple) else float("nan")
+    rows = {"torch.nn.Embedding + sparse Adagrad, 1 process": (nn_result, 1, 1)}
+    rpc_result = anchor("rpc PS", rpc_ps, args)
+    rows["torch.distributed.rpc PS (tensors)"] = (
+        (rpc_result, unique) if isinstance(rpc_result, float) else rpc_result,
+        NUM_WORKERS,
+        NUM_SERVERS,
+    )
+    for kind in ("dist_sync", "dist_async"):
+        rows[f"paratrain {kind}"] = (paratrain_job(args, kind), NUM_WORKERS, NUM_SERVERS)
+    print_table(args, unique, rows)
+
+
+def print_table(args: argparse.Namespace, unique: float, rows: dict[str, tuple]) -> None:
+    rpc_rate = None
+    table = [["", "steps/s per worker", "rows/s per server", "vs rpc PS"]]
+    figures = {}
+    for name, (result, workers, servers) in rows.items():
+        if not isinstance(result, tuple):
+            figures[name] = None
+            table.append([name, str(result), "-", "-"])
+            continue
+        steps, mean_unique = result
+        per_server = mean_unique * steps * workers / servers
+        figures[name] = per_server
+        if name.startswith("torch.distributed.rpc"):
+            rpc_rate = per_server
+        table.append([name, f"{steps:.1f}", f"{per_server:,.0f}", ""])
+    for line, name in zip(table[1:], rows, strict=True):
+        if figures[name] is not None and rpc_rate:
+            line[3] = f"{figures[name] / rpc_rate:.2f}"
+    print(
+        f"{args.rows:,} x {args.dim} float32 table, {NUM_WORKERS} workers, {NUM_SERVERS} servers, loopback, "
+        f"batches {BATCH} x {FIELDS} ids, Zipf({args.exponent}), ~{unique:,.0f} unique ids a batch, "
+        f"Adagrad on the servers; {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{args.iters} timed steps after {args.warmup}"
+    )
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    for line in table:
+        print(
+            " | ".join(
+                [line[0].ljust(widths[0])] + [t.rjust(w) for t, w in zip(line[1:], widths[1:], strict=True)]
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

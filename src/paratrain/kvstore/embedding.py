@@ -1,0 +1,503 @@
+"""Embedding tables that live on the parameter servers: the worker's side.
+
+    emb = DistributedEmbedding("ads", 16, mode="sum", optimizer=torch.optim.Adagrad,
+                               optimizer_args={"lr": 0.05})  # kv=: default one dist_sync store
+    out = emb(ids, offsets)                                  # pulls the batch's unique rows
+    loss.backward()                                          # pushes their gradients (async)
+    emb.flush()                                              # where the optimizer steps
+
+A forward dedups its ids (torch.unique), groups the unique ids by server (a hash of the id) and pulls
+just those rows, one frame per server. The rows become a fresh leaf tensor (never an nn.Parameter, so
+torch optimizers and DDP leave it alone) that the output gathers from; its gradient, which autograd
+has already summed per unique row, is pushed from a hook during backward, and `flush()` (called by
+the trainer where the optimizer steps, and by the next forward) waits for the pushes. In sync mode the
+next pull waits on the servers until every worker's push of the round was applied, as dense pulls
+do; so a training forward (module.training, grad enabled) needs its backward on every worker.
+
+`TableClient` does the wire work of the sparse kvstore API (init_table, row_sparse_pull, push_sparse,
+...) for DistKVStore, and for a store without servers (`LocalSparseKVStore`) over the servers' own
+table code in this process. `ServingEmbedding` serves a table written by `kv.export_table`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.errors import KVStoreError, RemoteError, TransportError
+from paratrain.kvstore import optim
+from paratrain.kvstore.api import KVStoreConfig, SparseAPI, TableConfig
+from paratrain.kvstore.client import Handle
+from paratrain.kvstore.local import LocalKVStore
+from paratrain.kvstore.sparse import SparseTables, shard_of
+from paratrain.kvstore.state import TableEntry, read_tables, write_tables
+
+logger = logging.getLogger(__name__)
+
+EXPORT_FORMAT = "paratrain.embedding/1"
+MODES = (None, "sum", "mean", "max")
+
+
+@dataclass
+class TableInfo:
+    dim: int
+    config: TableConfig
+    clock: int = 0
+    """Pushes this worker made to the table: the round its next push joins."""
+
+
+@dataclass
+class Route:
+    """Unique ids grouped by server: server s holds ids[bounds[s][0]:bounds[s][1]]."""
+
+    ids: torch.Tensor
+    bounds: list[tuple[int, int]]
+    index: torch.Tensor | None
+    """Where each of the caller's unique ids sits in `ids` (None: in the same place)."""
+
+
+class TableClient:
+    """The sparse tables of one kvstore, over `clients` (one per server, by rank)."""
+
+    def __init__(
+        self,
+        clients: Sequence[Any],
+        rank: int,
+        config: KVStoreConfig,
+        barrier: Callable[[str], Any],
+        timeout_s: float | None,
+    ) -> None:
+        self._clients = list(clients)
+        self.rank = rank
+        self._config = config
+        self._barrier = barrier
+        self._timeout_s = timeout_s
+        self.tables: dict[Any, TableInfo] = {}
+
+    def _info(self, key: Any) -> TableInfo:
+        try:
+            return self.tables[key]
+        except KeyError:
+            raise KVStoreError(f"table {key!r} was never declared (call kv.init_table first)") from None
+
+    def _wait(self, futures: list) -> list:
+        try:
+            return [f.wait(self._timeout_s) for f in futures]
+        except (RemoteError, TransportError) as exc:
+            raise KVStoreError(str(exc)) from None
+
+    def _all(self, op: str, meta: dict) -> list:
+        return self._wait([c.request(op, meta) for c in self._clients])
+
+    def init_table(self, key: Any, dim: int, config: TableConfig) -> None:
+        if not isinstance(key, (int, str)) or isinstance(key, bool):
+            raise TypeError(f"table key {key!r} is not an int or a str")
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+            raise ValueError(f"table {key!r}: dim={dim!r} must be an int >= 1")
+        known = self.tables.get(key)
+        if known is not None and (known.dim, known.config) != (dim, config):
+            raise ValueError(f"table {key!r} was declared with dim {known.dim} and {known.config}")
+        self._all("sparse_init", {"key": key, "dim": dim, "config": asdict(config)})
+        self.tables.setdefault(key, TableInfo(dim, config))
+
+    # -- routing, pull and push -------------------------------------------------------------------
+    def route(self, unique: torch.Tensor) -> Route:
+        """Group unique int64 ids (CPU) by the server that holds them."""
+        if len(self._clients) == 1:
+            return Route(unique, [(0, len(unique))], None)
+        shards = shard_of(unique, len(self._clients))
+        order = torch.argsort(shards, stable=True)
+        counts = torch.bincount(shards, minlength=len(self._clients)).tolist()
+        index = torch.empty_like(order)
+        index[order] = torch.arange(len(order))
+        stops = [sum(counts[: s + 1]) for s in range(len(counts))]
+        return Route(unique[order], list(zip([0, *stops[:-1]], stops, strict=True)), index)
+
+    def _min_version(self, info: TableInfo) -> int:
+        if self._config.consistency == "async":
+            return 0
+        return max(0, info.clock - self._config.staleness)
+
+    def pull(self, key: Any, route: Route, train: bool) -> tuple[Handle, torch.Tensor]:
+        """Start pulling the rows of route.ids; they land in the returned tensor, in route order."""
+        info = self._info(key)
+        rows = torch.empty(len(route.ids), info.dim)
+        meta = {"key": key, "clock": info.clock, "min_version": self._min_version(info), "train": train}
+        meta["rank"] = self.rank
+        futures = [
+            self._clients[s].request("sparse_pull", meta, [route.ids[a:b]], out=[rows[a:b]])
+            for s, (a, b) in enumerate(route.bounds)
+            if b > a
+        ]
+        return Handle(futures, timeout_s=self._timeout_s), rows
+
+    def push(self, key: Any, route: Route, grads: torch.Tensor) -> Handle:
+        """Push one gradient row per route id (in route order). In rounds modes every server gets
+        a push, empty or not, so that its round can complete."""
+        info = self._info(key)
+        if grads.dtype != torch.float32 or tuple(grads.shape) != (len(route.ids), info.dim):
+            raise ValueError(f"push to table {key!r}: grads must be float32 [{len(route.ids)}, {info.dim}]")
+        grads = grads.detach().to("cpu").contiguous()
+        meta = {"key": key, "clock": info.clock, "rank": self.rank}
+        info.clock += 1
+        everyone = self._config.consistency != "async"
+        futures = [
+            self._clients[s].request("sparse_push", meta, [route.ids[a:b], grads[a:b]])
+            for s, (a, b) in enumerate(route.bounds)
+            if b > a or everyone
+        ]
+        return Handle(futures, timeout_s=self._timeout_s)
+
+    def row_sparse_pull(self, key: Any, out: torch.Tensor, row_ids: torch.Tensor, train: bool) -> int | None:
+        info = self._info(key)
+        flat = _ids(row_ids)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (len(flat), info.dim):
+            raise ValueError(f"out for table {key!r} must be a tensor of shape [{len(flat)}, {info.dim}]")
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        route = self.route(unique)
+        handle, rows = self.pull(key, route, train)
+        where = inverse if route.index is None else route.index[inverse]
+        handle.after.append(lambda: out.copy_(rows[where]))
+        handle.wait()
+        return handle.version
+
+    def push_sparse(self, key: Any, row_ids: torch.Tensor, grads: torch.Tensor) -> Handle:
+        info = self._info(key)
+        flat = _ids(row_ids)
+        grads = grads.detach().to("cpu", torch.float32).reshape(len(flat), info.dim)
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        route = self.route(unique)
+        where = inverse if route.index is None else route.index[inverse]
+        summed = torch.zeros(len(unique), info.dim).index_add_(0, where, grads)
+        return self.push(key, route, summed)
+
+    # -- the rest of the API ----------------------------------------------------------------------
+    def set_table_optimizer(self, key: Any, optimizer: Any, hyper: dict[str, Any]) -> None:
+        self._info(key)
+        path = optim.class_path(optimizer)
+        optim.resolve(path)
+        meta = {"key": key, "path": path, "hyper": optim.check_hyperparameters(hyper)}
+        if self.rank == 0:
+            self._all("sparse_optimizer", meta)
+        self._barrier("kvstore-table-optimizer")
+
+    def table_stats(self, key: Any) -> list[dict[str, Any]]:
+        self._info(key)
+        return [reply.meta for reply in self._all("sparse_stats", {"key": key})]
+
+    def export_table(self, key: Any, path: str | os.PathLike[str]) -> None:
+        info = self._info(key)
+        self._barrier("kvstore-export")
+        if self.rank == 0:
+            entry = self.gather(key, full=False)[0]
+            export = {"format": EXPORT_FORMAT, "key": key, "dim": info.dim}
+            _save(path, export | {"ids": entry["ids"], "values": entry["values"]})
+        self._barrier("kvstore-export-done")
+
+    def gather(self, key: Any = None, full: bool = True) -> list[TableEntry]:
+        """Every table (or `key`) from every server, rows sorted by id: state-file entries."""
+        parts: dict[Any, list[tuple[dict, list[torch.Tensor]]]] = {}
+        for reply in self._all("sparse_get_state", {"key": key, "full": full}):
+            at = 0
+            for meta in reply.meta["tables"]:
+                parts.setdefault(meta["key"], []).append((meta, reply.tensors[at : at + meta["tensors"]]))
+                at += meta["tensors"]
+        return [_merge(pieces, full) for pieces in parts.values()]
+
+    def load(self, entries: list[TableEntry]) -> None:
+        """Put saved tables onto the servers, re-sharded for this job's number of servers."""
+        for entry in entries:
+            key = entry["key"]
+            info = self.tables.get(key)
+            if info is None:
+                raise KVStoreError(f"the state file has table {key!r}, which this job never declared")
+            if entry["dim"] != info.dim:
+                raise KVStoreError(f"table {key!r} has dim {entry['dim']} in the file but {info.dim} here")
+            route = self.route(entry["ids"])
+            names = list(entry["state"])
+            columns = [entry["values"], entry["ages"], *entry["state"].values()]
+            if route.index is not None:  # route order
+                order = torch.argsort(route.index)
+                columns = [c[order] for c in columns]
+            futures = [
+                client.request(
+                    "sparse_set_state",
+                    {"key": key, "names": names},
+                    [route.ids[a:b]] + [c[a:b].contiguous() for c in columns],
+                )
+                for client, (a, b) in zip(self._clients, route.bounds, strict=True)
+            ]
+            self._wait(futures)
+
+    def reset_clocks(self) -> None:
+        for info in self.tables.values():
+            info.clock = 0
+
+
+def _ids(row_ids: torch.Tensor) -> torch.Tensor:
+    if not isinstance(row_ids, torch.Tensor) or row_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"row ids must be an int64 tensor, not {type(row_ids).__name__}")
+    return row_ids.detach().reshape(-1).to("cpu", torch.int64)
+
+
+def _merge(pieces: list[tuple[dict, list[torch.Tensor]]], full: bool) -> TableEntry:
+    """One table's per-server parts -> one entry, rows sorted by id."""
+    meta = pieces[0][0]
+    columns = [torch.cat([p[1][i] for p in pieces]) for i in range(len(pieces[0][1]))]
+    order = torch.argsort(columns[0])
+    columns = [c[order] for c in columns]
+    entry = {k: meta[k] for k in ("key", "dim", "config", "optimizer")}
+    entry |= {"step": max(p[0]["step"] for p in pieces), "ids": columns[0], "values": columns[1]}
+    if full:
+        entry |= {"ages": columns[2], "state": dict(zip(meta["names"], columns[3:], strict=True))}
+    return entry
+
+
+def _save(path: str | os.PathLike[str], payload: dict) -> None:
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+# -- a store without servers ----------------------------------------------------------------------
+class _Done:
+    """The reply to an in-process request, which is complete when it returns."""
+
+    def __init__(
+        self, meta: dict | None, tensors: Sequence[torch.Tensor], error: str | None, out: Any
+    ) -> None:
+        self.meta, self.tensors, self.error = meta or {}, list(tensors), error
+        for dest, tensor in zip(out or (), self.tensors, strict=False):
+            dest.copy_(tensor)
+
+    def wait(self, timeout_s: float | None = None) -> _Done:
+        if self.error is not None:
+            raise RemoteError(self.error)
+        return self
+
+    def done(self) -> bool:
+        return True
+
+
+class InProcessServer:
+    """The request interface of an RpcClient, served by a SparseTables in this process."""
+
+    @dataclass
+    class _Request:
+        op: str
+        meta: dict
+        tensors: list[torch.Tensor]
+        header: Any = None
+        result: tuple | None = None
+
+        def reply(self, meta: dict | None = None, tensors: Sequence[torch.Tensor] = ()) -> None:
+            self.result = (meta, tensors, None)
+
+        def fail(self, message: str) -> None:
+            self.result = (None, (), message)
+
+    @dataclass
+    class _Header:
+        at: int | None = None
+
+    def __init__(self, tables: SparseTables) -> None:
+        self.tables = tables
+
+    def request(self, op: str, meta: dict | None = None, tensors: Sequence = (), out: Any = None) -> _Done:
+        request = self._Request(op, meta or {}, list(tensors), self._Header())
+        try:
+            self.tables.handle(request)
+        except (ValueError, TypeError, KeyError) as exc:
+            request.fail(str(exc))
+        assert request.result is not None, f"{op} got no reply"  # nothing waits in a one-worker job
+        return _Done(*request.result, out)
+
+
+@dataclass
+class _OneProcess:
+    """What SparseTables reads from its server: this process is the only worker."""
+
+    mode: str
+    rank: int = 0
+    members: frozenset = frozenset({0})
+
+
+class LocalSparseKVStore(SparseAPI, LocalKVStore):
+    """The local store (kinds local, device, or a script run alone) with sparse tables."""
+
+    def __init__(self, config: KVStoreConfig) -> None:
+        super().__init__(config)
+        self._server = SparseTables(_OneProcess("async" if config.consistency == "async" else "rounds"))
+        self.tables = TableClient([InProcessServer(self._server)], 0, config, lambda name: None, None)
+
+    def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
+        super().set_optimizer(optimizer, **hyperparameters)
+        path = optim.class_path(optimizer)
+        self._server.set_default_optimizer(path, optim.check_hyperparameters(hyperparameters))
+
+    def save_state(self, path: str | os.PathLike[str]) -> None:
+        super().save_state(path)
+        if self.tables.tables:
+            write_tables(path, self.tables.gather())
+
+    def load_state(self, path: str | os.PathLike[str]) -> None:
+        super().load_state(path)
+        self.tables.load(read_tables(path))
+        self.tables.reset_clocks()
+
+
+# -- the module -----------------------------------------------------------------------------------
+_default_kv: Any = None
+
+
+def default_store() -> Any:
+    """The kvstore that DistributedEmbeddings built without `kv` share: one "dist_sync" store per
+    process (a local store when the script runs alone)."""
+    global _default_kv
+    if _default_kv is None:
+        import paratrain.kvstore
+
+        _default_kv = paratrain.kvstore.create("dist_sync")
+    return _default_kv
+
+
+class DistributedEmbedding(nn.Module):
+    """nn.Embedding (mode None) or nn.EmbeddingBag (mode "sum", "mean", "max") over a table on the
+    servers: ids are any int64 values, rows are created on first use (see TableConfig).
+
+    The module holds no parameters: the table, and its lazy optimizer (`optimizer`: torch.optim.SGD,
+    Adagrad or Adam, by class or path, with `optimizer_args`; else the store's set_optimizer), live
+    on the servers. A training forward pulls the batch's unique rows into a leaf tensor; backward
+    pushes their gradients from a hook on it; `flush()` (also the start of the next forward) waits
+    for those pushes. Every worker builds the same modules in the same order."""
+
+    paratrain_sparse = True
+    """Tells the trainer: no parameters here; call flush() where the optimizer steps."""
+
+    def __init__(
+        self,
+        key: str | int,
+        dim: int,
+        *,
+        mode: str | None = None,
+        config: TableConfig | None = None,
+        optimizer: str | type | None = None,
+        optimizer_args: dict[str, Any] | None = None,
+        kv: Any = None,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"DistributedEmbedding mode={mode!r} is not one of {MODES}")
+        kv = default_store() if kv is None else kv
+        if not isinstance(kv, SparseAPI):
+            raise TypeError(
+                f"{type(kv).__name__} has no sparse tables: use a kvstore with aggregation='process'"
+            )
+        self.kv, self.key, self.dim, self.mode = kv, key, dim, mode
+        kv.init_table(key, dim, config)
+        if optimizer is not None:
+            kv.set_table_optimizer(key, optimizer, **(optimizer_args or {}))
+        elif optimizer_args:
+            raise ValueError(f"DistributedEmbedding {key!r}: optimizer_args without an optimizer")
+        self._pushes: list[Handle] = []
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Rows of `ids` (shape ids.shape + [dim]), or per bag as nn.EmbeddingBag does: `ids` 2-D
+        (one bag per row), or 1-D with `offsets`. In training (module.training and grad enabled)
+        absent rows are created and backward pushes the rows' gradients."""
+        if self.mode is None and offsets is not None:
+            raise ValueError("offsets are for bag modes: DistributedEmbedding(mode='sum' or 'mean')")
+        self.flush()
+        tables = self.kv.tables
+        unique, inverse = torch.unique(_ids(ids), return_inverse=True)
+        route = tables.route(unique)
+        train = self.training and torch.is_grad_enabled()
+        handle, rows = tables.pull(self.key, route, train)
+        handle.wait()
+        where = inverse if route.index is None else route.index[inverse]
+        where = where.view(ids.shape).to(ids.device)
+        if train:
+            rows.requires_grad_(True)
+            rows.register_hook(self._pusher(route))
+        weight = rows.to(ids.device)
+        if self.mode is None:
+            return F.embedding(where, weight)
+        return F.embedding_bag(where, weight, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
+
+    def _pusher(self, route: Route) -> Callable[[torch.Tensor], None]:
+        def push(grad: torch.Tensor) -> None:
+            self._pushes.append(self.kv.tables.push(self.key, route, grad))
+
+        return push
+
+    def flush(self) -> None:
+        """Wait until the servers have every gradient this module pushed (raises their errors)."""
+        pushes, self._pushes = self._pushes, []
+        for handle in pushes:
+            handle.wait()
+
+    wait = flush
+
+    def extra_repr(self) -> str:
+        return f"key={self.key!r}, dim={self.dim}, mode={self.mode!r}"
+
+
+def modules(model: nn.Module) -> list[DistributedEmbedding]:
+    """The model's distributed embeddings (e.g. to `flush()` their pushes before a checkpoint)."""
+    return [m for m in model.modules() if isinstance(m, DistributedEmbedding)]
+
+
+# -- serving --------------------------------------------------------------------------------------
+def load_export(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A table written by kv.export_table: {"key", "dim", "ids" (sorted), "values"}. Loads tensors
+    and plain data only (no code runs)."""
+    export = torch.load(path, weights_only=True)
+    if not isinstance(export, dict) or export.get("format") != EXPORT_FORMAT:
+        raise KVStoreError(f"{path} is not an exported paratrain table")
+    return export
+
+
+class ServingEmbedding(nn.Module):
+    """An exported table for inference, in one process: ids are found by binary search in the
+    sorted ids; ids the table does not hold read as zeros (as a pull that does not train does)."""
+
+    def __init__(self, ids: torch.Tensor, values: torch.Tensor, mode: str | None = None) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"ServingEmbedding mode={mode!r} is not one of {MODES}")
+        order = torch.argsort(ids)
+        self.mode = mode
+        self.register_buffer("ids", ids[order].contiguous())
+        self.register_buffer("values", torch.cat([values[order], values.new_zeros(1, values.shape[1])]))
+
+    @classmethod
+    def from_export(cls, path: str | os.PathLike[str], mode: str | None = None) -> ServingEmbedding:
+        export = load_export(path)
+        return cls(export["ids"], export["values"], mode)
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        held = len(self.ids)
+        at = torch.searchsorted(self.ids, ids.to(torch.int64)).clamp_(max=max(held - 1, 0))
+        where = torch.where(self.ids[at] == ids, at, held) if held else torch.zeros_like(at)
+        if self.mode is None:
+            return F.embedding(where, self.values)
+        return F.embedding_bag(
+            where, self.values, offsets, mode=self.mode, per_sample_weights=per_sample_weights
+        )
