@@ -1,0 +1,118 @@
+"""How the replicas of one stage agree on its gradients after a pipelined step.
+
+`AllReduceSync` (collective): one flat bucket of this stage's gradients, all-reduced (sum) within
+the group of that stage's replicas, then divided by the number of replicas.
+
+`ServerSync` (parameter server): each gradient is pushed to the job's servers under the key
+"pipe<n>/stage<s>/<parameter name>" (n counts the pipelines this process built, the same on every
+rank, so a second pipeline never meets the first one's rounds) and the round's sum pulled back
+(pushpull, no server optimizer: the update stays on the workers), then divided by the number of
+replicas. The servers take their member
+set per server, not per key, so the replicas of one stage get servers of their own: stage s uses
+servers s, s + p, s + 2p, ... (p = stages), which needs at least as many servers as stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_server_syncs = itertools.count()
+
+
+def _grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    """Every parameter's gradient, zeros where backward left none, so every replica sends the same
+    shapes in the same order."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
+
+
+class AllReduceSync:
+    """Average gradients over `group` (the replicas of one stage) by all-reduce."""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, replicas: int) -> None:
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.group, self.replicas = group, replicas
+
+    def __call__(self) -> None:
+        grads = _grads(self.params)
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat /= self.replicas
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def broadcast_parameters(module: nn.Module, src: int, group: dist.ProcessGroup) -> None:
+    """Make every replica start from global rank `src`'s parameters and buffers."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src, group=group)
+
+
+def stage_servers(servers: Sequence[tuple[str, int]], stage: int, stages: int) -> list[tuple[str, int]]:
+    """The servers stage `stage` syncs through: every `stages`-th one, starting at `stage`."""
+    if len(servers) < stages:
+        raise ValueError(
+            f"replica_sync='ps' needs at least one server per stage: {stages} stages, {len(servers)} servers"
+        )
+    return list(servers[stage::stages])
+
+
+class ServerSync:
+    """Average gradients over the replicas of one stage through the parameter servers."""
+
+    def __init__(
+        self,
+        ctx,
+        module: nn.Module,
+        stage: int,
+        stages: int,
+        replica: int,
+        replicas: int,
+        group,  # noqa: ANN001
+    ) -> None:
+        from paratrain.kvstore.api import KVStoreConfig
+        from paratrain.kvstore.client import DistKVStore
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        pipe = next(_server_syncs)
+        self.keys = [f"pipe{pipe}/stage{stage}/{name}" for name, _ in named]
+        self.replicas = replicas
+        # The replicas of this stage act as a job of `replicas` workers on this stage's servers.
+        servers = stage_servers(ctx.servers, stage, stages)
+        view = dataclasses.replace(
+            ctx, rank=replica, num_workers=replicas, servers=servers, num_servers=len(servers)
+        )
+        self.store = DistKVStore(
+            view,
+            KVStoreConfig(),
+            members=list(range(replicas)),
+            barrier=lambda _name: dist.barrier(group=group),
+        )
+        if self.keys:
+            self.store.init(self.keys, [torch.zeros_like(p, device="cpu") for p in self.params])
+
+    def __call__(self) -> None:
+        grads = _grads(self.params)
+        if not grads:
+            return
+        sums = [torch.empty_like(g, device="cpu") for g in grads]
+        self.store.pushpull(self.keys, [g.detach().cpu() for g in grads], out=sums)  # the round's sum
+        for g, total in zip(grads, sums):
+            g.copy_(total.to(g.device) / self.replicas)
