@@ -44,7 +44,7 @@ def train_micro(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: callab
 # -- the job under test ---------------------------------------------------------------------------
 model, optimizer = build()
 if "compile" in opts:
-    model = torch.compile(model, backend="aot_eager")
+    model = torch.compile(model, backend=opts["compile"] or "aot_eager")
 ckpt = opts.get("ckpt")
 stop = int(opts.get("stop", steps))
 pipelined = strategy.pipeline_stages > 1
