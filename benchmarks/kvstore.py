@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import io
 import math
 import os
 import re
@@ -31,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import _anchors  # noqa: E402
+import _jobs  # noqa: E402
 
 RESULT = re.compile(r"KVBENCH rank=(\d+) per_iter_s=([0-9.eE+-]+) sum_ok=(\d)")
 NUM_WORKERS = 2
@@ -87,24 +87,12 @@ def paratrain_job(args: argparse.Namespace, num_servers: int, same_host: bool) -
     through shared-memory rings (workers and servers share this machine); else over TCP."""
     if kvstore_missing():
         return "n/a (kvstore missing)"
-    from paratrain.launch.local import LocalJobConfig, run_local_job
-
     role_args = ["--paratrain-role", "--mb", str(args.mb), "--tensors", str(args.tensors)]
     role_args += ["--warmup", str(args.warmup), "--iters", str(args.iters)]
     role_args += ["--same-host"] if same_host else []
-    config = LocalJobConfig(
-        script=os.path.abspath(__file__),
-        args=tuple(role_args),
-        num_workers=NUM_WORKERS,
-        num_servers=num_servers,
-        timeout_s=args.timeout,
-    )
-    out, err = io.StringIO(), io.StringIO()
-    result = run_local_job(config, out=out, err=err)
-    found = [m.groups() for m in RESULT.finditer(out.getvalue())]
-    if result.exit_code != 0 or len(found) != NUM_WORKERS:
-        tail = "\n".join(err.getvalue().splitlines()[-40:])
-        print(f"paratrain job with {num_servers} server(s) failed:\n{tail}", file=sys.stderr)
+    script = os.path.abspath(__file__)
+    found = _jobs.run_role_job(script, role_args, NUM_WORKERS, num_servers, args.timeout, RESULT)
+    if found is None:
         return "failed"
     if not all(ok == "1" for _, _, ok in found):
         print(f"note: paratrain with {num_servers} server(s) pulled wrong sums", file=sys.stderr)

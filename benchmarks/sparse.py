@@ -23,7 +23,6 @@ twice). For the one-process anchor, its own steps/s and rows/s.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import re
 import sys
@@ -38,6 +37,7 @@ from torch.distributed import rpc
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import _anchors  # noqa: E402
+import _jobs  # noqa: E402
 
 RESULT = re.compile(r"SPARSEBENCH rank=(\d+) steps_per_s=([0-9.eE+-]+) unique=([0-9.]+)")
 NUM_WORKERS, NUM_SERVERS, BATCH, FIELDS = 2, 2, 1024, 26
@@ -118,23 +118,11 @@ def timed(step: Any, inputs: list[torch.Tensor], warmup: int, before_timing: Any
 
 def paratrain_job(args: argparse.Namespace, kind: str) -> tuple[float, float] | str:
     """(steps/s of the slowest worker, mean unique ids a step), or why there is none."""
-    from paratrain.launch.local import LocalJobConfig, run_local_job
-
     role_args = ["--paratrain-role", "--kind", kind, "--rows", str(args.rows), "--dim", str(args.dim)]
     role_args += ["--warmup", str(args.warmup), "--iters", str(args.iters), "--exponent", str(args.exponent)]
-    config = LocalJobConfig(
-        script=os.path.abspath(__file__),
-        args=tuple(role_args),
-        num_workers=NUM_WORKERS,
-        num_servers=NUM_SERVERS,
-        timeout_s=args.timeout,
-    )
-    out, err = io.StringIO(), io.StringIO()
-    result = run_local_job(config, out=out, err=err)
-    found = [m.groups() for m in RESULT.finditer(out.getvalue())]
-    if result.exit_code != 0 or len(found) != NUM_WORKERS:
-        tail = "\n".join(err.getvalue().splitlines()[-40:])
-        print(f"paratrain {kind} job failed:\n{tail}", file=sys.stderr)
+    script = os.path.abspath(__file__)
+    found = _jobs.run_role_job(script, role_args, NUM_WORKERS, NUM_SERVERS, args.timeout, RESULT)
+    if found is None:
         return "failed"
     return min(float(f[1]) for f in found), sum(float(f[2]) for f in found) / len(found)
 

@@ -18,7 +18,6 @@ elapsed time for `iters` steps after `warmup` untimed ones), the median of `roun
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import re
 import statistics
@@ -35,6 +34,7 @@ from torch.distributed import rpc
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import _anchors  # noqa: E402
+import _jobs  # noqa: E402
 
 BATCH = 64
 WORKERS = 2
@@ -203,26 +203,10 @@ def paratrain_role(args: argparse.Namespace) -> None:
 
 
 def paratrain_job(args: argparse.Namespace, strategy: str, servers: int) -> float | str:
-    from paratrain.launch.local import LocalJobConfig, run_local_job
-
     role_args = ["--paratrain-role", "--strategy", strategy, "--warmup", str(args.warmup)]
     role_args += ["--iters", str(args.iters)]
-    config = LocalJobConfig(
-        script=os.path.abspath(__file__),
-        args=tuple(role_args),
-        num_workers=WORKERS,
-        num_servers=servers,
-        timeout_s=args.timeout,
-    )
-    out, err = io.StringIO(), io.StringIO()
-    result = run_local_job(config, out=out, err=err)
-    found = [m.groups() for m in RESULT.finditer(out.getvalue())]
-    if result.exit_code != 0 or len(found) != WORKERS:
-        print(
-            f"paratrain {strategy} failed:\n" + "\n".join(err.getvalue().splitlines()[-30:]), file=sys.stderr
-        )
-        return "failed"
-    return max(float(seconds) for _, seconds, _ in found)
+    found = _jobs.run_role_job(os.path.abspath(__file__), role_args, WORKERS, servers, args.timeout, RESULT)
+    return "failed" if found is None else max(float(seconds) for _, seconds, _ in found)
 
 
 # ------------------------------------------------------------------------------- driver
