@@ -30,8 +30,8 @@ g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(150, 8, generator=g), torch.randn(150, 3, generator=g))
 
 
-def build() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
+def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
 
@@ -42,7 +42,10 @@ def train_micro(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: callab
 
 
 # -- the job under test ---------------------------------------------------------------------------
-model, optimizer = build()
+# Each worker builds its own initial model: data parallel strategies start all from worker 0's. (Not
+# "local"; and a pipeline's stage replicas start from their first replica's: stages may differ.)
+same_start = strategy.architecture == "local" or strategy.pipeline_stages > 1
+model, optimizer = build(seed=0 if same_start else ctx.rank)
 if "compile" in opts:
     model = torch.compile(model, backend=opts["compile"] or "aot_eager")
 ckpt = opts.get("ckpt")

@@ -49,6 +49,8 @@ def server_hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 class PSEngine:
+    scales_gradients = True  # pushes grad / (accumulation_steps * workers)
+
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, ctx: Any
     ) -> None:
@@ -68,16 +70,24 @@ class PSEngine:
         workers = 1 if strategy.consistency == "async" else ctx.num_workers
         self.scale = 1.0 / (workers * strategy.accumulation_steps)
         self.wire_dtype = _COMPRESSED.get(strategy.compression or "")
-        with torch.no_grad():
-            if self.on_server:
-                self.kv.init(self.keys, [p.detach().cpu() for p in self.params])
-                self.hyper = server_hyperparameters(optimizer)
-                self.kv.set_optimizer(type(optimizer), **self.hyper)
-            else:
-                self.kv.init(self.keys, [torch.zeros(p.shape, dtype=self._dtype(p)) for p in self.params])
+        # Every worker starts from worker 0's values: its init sets the keys, and everyone pulls them.
+        # With the optimizer on the workers the keys then carry gradient sums (a round's sum becomes
+        # the value); compressed gradient keys cannot carry the weights, so those start in "<key>/init".
         self.staging = [torch.empty(p.shape, dtype=self._dtype(p)) for p in self.params]
+        initial = [p.detach().cpu() for p in self.params]
         if self.on_server:
-            self.pull_parameters()  # every worker starts from worker 0's values
+            self.kv.init(self.keys, initial)
+            self.hyper = server_hyperparameters(optimizer)
+            self.kv.set_optimizer(type(optimizer), **self.hyper)
+            self.pull_parameters()
+        elif self.wire_dtype is None:
+            self.kv.init(self.keys, initial)
+            self.pull_parameters()
+        else:
+            self.kv.init(self.keys, [torch.zeros(p.shape, dtype=self.wire_dtype) for p in self.params])
+            init_keys = [f"{key}/init" for key in self.keys]
+            self.kv.init(init_keys, initial)
+            self.pull_parameters(init_keys, [torch.empty_like(t) for t in initial])
         self.bucket_bytes = int(strategy.bucket_mb * 2**20)
         # As DDP does: the first bucket of a step is small, so the wire starts early in backward.
         self.first_bucket_bytes = min(self.bucket_bytes, 2**20)
@@ -164,10 +174,12 @@ class PSEngine:
                 "servers with the values it started with: use update_on='worker' with an LR schedule"
             )
 
-    def pull_parameters(self) -> None:
-        self.kv.pull(self.keys, out=self.staging)
+    def pull_parameters(self, keys: list | None = None, outs: list[torch.Tensor] | None = None) -> None:
+        """The parameters become the servers' values of `keys` (default: the parameters' keys)."""
+        outs = self.staging if outs is None else outs
+        self.kv.pull(self.keys if keys is None else keys, out=outs)
         with torch.no_grad():
-            for p, value in zip(self.params, self.staging, strict=True):
+            for p, value in zip(self.params, outs, strict=True):
                 p.copy_(value)
 
     # -- checkpoints ------------------------------------------------------------------------------

@@ -61,6 +61,9 @@ def sparse_modules(model: nn.Module) -> list[nn.Module]:
 class LocalEngine:
     """No communication: one process, or workers that train independently."""
 
+    scales_gradients = False
+    """Whether the engine divides accumulated gradients by accumulation_steps itself."""
+
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
@@ -205,10 +208,8 @@ class Trainer:
         self.loader = self._shard(loader, seed)
         self.optimizer = optimizer
         found = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir and resume else None
-        if found is not None:
-            self._restore_local(
-                found, model
-            )  # before the engine: DDP and the kvstore start from these values
+        if found is not None:  # first: DDP and the kvstore start from the restored values
+            self._restore_local(found, model)
         self.engine = self._engine(model, optimizer)
         if found is not None:
             self.engine.restore(found.path)
@@ -305,7 +306,7 @@ class Trainer:
         self._micro = 0
         for module in self.sparse:
             module.flush()  # their gradients were pushed during backward
-        if k > 1 and not isinstance(self.engine, _ps_engine()):
+        if k > 1 and not self.engine.scales_gradients:
             with torch.no_grad():
                 for group in self.optimizer.param_groups:
                     for p in group["params"]:
@@ -388,12 +389,6 @@ class Trainer:
         self.progress.close()
         self.metrics.close()
         self.engine.close()
-
-
-def _ps_engine() -> type:
-    from paratrain.train.ps import PSEngine
-
-    return PSEngine
 
 
 def prepare(
