@@ -1,6 +1,6 @@
 """Training throughput of paratrain's strategies beside torch DDP and a torch RPC parameter server.
 
-    python benchmarks/train.py [--iters 40] [--warmup 5] [--plot train.png]
+    python benchmarks/train.py [--iters 150] [--warmup 10] [--rounds 3] [--plot train.png]
 
 The model: conv 3->32, conv 32->64 (3x3, each followed by ReLU and 2x2 max-pooling), fc 4096->256->10,
 on 3x32x32 inputs, batch 64 per worker, SGD with momentum. Every process uses one thread (2 workers
@@ -212,8 +212,8 @@ def paratrain_job(args: argparse.Namespace, strategy: str, servers: int) -> floa
 # ------------------------------------------------------------------------------- driver
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=40, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--iters", type=int, default=150, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each; the median is shown")
     parser.add_argument("--timeout", type=float, default=300.0, help="limit per measurement (s)")
     parser.add_argument("--plot", metavar="PATH", help="also save a bar chart (needs matplotlib)")

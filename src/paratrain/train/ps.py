@@ -74,6 +74,7 @@ class PSEngine:
         # With the optimizer on the workers the keys then carry gradient sums (a round's sum becomes
         # the value); compressed gradient keys cannot carry the weights, so those start in "<key>/init".
         self.staging = [torch.empty(p.shape, dtype=self._dtype(p)) for p in self.params]
+        self.outgoing = [torch.empty(p.shape, dtype=self._dtype(p)) for p in self.params]
         initial = [p.detach().cpu() for p in self.params]
         if self.on_server:
             self.kv.init(self.keys, initial)
@@ -95,7 +96,7 @@ class PSEngine:
         self._bucket: list[int] = []
         self._bucket_size = 0
         self._sent: set[int] = set()
-        self._in_flight: list[tuple[Any, list[torch.Tensor]]] = []
+        self._in_flight: list[Any] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     def _dtype(self, p: torch.Tensor) -> torch.dtype:
@@ -128,20 +129,24 @@ class PSEngine:
         handle = self.kv.pushpull_async(
             [self.keys[i] for i in self._bucket], values, out=[self.staging[i] for i in self._bucket]
         )
-        self._in_flight.append((handle, values))  # values stay alive until the push is done
+        self._in_flight.append(handle)
         self._sent.update(self._bucket)
         self._bucket, self._bucket_size = [], 0
 
     def _wire_value(self, i: int) -> torch.Tensor:
-        p = self.params[i]
+        """The gradient as it is pushed, in this key's send buffer (made once, reused every step: the
+        previous push from it finished in the last step())."""
+        p, out = self.params[i], self.outgoing[i]
         if p.grad is None:
-            return torch.zeros(p.shape, dtype=self._dtype(p))  # every key joins every round
+            return out.zero_()  # every key joins every round
         if p.grad.is_sparse:
             raise ValueError(
                 f"parameter {self.keys[i]!r} has a sparse gradient; use kvstore.embedding's "
                 "DistributedEmbedding for sparse tables"
             )
-        return (p.grad.detach() * self.scale).to(device="cpu", dtype=self._dtype(p))
+        if out.dtype == p.grad.dtype and p.grad.device.type == "cpu":
+            return torch.mul(p.grad, self.scale, out=out)
+        return out.copy_(p.grad).mul_(self.scale)  # to the CPU, and to the compressed type
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, local_step: Any) -> Any:
@@ -151,7 +156,7 @@ class PSEngine:
             i for i in range(len(self.params)) if i not in self._sent and i not in self._bucket
         )
         self._send_bucket()
-        for handle, _ in self._in_flight:
+        for handle in self._in_flight:
             handle.wait()
         self._in_flight, self._sent = [], set()
         with torch.no_grad():
