@@ -5,10 +5,18 @@ from __future__ import annotations
 
 from paratrain.collective.ddp import (
     LocalSGD,
+    all_reduce_mean,
     average_parameters,
     backend_for,
     broadcast_parameters,
     wrap_ddp,
 )
 
-__all__ = ["LocalSGD", "average_parameters", "backend_for", "broadcast_parameters", "wrap_ddp"]
+__all__ = [
+    "LocalSGD",
+    "all_reduce_mean",
+    "average_parameters",
+    "backend_for",
+    "broadcast_parameters",
+    "wrap_ddp",
+]

@@ -5,14 +5,10 @@ the overlap the design asks for; paratrain adds compression hooks, local SGD and
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-
-logger = logging.getLogger(__name__)
 
 _COMPRESSED = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -61,24 +57,28 @@ def _flat_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 @torch.no_grad()
-def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
-    """Every rank's parameters and buffers become rank `src`'s (one flat broadcast per dtype)."""
-    for group in _flat_groups([t.data for t in [*module.parameters(), *module.buffers()]]):
-        flat = torch.cat([t.reshape(-1) for t in group])
-        dist.broadcast(flat, src)
-        _copy_back(flat, group)
+def broadcast_parameters(module: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank's parameters and buffers become global rank `src`'s (one flat broadcast per dtype)."""
+    for same in _flat_groups([t.data for t in [*module.parameters(), *module.buffers()]]):
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.broadcast(flat, src, group=group)
+        _copy_back(flat, same)
 
 
 @torch.no_grad()
-def average_parameters(module: nn.Module) -> None:
-    """Every rank's floating-point parameters become the mean over ranks (one all-reduce per dtype)."""
-    world = dist.get_world_size()
-    floats = [p.data for p in module.parameters() if p.is_floating_point()]
-    for group in _flat_groups(floats):
-        flat = torch.cat([t.reshape(-1) for t in group])
-        dist.all_reduce(flat)
+def all_reduce_mean(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """Every rank's `tensors` become their mean over the group (one flat all-reduce per dtype)."""
+    world = dist.get_world_size(group)
+    for same in _flat_groups(tensors):
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
         flat.div_(world)
-        _copy_back(flat, group)
+        _copy_back(flat, same)
+
+
+def average_parameters(module: nn.Module) -> None:
+    """Every rank's floating-point parameters become the mean over ranks."""
+    all_reduce_mean([p.data for p in module.parameters() if p.is_floating_point()])
 
 
 def _copy_back(flat: torch.Tensor, group: list[torch.Tensor]) -> None:

@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.collective import broadcast_parameters
 from paratrain.pipeline.api import PipelineConfig, StagePipeline
 from paratrain.pipeline.local import LocalPipeline, local_devices, place_on_devices
 from paratrain.pipeline.split import Blocks, Split, as_blocks, split_model, stage_module
 from paratrain.pipeline.stage import LossFn, StagePlacement
-from paratrain.pipeline.sync import AllReduceSync, ServerSync, broadcast_parameters
+from paratrain.pipeline.sync import AllReduceSync, ServerSync
 
 logger = logging.getLogger(__name__)
 
@@ -186,4 +187,4 @@ def _replica_sync(ctx, config: PipelineConfig, module: nn.Module, placement: Sta
         return ServerSync(
             ctx, module, placement.stage, placement.num_stages, placement.replica, placement.replicas, group
         )
-    return AllReduceSync(module, group, placement.replicas)
+    return AllReduceSync(module, group)

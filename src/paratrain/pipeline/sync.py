@@ -1,7 +1,7 @@
 """How the replicas of one stage agree on its gradients after a pipelined step.
 
-`AllReduceSync` (collective): one flat bucket of this stage's gradients, all-reduced (sum) within
-the group of that stage's replicas, then divided by the number of replicas.
+`AllReduceSync` (collective): this stage's gradients averaged within the group of that stage's
+replicas (collective.all_reduce_mean: one flat all-reduce per dtype).
 
 `ServerSync` (parameter server): each gradient is pushed to the job's servers under the key
 "pipe<n>/stage<s>/<parameter name>" (n counts the pipelines this process built, the same on every
@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.collective import all_reduce_mean
+
 logger = logging.getLogger(__name__)
 
 _server_syncs = itertools.count()
@@ -40,28 +42,12 @@ def _grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
 class AllReduceSync:
     """Average gradients over `group` (the replicas of one stage) by all-reduce."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, replicas: int) -> None:
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup) -> None:
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.group, self.replicas = group, replicas
+        self.group = group
 
     def __call__(self) -> None:
-        grads = _grads(self.params)
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        flat /= self.replicas
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
-def broadcast_parameters(module: nn.Module, src: int, group: dist.ProcessGroup) -> None:
-    """Make every replica start from global rank `src`'s parameters and buffers."""
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src, group=group)
+        all_reduce_mean(_grads(self.params), self.group)
 
 
 def stage_servers(servers: Sequence[tuple[str, int]], stage: int, stages: int) -> list[tuple[str, int]]:
