@@ -23,14 +23,19 @@ def accuracy(lines: list[str]) -> float:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("strategy", "epochs", "least"),
-    [("dist_sync", "12", 0.95), ("dist_async", "8", 0.93), ("ps:consistency=bounded,staleness=2", "8", 0.93)],
+    ("strategy", "ran", "epochs", "least"),
+    [
+        ("dist_sync", "(ps, sync,", "12", 0.95),
+        ("dist_async", "(ps, async,", "8", 0.93),
+        ("ps:consistency=bounded,staleness=2", "(ps, bounded,", "8", 0.93),
+    ],
 )
-def test_the_main_job_learns_the_digits(strategy, epochs, least):
+def test_the_main_job_learns_the_digits(strategy, ran, epochs, least):
     args = ("--strategy", strategy, "--epochs", epochs)
     outcome = run_job(EXAMPLES / "digits.py", workers=2, servers=1, args=args, timeout_s=280)
     finals = [accuracy(outcome.lines("worker", rank, "stdout")) for rank in (0, 1)]
     assert all(a >= least for a in finals), finals
+    assert all(ran in outcome.lines("worker", rank, "stdout")[-1] for rank in (0, 1))  # the strategy asked
     if strategy == "dist_sync":  # every worker pulled the same weights after the last round
         assert finals[0] == finals[1]
 
