@@ -19,12 +19,28 @@ def test_ring_reserves_wraps_and_refuses_when_full():
     ring, _ = Ring.create(1000)
     try:
         assert ring.reserve(600) == 0
-        assert ring.reserve(600) is None  # 400 free: too little
-        ring.release(600)  # the reader consumed the first payload
         assert ring.reserve(300) == 640  # positions are 64-byte aligned
-        assert ring.reserve(300) == 1000  # 60 left at the end: skipped, wraps to offset 0
+        assert ring.reserve(300) is None  # 40 left at the end, and the start is still held
+        ring.release(600)  # the reader consumed the first payload
+        assert ring.reserve(300) == 1000  # the end is skipped: wraps to offset 0
         assert ring.region(1000, 300).nbytes == 300
         assert ring.reserve(500) is None
+    finally:
+        ring.close()
+
+
+def test_an_emptied_ring_starts_again_at_its_start():
+    """Once the reader released everything, the next payload goes to offset 0 (pages already mapped
+    and warm), not on into the rest of the lap; the reader's checks accept it."""
+    ring, _ = Ring.create(1024)
+    try:
+        assert ring.reserve(300) == 0
+        ring.release(300)
+        assert ring.reserve(300) == 1024  # offset 0 of the next lap
+        assert ring.check(1024, 300).nbytes == 300
+        assert ring.reserve(300) == 1344  # not empty: goes on (64-byte aligned)
+        ring.release(1644)
+        assert ring.reserve(100) == 2048
     finally:
         ring.close()
 

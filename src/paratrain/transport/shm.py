@@ -10,6 +10,8 @@ A ring is a 64-byte header (the reader's tail, u64, then the token) and `capacit
 writer copies a frame's payload at its head and sends the frame with `at` = that absolute position; the
 reader copies it out and advances the tail. A payload that does not fit just goes over the socket, so a
 writer never waits on a reader.
+When the reader has released everything, the writer starts its next payload at the ring's start again,
+so a request/response conversation keeps reusing the same few pages (mapped, and warm in cache).
 """
 
 from __future__ import annotations
@@ -65,6 +67,14 @@ class Ring:
     def reserve(self, size: int) -> int | None:
         """Absolute position of `size` contiguous free bytes, or None if they are not free now."""
         tail = TAIL.unpack_from(self.view, 0)[0]
+        if tail == self.head and self.head % self.capacity:
+            # The reader holds nothing: start again at the ring's start, whose pages are mapped and
+            # likely in cache, rather than go on into pages not touched for a whole lap (or never:
+            # each first touch is a page fault on both sides). The reader releases nothing until it
+            # gets our next frame, so moving its tail here cannot race with it.
+            self.head = -(-self.head // self.capacity) * self.capacity
+            TAIL.pack_into(self.view, 0, self.head)
+            tail = self.head
         at = -(-self.head // ALIGN) * ALIGN  # cache-line aligned, so tensors viewing it are too
         offset = at % self.capacity
         if offset + size > self.capacity:  # skip the end of the ring, wrap to its start
