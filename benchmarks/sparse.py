@@ -8,7 +8,7 @@ rows (about 8,800 unique ids a batch at the defaults). One step: dedup the batch
 unique rows, form their gradients (a fixed upstream gradient per lookup, summed per row), push them,
 and wait until the servers applied them with Adagrad. Compared, in this run:
 
-- paratrain: `kv.tables.route/pull/push` (what DistributedEmbedding does each step) on a
+- paratrain: `kv.tables.dedup/pull/push` (what DistributedEmbedding does each step) on a
   "dist_sync" and a "dist_async" store (this file again, as a job, in its --paratrain-role mode);
 - torch.nn.Embedding(sparse=True) + torch.optim.Adagrad in one process: the same lookups and updates;
 - a torch.distributed.rpc parameter server: each server holds its rows (id % 2) and their Adagrad
@@ -88,13 +88,11 @@ def paratrain_role(args: argparse.Namespace) -> None:
     uniques = []
 
     def step(ids: torch.Tensor) -> None:
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        route = tables.route(unique)
+        route, where = tables.dedup(ids)
         handle, rows = tables.pull("emb", route, True)
         handle.wait()
-        grads = row_grads(grad, inverse if route.index is None else route.index[inverse], len(unique))
-        tables.push("emb", route, grads).wait()
-        uniques.append(len(unique))
+        tables.push("emb", route, row_grads(grad, where, len(route.ids))).wait()
+        uniques.append(len(route.ids))
 
     seconds = timed(step, mine, args.warmup, kv.barrier)
     print(

@@ -46,6 +46,22 @@ def test_id_index_agrees_with_a_dict_through_inserts_removals_and_rebuilds():
         assert len(index) == len(reference)
 
 
+@pytest.mark.parametrize("servers", [1, 3])
+def test_dedup_groups_each_unique_id_once_on_its_server(servers):
+    from paratrain.kvstore.embedding import TableClient
+
+    rng = np.random.default_rng(1)
+    ids = torch.from_numpy(rng.integers(-(2**63), 2**63 - 1, 300, dtype=np.int64))
+    ids = ids[torch.from_numpy(rng.integers(0, 300, 5000))]  # repeats
+    client = TableClient([None] * servers, 0, None, None, None)
+    route, where = client.dedup(ids)
+    assert torch.equal(route.ids[where], ids)
+    assert sorted(route.ids.tolist()) == sorted(torch.unique(ids).tolist())
+    for server, (a, b) in enumerate(route.bounds):
+        assert (shard_of(route.ids[a:b], servers) == server).all()
+    assert route.bounds[-1][1] == len(route.ids) and route.index is None
+
+
 def table(config: TableConfig | None = None, dim: int = 4, optimizer=None) -> SparseTable:
     return SparseTable("t", dim, config or TableConfig(), optimizer)
 

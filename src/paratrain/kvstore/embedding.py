@@ -6,7 +6,7 @@
     loss.backward()                                          # pushes their gradients (async)
     emb.flush()                                              # where the optimizer steps
 
-A forward dedups its ids (torch.unique), groups the unique ids by server (a hash of the id) and pulls
+A forward dedups its ids and groups the unique ids by server (a hash of the id) in one pass, and pulls
 just those rows, one frame per server. The rows become a fresh leaf tensor (never an nn.Parameter, so
 torch optimizers and DDP leave it alone) that the output gathers from; its gradient, which autograd
 has already summed per unique row, is pushed from a hook during backward, and `flush()` (called by
@@ -27,15 +27,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paratrain.errors import KVStoreError, RemoteError, TransportError
-from paratrain.kvstore import optim
+from paratrain.kvstore import kernels, optim
 from paratrain.kvstore.api import KVStoreConfig, SparseAPI, TableConfig
 from paratrain.kvstore.client import Handle
 from paratrain.kvstore.local import LocalKVStore
+from paratrain.kvstore.rowstore import SHARD_SALT
 from paratrain.kvstore.sparse import SparseTables, shard_of
 from paratrain.kvstore.state import TableEntry, read_tables, write_tables
 
@@ -120,6 +122,15 @@ class TableClient:
         stops = [sum(counts[: s + 1]) for s in range(len(counts))]
         return Route(unique[order], list(zip([0, *stops[:-1]], stops, strict=True)), index)
 
+    def dedup(self, ids: torch.Tensor) -> tuple[Route, torch.Tensor]:
+        """The unique ids of `ids` (int64, CPU, 1-D) grouped by server, and where each of `ids` is
+        among them: one pass with a hash set (kernels.py), where torch.unique sorts."""
+        salt = np.uint64(SHARD_SALT)
+        routed, inverse, counts = kernels.dedup_by_server(ids.numpy(), len(self._clients), salt)
+        stops = np.cumsum(counts).tolist()
+        bounds = list(zip([0, *stops[:-1]], stops, strict=True))
+        return Route(torch.from_numpy(routed), bounds, None), torch.from_numpy(inverse)
+
     def _min_version(self, info: TableInfo) -> int:
         if self._config.consistency == "async":
             return 0
@@ -160,10 +171,8 @@ class TableClient:
         flat = _ids(row_ids)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != (len(flat), info.dim):
             raise ValueError(f"out for table {key!r} must be a tensor of shape [{len(flat)}, {info.dim}]")
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        route = self.route(unique)
+        route, where = self.dedup(flat)
         handle, rows = self.pull(key, route, train)
-        where = inverse if route.index is None else route.index[inverse]
         handle.after.append(lambda: out.copy_(rows[where]))
         handle.wait()
         return handle.version
@@ -172,10 +181,8 @@ class TableClient:
         info = self._info(key)
         flat = _ids(row_ids)
         grads = grads.detach().to("cpu", torch.float32).reshape(len(flat), info.dim)
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        route = self.route(unique)
-        where = inverse if route.index is None else route.index[inverse]
-        summed = torch.zeros(len(unique), info.dim).index_add_(0, where, grads)
+        route, where = self.dedup(flat)
+        summed = torch.zeros(len(route.ids), info.dim).index_add_(0, where, grads)
         return self.push(key, route, summed)
 
     # -- the rest of the API ----------------------------------------------------------------------
@@ -421,12 +428,10 @@ class DistributedEmbedding(nn.Module):
             raise ValueError("offsets are for bag modes: DistributedEmbedding(mode='sum' or 'mean')")
         self.flush()
         tables = self.kv.tables
-        unique, inverse = torch.unique(_ids(ids), return_inverse=True)
-        route = tables.route(unique)
+        route, where = tables.dedup(_ids(ids))
         train = self.training and torch.is_grad_enabled()
         handle, rows = tables.pull(self.key, route, train)
         handle.wait()
-        where = inverse if route.index is None else route.index[inverse]
         where = where.view(ids.shape).to(ids.device)
         if train:
             rows.requires_grad_(True)

@@ -1,8 +1,7 @@
 """Server-side storage of sparse tables, with no Python object per row.
 
-`IdIndex` maps ids to slots through a bucketed open-addressing hash table in two numpy arrays (8 ids
-to a bucket, one cache line; a full bucket spills into the next), so a batch of ids is looked up or
-inserted in a few vectorized passes. `RowStore` keeps the rows, their optimizer state and bookkeeping
+`IdIndex` maps ids to slots through an open-addressing hash table searched by compiled loops
+(kernels.py). `RowStore` keeps the rows, their optimizer state and bookkeeping
 (id, last step seen) in preallocated tensors that double when full, and reuses released slots from a
 free list. The hashes here also place ids on servers (`shard_of`) and give new rows their first
 values (`initial_rows`).
@@ -13,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from paratrain.kvstore import kernels
 from paratrain.kvstore.api import TableConfig
 
 MASK64 = (1 << 64) - 1
@@ -67,24 +67,24 @@ def initial_rows(ids: np.ndarray, dim: int, config: TableConfig) -> torch.Tensor
 
 # -- id -> slot -----------------------------------------------------------------------------------
 class IdIndex:
-    """Bucketed open addressing: an id lives in bucket hash(id) or, if that was full when it came, a
-    later one. A removed id leaves a tombstone (free for inserts, but it does not end a search), so
-    only a rebuild turns positions back to empty."""
+    """Open addressing with linear probing over (id, slot) pairs, in one int64 array of shape
+    (capacity, 2), searched by the compiled loops in kernels.py: a lookup is one pass over the ids,
+    and a probe usually one cache line. A removed id leaves a tombstone (free for inserts, but it does
+    not end a search), so only a rebuild turns positions back to empty."""
 
-    WIDTH = 8
     MAX_LOAD = 0.75
-    EMPTY, REMOVED = -1, -2
+    EMPTY, REMOVED = kernels.EMPTY, kernels.REMOVED
+    SALT = np.uint64(INDEX_SALT)
 
     def __init__(self, expected: int = 1024) -> None:
         self._allocate(expected)
 
     def _allocate(self, expected: int) -> None:
-        buckets = 1
-        while buckets * self.WIDTH * self.MAX_LOAD / 2 < max(expected, self.WIDTH):
-            buckets *= 2  # a rebuilt table is at most half as full as MAX_LOAD
-        self.keys = np.zeros((buckets, self.WIDTH), np.int64)
-        self.slots = np.full((buckets, self.WIDTH), self.EMPTY, np.int64)
-        self._mask = buckets - 1
+        capacity = 16
+        while capacity < 2 * expected:  # at most half full: room to grow before the next rebuild
+            capacity *= 2
+        self.entries = np.empty((capacity, 2), np.int64)
+        self.entries[:, 1] = self.EMPTY
         self.live = 0
         self.used = 0  # positions no longer empty: live ids and tombstones
 
@@ -93,80 +93,35 @@ class IdIndex:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.slots.nbytes
-
-    def _buckets(self, ids: np.ndarray) -> np.ndarray:
-        return (mix64(ids, INDEX_SALT) & np.uint64(self._mask)).astype(np.int64)
-
-    def _find(self, ids: np.ndarray) -> np.ndarray:
-        """Flat position of each id in keys/slots, -1 where absent. A bucket's 8 match flags are
-        read as one uint64 (np.take and byte views: several times faster than fancy indexing and
-        reductions along a short axis)."""
-        out = np.full(len(ids), -1, np.int64)
-        todo, query, bucket = np.arange(len(ids)), ids, self._buckets(ids)
-        while len(todo):
-            slots = np.take(self.slots, bucket, axis=0)
-            hit = (np.take(self.keys, bucket, axis=0) == query[:, None]) & (slots >= 0)
-            flags = hit.view(np.uint64).ravel()  # one id matches at most one position
-            found = flags != 0
-            column = (np.frexp(flags[found].astype(np.float64))[1] - 1) // 8  # 2**(8 c) -> c
-            out[todo[found]] = bucket[found] * self.WIDTH + column
-            has_empty = (slots == self.EMPTY).view(np.uint64).ravel() != 0  # it ends the search
-            go_on = ~found & ~has_empty
-            todo, query, bucket = todo[go_on], query[go_on], (bucket[go_on] + 1) & self._mask
-        return out
+        return self.entries.nbytes
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """The slot of each id, -1 where absent."""
-        where = self._find(ids)
-        held = where >= 0
-        slots = np.full(len(ids), -1, np.int64)
-        slots[held] = np.take(self.slots.reshape(-1), where[held])
-        return slots
+        out = np.empty(len(ids), np.int64)
+        kernels.index_lookup(self.entries, self.SALT, np.ascontiguousarray(ids, np.int64), out)
+        return out
 
     def insert(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Add ids, which must be unique and absent, at the given slots."""
-        if self.used + len(ids) > self.MAX_LOAD * self.slots.size:
+        if self.used + len(ids) > self.MAX_LOAD * len(self.entries):
             self._rebuild(self.live + len(ids))
-        self._place(ids, slots)
+        ids, slots = np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(slots, np.int64)
+        self.used += kernels.index_insert(self.entries, self.SALT, ids, slots)
+        self.live += len(ids)
 
     def remove(self, ids: np.ndarray) -> None:
-        where = self._find(ids)
-        where = where[where >= 0]
-        self.slots.reshape(-1)[where] = self.REMOVED
-        self.live -= len(where)
+        self.live -= kernels.index_remove(self.entries, self.SALT, np.ascontiguousarray(ids, np.int64))
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, slots) of every id held."""
-        held = self.slots >= 0
-        return self.keys[held], self.slots[held]
+        held = self.entries[:, 1] >= 0
+        return self.entries[held, 0], self.entries[held, 1]
 
     def _rebuild(self, expected: int) -> None:
         ids, slots = self.items()
         self._allocate(expected)
-        self._place(ids, slots)
-
-    def _place(self, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Each pass puts every pending id in a free position of its current bucket: ids sharing
-        a bucket take its free positions in turn; those left over move to the next bucket."""
-        todo, bucket = np.arange(len(ids)), self._buckets(ids)
-        while len(todo):
-            where = bucket[todo]
-            free = self.slots[where] < 0
-            order = np.argsort(where, kind="stable")
-            ranked = where[order]
-            starts = np.flatnonzero(np.r_[True, ranked[1:] != ranked[:-1]])
-            turn = np.empty(len(todo), np.int64)
-            turn[order] = np.arange(len(todo)) - np.repeat(starts, np.diff(np.r_[starts, len(todo)]))
-            take = free & (np.cumsum(free, axis=1) == turn[:, None] + 1)
-            ok = take.any(1)
-            rows, cols, pick = where[ok], take[ok].argmax(1), todo[ok]
-            self.used += int((self.slots[rows, cols] == self.EMPTY).sum())
-            self.keys[rows, cols] = ids[pick]
-            self.slots[rows, cols] = slots[pick]
-            self.live += len(pick)
-            todo = todo[~ok]
-            bucket[todo] = (bucket[todo] + 1) & self._mask
+        self.used += kernels.index_insert(self.entries, self.SALT, ids, slots)
+        self.live = len(ids)
 
 
 # -- rows -----------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from paratrain.kvstore import kernels
 from paratrain.kvstore.api import TableConfig, TableError
 from paratrain.kvstore.rowstore import (
     ADMIT_SALT,
@@ -94,7 +95,7 @@ class SparseTable:
         self.pending: list[PendingPull] = []
         self.counts = dict.fromkeys(COUNTS, 0)
         self.pulled: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # by rank: its last training pull
-        self._scratch = np.zeros(0, np.int64)  # by slot: positions while a round is combined
+        self._scratch = np.zeros(0, np.int64)  # by slot, all -1: positions while a round is combined
 
     def _columns(self) -> Columns:
         extra = self.optimizer.columns(self.dim) if self.optimizer else {}
@@ -231,36 +232,27 @@ class SparseTable:
         a deterministic update. Gradients of absent rows are dropped."""
         slots = np.concatenate([self._slots(ids, hint) for ids, _, hint in pushes])
         grads = torch.cat([p[1] for p in pushes]) if len(pushes) > 1 else pushes[0][1]
-        held = slots >= 0
-        if not held.all():
-            where = np.flatnonzero(held)
-            self.counts["dropped"] += len(slots) - len(where)
-            slots, grads = slots[where], grads.index_select(0, torch.from_numpy(where))
-        if len(pushes) == 1:
-            return slots, grads  # one push's ids are unique
+        held = int(np.count_nonzero(slots >= 0))
+        self.counts["dropped"] += len(slots) - held
+        if len(pushes) == 1 and held == len(slots):
+            return slots, grads.contiguous()  # one push's ids are unique
         if len(self._scratch) < self.rows.capacity:
-            self._scratch = np.zeros(self.rows.capacity, np.int64)
-        # unique slots without a sort: of a slot's copies, the one whose position was written last
-        # (whichever numpy picks) stands for it
-        order = np.arange(len(slots))
-        self._scratch[slots] = order
-        unique = slots[self._scratch[slots] == order]
-        self._scratch[unique] = np.arange(len(unique))
-        inverse = torch.from_numpy(self._scratch[slots])
-        return unique, torch.zeros(len(unique), self.dim).index_add_(0, inverse, grads)
+            self._scratch = np.full(self.rows.capacity, -1, np.int64)
+        unique, summed = kernels.combine(slots, grads.contiguous().numpy(), self._scratch)
+        return unique, torch.from_numpy(summed)
 
     def apply(self, pushes: list[Push], clock: int, add: bool) -> None:
         """One update of the rows of the pushes' ids (a round's, or one async push)."""
         self.step = max(self.step, clock)
         slots, grads = self._combine(pushes)
         self.rows.last_seen[slots] = clock
-        index = torch.from_numpy(slots)
+        values = self.rows.columns["value"]
         if self.optimizer is not None:
-            self.optimizer.step(self.rows.columns, index, grads)
+            self.optimizer.step(self.rows.columns, slots, grads)
         elif add:
-            add_rows(self.rows.columns["value"], index, grads)
+            add_rows(values, slots, grads)
         else:
-            self.rows.columns["value"].index_copy_(0, index, grads)
+            kernels.scatter(values.numpy(), slots, grads.numpy())
         self.version += 1
         self._sweep(clock)
 

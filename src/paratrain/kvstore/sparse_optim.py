@@ -1,14 +1,16 @@
-"""Lazy optimizers for sparse tables: an update changes only the pushed rows' values and state,
-with torch.optim's sparse formulas (SGD, Adagrad; Adam with each row's own step count for its bias
-correction, which equals torch's SparseAdam for rows touched every step)."""
+"""Lazy optimizers for sparse tables: an update changes only the pushed rows' values and state, in
+place (the loops are in kernels.py), with torch.optim's sparse formulas (SGD, Adagrad; Adam with each
+row's own step count for its bias correction, which equals torch's SparseAdam for rows touched every
+step)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
-from paratrain.kvstore import optim
+from paratrain.kvstore import kernels, optim
 from paratrain.kvstore.api import TableError
 from paratrain.kvstore.rowstore import Columns
 
@@ -35,20 +37,21 @@ class SparseOptimizer:
         for name in self.columns(0):
             columns[name].index_fill_(0, slots, 0)
 
-    def step(self, columns: dict[str, torch.Tensor], slots: torch.Tensor, grads: torch.Tensor) -> None:
+    def step(self, columns: dict[str, torch.Tensor], slots: np.ndarray, grads: torch.Tensor) -> None:
+        """Update the rows at unique `slots` with one gradient row each (float32, contiguous)."""
         raise NotImplementedError
 
 
-def add_rows(table: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor, alpha: float = 1.0) -> None:
-    """table[slots] += alpha * delta for unique slots (index_add_ loops row by row on the CPU)."""
-    table.index_copy_(0, slots, table.index_select(0, slots).add_(delta, alpha=alpha))
+def add_rows(table: torch.Tensor, slots: np.ndarray, delta: torch.Tensor, alpha: float = 1.0) -> None:
+    """table[slots] += alpha * delta for unique slots."""
+    kernels.add_rows(table.numpy(), slots, delta.numpy(), np.float32(alpha))
 
 
 class SparseSGD(SparseOptimizer):
     kind = "SGD"
     defaults = {"lr": 1e-3}
 
-    def step(self, columns: dict[str, torch.Tensor], slots: torch.Tensor, grads: torch.Tensor) -> None:
+    def step(self, columns: dict[str, torch.Tensor], slots: np.ndarray, grads: torch.Tensor) -> None:
         add_rows(columns["value"], slots, grads, -self.hyper["lr"])
 
 
@@ -62,11 +65,9 @@ class SparseAdagrad(SparseOptimizer):
     def init_rows(self, columns: dict[str, torch.Tensor], slots: torch.Tensor) -> None:
         columns["sum"].index_fill_(0, slots, self.hyper["initial_accumulator_value"])
 
-    def step(self, columns: dict[str, torch.Tensor], slots: torch.Tensor, grads: torch.Tensor) -> None:
-        total = columns["sum"].index_select(0, slots).add_(grads.pow(2))
-        columns["sum"].index_copy_(0, slots, total)
-        std = total.sqrt_().add_(self.hyper["eps"])
-        add_rows(columns["value"], slots, grads / std, -self.hyper["lr"])
+    def step(self, columns: dict[str, torch.Tensor], slots: np.ndarray, grads: torch.Tensor) -> None:
+        lr, eps = np.float32(self.hyper["lr"]), np.float32(self.hyper["eps"])
+        kernels.adagrad_rows(columns["value"].numpy(), columns["sum"].numpy(), slots, grads.numpy(), lr, eps)
 
 
 class SparseAdam(SparseOptimizer):
@@ -80,19 +81,20 @@ class SparseAdam(SparseOptimizer):
             "step": ((), torch.int64),
         }
 
-    def step(self, columns: dict[str, torch.Tensor], slots: torch.Tensor, grads: torch.Tensor) -> None:
+    def step(self, columns: dict[str, torch.Tensor], slots: np.ndarray, grads: torch.Tensor) -> None:
         beta1, beta2 = self.hyper["betas"]
-        steps = columns["step"].index_select(0, slots).add_(1)
-        columns["step"].index_copy_(0, slots, steps)
-        avg, avg_sq = columns["exp_avg"].index_select(0, slots), columns["exp_avg_sq"].index_select(0, slots)
-        numer = grads.sub(avg).mul_(1 - beta1).add_(avg)
-        denom = grads.pow(2).sub_(avg_sq).mul_(1 - beta2).add_(avg_sq)
-        columns["exp_avg"].index_copy_(0, slots, numer)
-        columns["exp_avg_sq"].index_copy_(0, slots, denom)
-        t = steps.to(torch.float64)
-        step_size = self.hyper["lr"] * (1 - beta2**t).sqrt() / (1 - beta1**t)
-        update = numer.div_(denom.sqrt_().add_(self.hyper["eps"])).mul_(step_size.to(torch.float32)[:, None])
-        add_rows(columns["value"], slots, update, -1.0)
+        kernels.adam_rows(
+            columns["value"].numpy(),
+            columns["exp_avg"].numpy(),
+            columns["exp_avg_sq"].numpy(),
+            columns["step"].numpy(),
+            slots,
+            grads.numpy(),
+            float(self.hyper["lr"]),
+            float(beta1),
+            float(beta2),
+            np.float32(self.hyper["eps"]),
+        )
 
 
 SPARSE_FORMS = {"SGD": SparseSGD, "Adagrad": SparseAdagrad, "Adam": SparseAdam, "SparseAdam": SparseAdam}
