@@ -73,8 +73,10 @@ class PendingPull:
 
 
 # A push waiting for its round: unique ids, their gradients, and the slots its worker's last pull
-# found for the same ids (None: look them up), checked again when the round is applied.
-Push = tuple[np.ndarray, torch.Tensor, np.ndarray | None]
+# found for the same ids with the table's eviction count then (None: look them up); the slots are
+# checked again when the round is applied if rows were evicted since.
+Hint = tuple[np.ndarray, int]
+Push = tuple[np.ndarray, torch.Tensor, Hint | None]
 
 
 class SparseTable:
@@ -94,7 +96,8 @@ class SparseTable:
         self.rounds: dict[int, dict[int, Push]] = {}
         self.pending: list[PendingPull] = []
         self.counts = dict.fromkeys(COUNTS, 0)
-        self.pulled: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # by rank: its last training pull
+        self.pulled: dict[int, tuple[np.ndarray, Hint]] = {}  # by rank: its last training pull
+        self.evictions = 0  # rows evicted so far: a pull's slots stay valid while this is unchanged
         self._scratch = np.zeros(0, np.int64)  # by slot, all -1: positions while a round is combined
 
     def _columns(self) -> Columns:
@@ -139,7 +142,7 @@ class SparseTable:
         if train:
             self.rows.last_seen[slots[held]] = clock
             if rank is not None:
-                self.pulled[rank] = (ids.copy(), slots)
+                self.pulled[rank] = (ids.copy(), (slots, self.evictions))
             self._enforce_cap()
         self.counts["pulls"] += 1
         self.counts["rows_pulled"] += len(ids)
@@ -215,14 +218,17 @@ class SparseTable:
             del self.rounds[self.version]
             self.apply([pushed[rank] for rank in sorted(pushed)], self.version, add=False)
 
-    def _slots(self, ids: np.ndarray, hint: np.ndarray | None) -> np.ndarray:
+    def _slots(self, ids: np.ndarray, hint: Hint | None) -> np.ndarray:
         """The slot of each id now (-1: absent): the hint where it still holds that id."""
         if hint is None:
             return self.index.lookup(ids)
-        slots = hint.copy()
-        valid = np.flatnonzero(slots >= 0)
-        kept = self.rows.alive[slots[valid]] & (self.rows.ids[slots[valid]] == ids[valid])
-        stale = np.concatenate([np.flatnonzero(slots < 0), valid[~kept]])
+        slots, evictions = hint[0].copy(), hint[1]
+        if evictions == self.evictions:  # no row left since the pull: its slots still hold its ids
+            stale = np.flatnonzero(slots < 0)
+        else:
+            valid = np.flatnonzero(slots >= 0)
+            kept = self.rows.alive[slots[valid]] & (self.rows.ids[slots[valid]] == ids[valid])
+            stale = np.concatenate([np.flatnonzero(slots < 0), valid[~kept]])
         if len(stale):  # evicted since the pull, or absent then
             slots[stale] = self.index.lookup(ids[stale])
         return slots
@@ -282,6 +288,7 @@ class SparseTable:
             self.index.remove(self.rows.ids[slots])
             self.rows.release(slots)
             self.counts[reason] += len(slots)
+            self.evictions += len(slots)
 
     # -- figures and state ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
