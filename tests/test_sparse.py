@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from paratrain.data.criteo import category_id, read_criteo, write_synthetic_criteo, zipf_ranks
+from paratrain.errors import KVStoreError
 from paratrain.kvstore import TableConfig, create
 from paratrain.kvstore.embedding import DistributedEmbedding, ServingEmbedding
 from paratrain.kvstore.sparse import IdIndex, SparseTable, build_optimizer, initial_rows, shard_of
@@ -155,6 +156,25 @@ def test_a_push_uses_the_slots_of_its_pull_only_while_they_still_hold_its_rows()
     values = t.read(np.arange(1, 7), 3, False).flatten().tolist()
     assert values == [0.0, 0.0, -1.0, -1.0, 0.0, 0.0]
     assert t.stats()["dropped"] == 2 and t.stats()["evicted_cap"] == 2
+
+
+def test_a_round_that_fails_to_apply_fails_every_later_pull_instead_of_hanging(monkeypatch):
+    """In rounds modes a push is acknowledged once it joined its round, and the round is applied
+    after; if that update fails, pulls report it."""
+    kv = create("local")
+    kv.init_table("t", 4, TableConfig())
+    kv.set_table_optimizer("t", torch.optim.SGD, lr=0.1)
+    ids, out = torch.tensor([1, 2, 3]), torch.empty(3, 4)
+    kv.row_sparse_pull("t", out=out, row_ids=ids)
+
+    def broken_step(*args):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(kv._server.tables["t"].optimizer, "step", broken_step)
+    kv.push_sparse("t", ids, torch.ones(3, 4)).wait()  # joined its round: done
+    for _ in range(2):
+        with pytest.raises(KVStoreError, match="could not apply a round: RuntimeError"):
+            kv.row_sparse_pull("t", out=out, row_ids=ids)
 
 
 def test_table_config_validation_names_the_field():

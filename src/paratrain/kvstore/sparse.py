@@ -98,6 +98,7 @@ class SparseTable:
         self.counts = dict.fromkeys(COUNTS, 0)
         self.pulled: dict[int, tuple[np.ndarray, Hint]] = {}  # by rank: its last training pull
         self.evictions = 0  # rows evicted so far: a pull's slots stay valid while this is unchanged
+        self.broken: str | None = None  # why a round failed to apply: every pull fails with it
         self._scratch = np.zeros(0, np.int64)  # by slot, all -1: positions while a round is combined
 
     def _columns(self) -> Columns:
@@ -194,9 +195,17 @@ class SparseTable:
 
     # -- push -------------------------------------------------------------------------------------
     def push(
-        self, rank: int, clock: int, ids: np.ndarray, grads: torch.Tensor, mode: str, members: frozenset
+        self,
+        rank: int,
+        clock: int,
+        ids: np.ndarray,
+        grads: torch.Tensor,
+        mode: str,
+        members: frozenset,
+        apply: bool = True,
     ) -> None:
-        """Worker `rank`'s gradients for unique `ids`: applied now (async) or with round `clock`."""
+        """Worker `rank`'s gradients for unique `ids`: applied now (async) or with round `clock`
+        (`apply=False`: the caller applies complete rounds later)."""
         self.counts["pushes"] += 1
         self.counts["rows_pushed"] += len(ids)
         pulled = self.pulled.pop(rank, None)
@@ -210,7 +219,8 @@ class SparseTable:
         if rank in pushed:
             raise TableError(f"worker {rank} pushed table {self.key!r} twice in round {clock}")
         pushed[rank] = (ids, grads, hint)
-        self.apply_complete_rounds(members)
+        if apply:
+            self.apply_complete_rounds(members)
 
     def apply_complete_rounds(self, members: frozenset) -> None:
         """Apply, in order, the rounds every member has pushed to."""
@@ -463,6 +473,8 @@ class SparseTables:
         pull = PendingPull(request, ids, int(meta["clock"]), int(meta["min_version"]), bool(meta["train"]))
         pull.rank = None if rank is None else int(rank)
         with table.lock:
+            if table.broken is not None:
+                raise TableError(table.broken)
             if table.version < pull.min_version:
                 if request.header.at is not None:  # a view of the shared-memory ring: keep a copy
                     pull.ids = ids.copy()
@@ -481,18 +493,31 @@ class SparseTables:
             )
         if request.header.at is not None and self.server.mode != "async":  # kept past this call
             ids, grads = ids.copy(), grads.clone()
+        members, rounds = frozenset(self.server.members), self.server.mode != "async"
         with table.lock:
-            table.push(
-                int(meta["rank"]),
-                int(meta["clock"]),
-                ids,
-                grads,
-                self.server.mode,
-                frozenset(self.server.members),
-            )
-            ready = self._take_ready(table)
-        request.reply({})
+            rank, clock = int(meta["rank"]), int(meta["clock"])
+            table.push(rank, clock, ids, grads, self.server.mode, members, apply=not rounds)
+            ready = [] if rounds else self._take_ready(table)
+        request.reply({})  # in rounds modes a push is done once it joined its round
+        if rounds:  # the round's update runs while the pusher goes on to its next step
+            ready = self._apply_rounds(table, members)
         self._send(ready)
+
+    def _apply_rounds(self, table: SparseTable, members: frozenset) -> list:
+        """Apply the table's complete rounds; the pulls that may go on. A round that fails to apply
+        fails the waiting pulls and every later one: workers get the error, never a hang."""
+        with table.lock:
+            try:
+                table.apply_complete_rounds(members)
+            except Exception as exc:
+                logger.exception("table %r: a round failed to apply", table.key)
+                table.broken = (
+                    f"server {self.server.rank}: table {table.key!r} could not apply a round: {exc!r}"
+                )
+            if table.broken is not None:
+                failed, table.pending = table.pending, []
+                return [(pull.request, None, table.broken) for pull in failed]
+            return self._take_ready(table)
 
     @staticmethod
     def _ids(request: Any, table: SparseTable) -> np.ndarray:
