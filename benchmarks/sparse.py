@@ -1,6 +1,6 @@
 """paratrain's sparse tables against torch.nn.Embedding and a torch RPC parameter server, in one run.
 
-    python benchmarks/sparse.py [--iters 100] [--warmup 20] [--rows 1000000] [--dim 16]
+    python benchmarks/sparse.py [--iters 300] [--warmup 20] [--rows 1000000] [--dim 16]
 
 Setup: a table of `rows` x `dim` float32 (ids 0..rows-1, all rows created before timing), 2 workers and
 2 servers on loopback; each worker draws batches of 1024 x 26 ids from a Zipf(exponent) law over the
@@ -230,7 +230,7 @@ def anchor(name: str, measure: Any, *measure_args: Any) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=100, help="timed steps per worker")
+    parser.add_argument("--iters", type=int, default=300, help="timed steps per worker")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps first")
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows in the table")
     parser.add_argument("--dim", type=int, default=16, help="values per row")
