@@ -20,6 +20,7 @@ import multiprocessing as mp
 import queue
 import socket
 import statistics
+import sys
 import threading
 import time
 import warnings
@@ -31,6 +32,16 @@ from torch.distributed import rpc
 
 _POLL_S = 0.5
 _JOIN_S = 30.0
+
+
+def attempt(name: str, measure: Any, *measure_args: Any) -> Any:
+    """measure(*measure_args), or "failed" (with the reason on stderr): one broken anchor must not
+    hide the others."""
+    try:
+        return measure(*measure_args)
+    except Exception as exc:
+        print(f"{name} failed: {exc!r}", file=sys.stderr)
+        return "failed"
 
 
 def free_port() -> int:

@@ -22,8 +22,6 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -100,14 +98,6 @@ def paratrain_job(args: argparse.Namespace, num_servers: int, same_host: bool) -
 
 
 # ------------------------------------------------------------------------------- driver
-def anchor(name: str, measure: Callable[..., float], *measure_args: Any) -> float | str:
-    try:
-        return measure(*measure_args)
-    except Exception as exc:  # one broken anchor must not hide the others
-        print(f"{name} failed: {exc!r}", file=sys.stderr)
-        return "failed"
-
-
 def cell(value: float | str) -> str:
     return f"{value:.3f} s" if isinstance(value, float) else value
 
@@ -183,12 +173,12 @@ def main() -> None:
     torch.set_num_threads(1)
     sizes = model_sizes(args.mb << 20, args.tensors)
     steps = (args.warmup, args.iters, args.timeout)
-    gloo = anchor("gloo all-reduce", _anchors.gloo, sizes, *steps)
+    gloo = _anchors.attempt("gloo all-reduce", _anchors.gloo, sizes, *steps)
     rows = {}
     for servers in [int(s) for s in args.servers.split(",")]:
         rows[servers] = {
-            "rpc": anchor("rpc PS", _anchors.rpc_ps, sizes, servers, *steps),
-            "tcp": anchor("plain TCP", _anchors.tcp, sizes, servers, *steps),
+            "rpc": _anchors.attempt("rpc PS", _anchors.rpc_ps, sizes, servers, *steps),
+            "tcp": _anchors.attempt("plain TCP", _anchors.tcp, sizes, servers, *steps),
             "paratrain": paratrain_job(args, servers, same_host=False),
             "paratrain shm": paratrain_job(args, servers, same_host=True),
         }

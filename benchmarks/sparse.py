@@ -220,14 +220,6 @@ def rpc_ps(args: argparse.Namespace) -> float:
 
 
 # ------------------------------------------------------------------------------- driver
-def anchor(name: str, measure: Any, *measure_args: Any) -> Any:
-    try:
-        return measure(*measure_args)
-    except Exception as exc:  # one broken anchor must not hide the others
-        print(f"{name} failed: {exc!r}", file=sys.stderr)
-        return "failed"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=300, help="timed steps per worker")
@@ -244,10 +236,10 @@ def main() -> None:
     if args.paratrain_role:
         paratrain_role(args)
         return
-    nn_result = anchor("torch.nn.Embedding", torch_embedding, args)
+    nn_result = _anchors.attempt("torch.nn.Embedding", torch_embedding, args)
     unique = nn_result[1] if isinstance(nn_result, tuple) else float("nan")
     rows = {"torch.nn.Embedding + sparse Adagrad, 1 process": (nn_result, 1, 1)}
-    rpc_result = anchor("rpc PS", rpc_ps, args)
+    rpc_result = _anchors.attempt("rpc PS", rpc_ps, args)
     rows["torch.distributed.rpc PS (tensors)"] = (
         (rpc_result, unique) if isinstance(rpc_result, float) else rpc_result,
         NUM_WORKERS,
