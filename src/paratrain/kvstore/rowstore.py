@@ -73,7 +73,6 @@ class IdIndex:
     not end a search), so only a rebuild turns positions back to empty."""
 
     MAX_LOAD = 0.75
-    EMPTY, REMOVED = kernels.EMPTY, kernels.REMOVED
     SALT = np.uint64(INDEX_SALT)
 
     def __init__(self, expected: int = 1024) -> None:
@@ -84,7 +83,7 @@ class IdIndex:
         while capacity < 2 * expected:  # at most half full: room to grow before the next rebuild
             capacity *= 2
         self.entries = np.empty((capacity, 2), np.int64)
-        self.entries[:, 1] = self.EMPTY
+        self.entries[:, 1] = kernels.EMPTY
         self.live = 0
         self.used = 0  # positions no longer empty: live ids and tombstones
 

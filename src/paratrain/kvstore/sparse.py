@@ -232,7 +232,7 @@ class SparseTable:
         """The slot of each id now (-1: absent): the hint where it still holds that id."""
         if hint is None:
             return self.index.lookup(ids)
-        slots, evictions = hint[0].copy(), hint[1]
+        slots, evictions = hint  # the pull's own array, used once: mended in place below
         if evictions == self.evictions:  # no row left since the pull: its slots still hold its ids
             stale = np.flatnonzero(slots < 0)
         else:
