@@ -10,8 +10,9 @@ anchors (see _anchors.py) move the same tensors: a Gloo all-reduce of all 50 at 
 one figure is shown on every row), a torch RPC parameter server with one call per server per
 iteration, and plain TCP sockets with each server summing the workers' buffers. Each figure is the
 median over the timed iterations, of the slowest worker. "paratrain tcp" moves every byte over TCP;
-"paratrain shm" uses the same-host path (payloads through shared-memory rings), which is what a job
-whose workers and servers share a machine gets by default.
+"paratrain shm" uses the same-host path, which is what a job whose workers and servers share a machine
+gets by default: each worker adds its push into the servers' shared round buffers and copies its
+pull out of their shared values (kvstore/shared.py); the frames carry no payload.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from paratrain.errors import KVStoreError
 from paratrain.kvstore import KINDS, KVStoreConfig, create
 from paratrain.kvstore import optim as kvoptim
 from paratrain.kvstore.placement import Placement, split
+from paratrain.kvstore.shared import PAGE, Arena, ArenaMap
 from paratrain.testing import run_job
 
 JOBS = Path(__file__).parent / "jobs"
@@ -126,13 +129,71 @@ def test_local_store_state_round_trip(tmp_path):
     assert torch.equal(after, again)  # values and Adam's moments both came back
 
 
+# -- shared shards (the same-host path), one process: the server's map and a worker's ------------
+@pytest.fixture
+def shared_region():
+    arena = Arena()
+    server = arena.region(5, torch.float32, 3)
+    server.buffers[0].copy_(torch.arange(5.0))
+    server.publish(0, 0)
+    server.open(1, 0)
+    worker_map = ArenaMap.open(arena.describe())  # through /proc: its own open file, its own locks
+    worker = worker_map.region(server.offset, 5, torch.float32, 3)
+    yield server, worker
+    worker_map.close()
+    server.close()
+    os.close(arena.fd)
+
+
+def test_a_shared_round_copies_its_first_push_and_adds_the_rest(shared_region):
+    server, worker = shared_region
+    assert worker.add(0, torch.ones(5)) and worker.add(0, torch.full((5,), 2.0))
+    assert not worker.add(1, torch.ones(5))  # no buffer is open for round 1: the caller sends it
+    assert server.buffers[1].tolist() == [3.0] * 5 and server.words[5] == 2  # adds to buffer 1
+    out = torch.empty(5)
+    assert worker.read(out) == 0 and out.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    server.close_round(1)
+    assert not worker.add(0, torch.ones(5))  # a complete round takes no more pushes
+    server.publish(1, 1)
+    assert worker.read(out) == 1 and out.tolist() == [3.0] * 5
+
+
+def test_a_shared_value_is_never_read_while_the_server_updates_it(shared_region):
+    server, worker = shared_region
+    out = torch.empty(5)
+    reader = threading.Thread(target=worker.read, args=(out,))
+    with server.writing(0):
+        server.buffers[0].fill_(-1.0)  # half-way through an update
+        reader.start()
+        reader.join(timeout=0.5)
+        assert reader.is_alive()  # held back by the lock, not reading the half-made value
+        server.buffers[0].fill_(7.0)
+        server.stamp(1)
+    reader.join(timeout=30)
+    assert out.tolist() == [7.0] * 5
+
+
+def test_an_arena_is_mapped_only_if_it_is_the_one_described():
+    arena = Arena()
+    try:
+        pid, fd, token = arena.describe()
+        with pytest.raises(ValueError, match="token differs"):
+            ArenaMap.open([pid, fd, bytes(32)])
+        worker_map = ArenaMap.open([pid, fd, token])
+        with pytest.raises(ValueError, match="outside the arena"):
+            worker_map.region(PAGE, 1000, torch.float32, 3)  # no such region yet
+        worker_map.close()
+    finally:
+        os.close(arena.fd)
+
+
 # -- real jobs --------------------------------------------------------------------------------------
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "kind, workers, servers, path",
     [
         ("dist_sync", 1, 1, "shm"),
-        ("dist_sync", 2, 3, "shm"),
+        ("dist_sync", 3, 3, "mixed"),  # worker 1 over TCP: the servers add its payloads in shared memory
         ("dist_sync", 4, 2, "shm"),
         ("dist_sync", 2, 2, "tcp"),  # pushes into pooled buffers, pulls over the socket
         ("dist_sync_device", 3, 2, "shm"),
@@ -285,7 +346,7 @@ def test_a_worker_that_leaves_early_does_not_hang_the_others_and_bad_calls_get_c
     outcome = run_job(
         """
         import torch, paratrain, paratrain.kvstore
-        from paratrain.errors import KVStoreError
+        from paratrain.errors import KVStoreError, RemoteError
         ctx = paratrain.init()
         kv = paratrain.kvstore.create("dist_sync")
         kv.init("w", torch.zeros(2))
@@ -305,6 +366,12 @@ def test_a_worker_that_leaves_early_does_not_hang_the_others_and_bad_calls_get_c
                 kv.init("w", torch.zeros(3))
             except ValueError as exc:
                 print("error:", exc)
+            meta = {"keys": ["w"], "starts": [0], "stops": [2], "clocks": [99], "rank": 0, "added": [True]}
+            try:   # claims to have added round 99 into a shared buffer that is not open
+                kv._clients[0].call("push", meta)
+            except RemoteError as exc:
+                print("error:", exc)
+            kv.pull("w", out=out)                    # the server goes on serving
         print("finished", ctx.rank)
         """,
         workers=2,
@@ -314,6 +381,7 @@ def test_a_worker_that_leaves_early_does_not_hang_the_others_and_bad_calls_get_c
     lines = outcome.lines("worker", 0, "stdout")
     assert "error: key 'missing' was never initialized (call kv.init first)" in lines
     assert any("init as torch.float32[3] is not allowed" in line for line in lines)
+    assert any("no shared buffer is open for round 99" in line for line in lines)
     assert lines[-1] == "finished 0"
 
 

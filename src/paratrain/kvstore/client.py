@@ -5,12 +5,18 @@ by server and sends one frame to each server; pulled slices are received straigh
 `out` tensors (each slice lands in its place in the flattened tensor). `push` and the `*_async`
 calls return a Handle at once; the plain `pull` and `pushpull` wait for it.
 
+With a server on this host, slices it keeps in shared memory (shared.py) skip the frame's payload:
+in sync and bounded modes a push adds itself into the round's shared buffer before the frame goes
+(so `push` returns once that is done), and a pull's slice is copied out of the shared value in
+`Handle.wait()`, once the server replied that the version waited for is there.
+
 Not thread-safe: one thread drives one KVStore (the per-key clocks are the caller's).
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,10 +28,13 @@ from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVStoreConfig, SparseAPI
 from paratrain.kvstore.placement import Placement, Slice
+from paratrain.kvstore.shared import ArenaMap, Region
 from paratrain.kvstore.state import Entry, read_state, read_tables, write_state
 from paratrain.node import Context
 from paratrain.transport.rpc import Future, RpcClient
 from paratrain.transport.tensors import dtype_name
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,6 +44,8 @@ class KeyInfo:
     slices: list[Slice]
     clock: int = 0
     """How many times this worker pushed the key: the round its next push joins."""
+    regions: dict[int, Region] = field(default_factory=dict)
+    """Per server: its slice in shared memory, where the server is on this host."""
 
     @property
     def numel(self) -> int:
@@ -43,11 +54,14 @@ class KeyInfo:
 
 @dataclass
 class Handle:
-    """Completion of one push / pull / pushpull. `wait()` raises the servers' errors."""
+    """Completion of one push / pull / pushpull. `wait()` raises the servers' errors; pulled slices
+    that a same-host server keeps in shared memory are copied into `out` there."""
 
     futures: list[Future]
     after: list[Callable[[], None]] = field(default_factory=list)
     timeout_s: float | None = None
+    reads: list[tuple[Region, torch.Tensor]] = field(default_factory=list)
+    """Slices to copy out of a server's shared memory once its reply came."""
     version: int | None = None
     """After wait(): the oldest version among the pulled slices (rounds applied, in sync and
     bounded modes; pushes applied, in async mode)."""
@@ -60,11 +74,15 @@ class Handle:
             raise KVStoreError(str(exc)) from None
         versions = [v for r in replies for v in r.meta.get("versions", ())]
         self.version = min(versions) if versions else self.version
+        for region, dest in self.reads:
+            region.read(dest)
+        self.reads = []
         for fn in self.after:
             fn()
         self.after = []
 
     def done(self) -> bool:
+        """Whether every server replied (wait() then only copies shared-memory slices)."""
         return all(f.done() for f in self.futures)
 
 
@@ -140,6 +158,7 @@ class DistKVStore(SparseAPI):
         ]
         self._placement = Placement(len(self._clients), config.slice_elements)
         self._keys: dict[Any, KeyInfo] = {}
+        self._arenas: dict[int, ArenaMap] = {}  # per same-host server: its shared shards
         self._closed = False
         self._tables: Any = None  # embedding.TableClient, made on first use of a sparse table
         self._members = list(range(ctx.num_workers)) if members is None else members
@@ -228,6 +247,7 @@ class DistKVStore(SparseAPI):
         )
 
         def send(with_values: bool) -> None:
+            servers = list(frames)
             futures = [
                 self._clients[s].request(
                     "init",
@@ -241,13 +261,30 @@ class DistKVStore(SparseAPI):
                 )
                 for s, meta in frames.items()
             ]
-            self._wait(futures)
+            for s, reply in zip(servers, self._wait(futures), strict=True):
+                self._map_regions(s, frames[s], reply.meta)
 
         if self.rank == 0:
             send(with_values=True)
         self._barrier("kvstore-init")
         if self.rank != 0:
             send(with_values=False)  # checks shape and dtype against worker 0's
+
+    def _map_regions(self, server: int, meta: dict, reply: dict) -> None:
+        """Map the slices a same-host server keeps in shared memory (its init reply says where)."""
+        if "arena" not in reply:
+            return
+        try:
+            if server not in self._arenas:
+                self._arenas[server] = ArenaMap.open(reply["arena"])
+            for key, where in zip(meta["keys"], reply["regions"], strict=True):
+                info = self._keys[key]
+                if where is not None and server not in info.regions:
+                    piece = next(p for p in info.slices if p.server == server)
+                    arena = self._arenas[server]
+                    info.regions[server] = arena.region(int(where[0]), piece.numel, info.dtype, int(where[1]))
+        except (OSError, ValueError, TypeError, IndexError) as exc:  # payloads go in frames instead
+            logger.warning("server %d's shared memory is not usable here: %s", server, exc)
 
     def push(self, keys: Keys, values: Any) -> Handle:
         """Starts the push and returns at once; values must not change until handle.wait()."""
@@ -258,9 +295,11 @@ class DistKVStore(SparseAPI):
         futures, after = [], []
         views = self._out_views(keys, outs, after)
         frames = self._frames(keys, lambda key, info, piece: {"min_versions": self._min_version(info)})
+        reads: list[tuple[Region, torch.Tensor]] = []
         for s, meta in frames.items():
-            futures.append(self._clients[s].request("pull", meta, (), out=self._dests(meta, views)))
-        return Handle(futures, after, self._timeout_s)
+            out = self._dests(s, meta, views, reads)
+            futures.append(self._clients[s].request("pull", meta, (), out=out))
+        return Handle(futures, after, self._timeout_s, reads)
 
     def pull(self, keys: Keys, out: Any) -> int | None:
         """Returns when `out` holds the value (in sync mode: of the round this worker last pushed);
@@ -299,15 +338,23 @@ class DistKVStore(SparseAPI):
             keys,
             lambda key, info, piece: {"clocks": clocks[key], "min_versions": self._min_version(info)},
         )
-        futures = []
+        futures, reads = [], []
+        rounds = self.config.consistency != "async"  # async pushes are applied by the server
         for s, meta in frames.items():
-            tensors = [
-                flat[k][a:b] for k, a, b in zip(meta["keys"], meta["starts"], meta["stops"], strict=True)
-            ]
+            tensors, added = [], []
+            slices = zip(meta["keys"], meta["starts"], meta["stops"], meta["clocks"], strict=True)
+            for k, a, b, clock in slices:
+                region = self._keys[k].regions.get(s)
+                piece = flat[k][a:b]
+                added.append(rounds and region is not None and region.add(clock, piece))
+                if not added[-1]:
+                    tensors.append(piece)
+            if any(added):
+                meta["added"] = added
             op = "push" if views is None else "pushpull"
-            out = self._dests(meta, views) if views is not None else None
+            out = self._dests(s, meta, views, reads) if views is not None else None
             futures.append(self._clients[s].request(op, meta, tensors, out=out))
-        return Handle(futures, after, self._timeout_s)
+        return Handle(futures, after, self._timeout_s, reads)
 
     def _out_views(self, keys: list, outs: list, after: list) -> dict[Any, torch.Tensor]:
         """Flat CPU views of the outs; a GPU or non-contiguous out is filled through a staging copy."""
@@ -324,9 +371,20 @@ class DistKVStore(SparseAPI):
                 after.append(lambda out=out, staging=staging: out.copy_(staging.view(out.shape)))
         return views
 
-    @staticmethod
-    def _dests(meta: dict, views: dict) -> list[torch.Tensor]:
-        return [views[k][a:b] for k, a, b in zip(meta["keys"], meta["starts"], meta["stops"], strict=True)]
+    def _dests(self, server: int, meta: dict, views: dict, reads: list) -> list[torch.Tensor]:
+        """Where a pull's slices from `server` land: slices it keeps in shared memory are marked
+        (meta "read") and queued on `reads`; the rest come in the reply, into the returned tensors."""
+        dests, read = [], []
+        for k, a, b in zip(meta["keys"], meta["starts"], meta["stops"], strict=True):
+            region = self._keys[k].regions.get(server)
+            read.append(region is not None)
+            if region is not None:
+                reads.append((region, views[k][a:b]))
+            else:
+                dests.append(views[k][a:b])
+        if any(read):
+            meta["read"] = read
+        return dests
 
     def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
         """Run `optimizer` (a torch.optim class or its path) on the servers, once per round."""
@@ -398,6 +456,11 @@ class DistKVStore(SparseAPI):
             pass  # a server already gone: the scheduler reports it
         for client in self._clients:
             client.close()
+        for info in self._keys.values():
+            info.regions = {}
+        for arena in self._arenas.values():
+            arena.close()
+        self._arenas = {}
 
 
 def gather_state(replies: list) -> list[Entry]:

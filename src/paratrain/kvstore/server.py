@@ -4,8 +4,8 @@ Requests (meta lists are parallel; every tensor is one flat slice of one key):
 
     configure     {mode: "rounds" | "async", members}               from worker 0, before any init
     init          {keys, starts, stops, shapes, dtypes, numels}     values, or none: check only
-    push          {keys, starts, stops, clocks}                     gradients; reply once added
-    pull          {keys, starts, stops, min_versions}               reply carries the values
+    push          {keys, starts, stops, clocks, [added]}            gradients; reply once added
+    pull          {keys, starts, stops, min_versions, [read]}       reply carries the values
     pushpull      push and pull of the same slices in one frame
     set_optimizer {path, hyper}                                     from worker 0
     leave         {rank}                                            that worker pushes no more
@@ -24,6 +24,14 @@ a worker on this host, read in place from the shared-memory ring); the first pus
 that round's accumulator, later ones are added into it in place. A
 pull is sent straight from the shard's value; a round is applied only when no pull is being sent
 from that value (a reader count), so no pull ever returns a half-applied round.
+
+Shared shards (shared.py). A shard whose init came from a worker on this host keeps its value and
+ROUND_BUFFERS round sums in this server's shared-memory arena. Same-host workers add their pushes
+into the open round's buffer themselves (meta `added`: true for that slice, no payload) and copy
+pulls out of the value themselves (meta `read`: the reply carries no tensor for that slice), under
+the arena's locks. Without an optimizer the complete round's buffer becomes the value, and the old
+value's buffer opens for a later round; a payload that arrives for a round with an open buffer is
+added into that buffer here.
 """
 
 from __future__ import annotations
@@ -31,12 +39,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from paratrain.kvstore import optim
+from paratrain.kvstore.shared import Arena, Region
 from paratrain.kvstore.sparse import SparseTables
 from paratrain.transport.connection import Connection
 from paratrain.transport.frame import Header
@@ -49,6 +59,9 @@ logger = logging.getLogger(__name__)
 # use are bounded too: one per push being received, plus one accumulator per round in flight (at
 # most staleness + 1 rounds, since pulls hold workers back).
 POOL_BUFFERS = 4
+# Buffers of a shared shard (shared.py) besides its value: rounds that same-host workers can push
+# into directly. Two let a worker push round r + 1 while round r waits for a slow worker.
+ROUND_BUFFERS = 2
 COUNTS = ("pushes", "pulls", "bytes_in", "bytes_out")
 
 
@@ -76,6 +89,11 @@ class Shard:
     cond: threading.Condition = field(default_factory=threading.Condition)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
     """What this shard has served: pushes, pulls and their bytes (read by `stats`)."""
+    region: Region | None = None
+    """Shared shards only: the value is region.buffers[value_buffer]; opened maps a round to the
+    buffer open for its pushes."""
+    value_buffer: int = 0
+    opened: dict[int, int] = field(default_factory=dict)
 
     def buffer(self) -> torch.Tensor:
         with self.cond:
@@ -89,12 +107,32 @@ class Shard:
     def describe(self) -> str:
         return f"key {self.key!r} [{self.start}, {self.stop})"
 
+    def writing(self):  # noqa: ANN201 - a context manager
+        """Hold while changing the value in place: waits for same-host workers reading it."""
+        return self.region.writing(self.value_buffer) if self.region is not None else nullcontext()
+
+    def open_free_buffers(self) -> None:
+        """Open every idle shared buffer for the next round that has neither a buffer nor a
+        payload-built sum; holds cond."""
+        if self.region is None:
+            return
+        busy = {self.value_buffer, *self.opened.values()}
+        for b in range(self.region.count):
+            if b not in busy:
+                round_ = self.version
+                while round_ in self.opened or round_ in self.rounds:
+                    round_ += 1
+                self.region.open(b, round_)
+                self.opened[round_] = b
+
 
 @dataclass
 class PendingPull:
     request: Request
     shards: list[Shard]
     min_versions: list[int]
+    read: list[bool]
+    """Per shard: the worker copies it out of shared memory itself (no tensor in the reply)."""
 
     def ready(self) -> bool:
         return all(s.version >= v for s, v in zip(self.shards, self.min_versions, strict=True))
@@ -117,6 +155,7 @@ class KVServer(Handler):
         self._shards: dict[tuple[Any, int, int], Shard] = {}
         self._lock = threading.Lock()
         self._pending: list[PendingPull] = []
+        self._arena: Arena | None = None  # shared shards, made on the first same-host init
         self.tables = SparseTables(self)  # sparse tables: ops sparse_* (sparse.py)
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
@@ -124,9 +163,20 @@ class KVServer(Handler):
         if header.op not in ("push", "pushpull") or header.at is not None:
             return None  # no payload, or a same-host one: read in place from the ring
         try:
-            return [self._shard(header.meta, i).buffer() for i in range(len(header.specs))]
+            carried = [i for i, added in enumerate(self._flags(header.meta, "added")) if not added]
+            return [self._shard(header.meta, i).buffer() for i in carried[: len(header.specs)]]
         except (KVError, KeyError, IndexError, TypeError):
             return None  # handle() reports it; the payload goes to fresh tensors meanwhile
+
+    @staticmethod
+    def _flags(meta: dict, name: str) -> list[bool]:
+        """Per-slice flags `added` / `read` (shared shards); all false when absent."""
+        flags = meta.get(name)
+        if flags is None:
+            return [False] * len(meta["keys"])
+        if not isinstance(flags, list) or len(flags) != len(meta["keys"]):
+            raise KVError(f"{name!r} must be a list with one flag per key")
+        return [bool(f) for f in flags]
 
     def _shard(self, meta: dict, i: int) -> Shard:
         ident = (meta["keys"][i], meta["starts"][i], meta["stops"][i])
@@ -185,7 +235,9 @@ class KVServer(Handler):
             self.members = {int(rank) for rank in members}
 
     def _init(self, request: Request) -> None:
-        meta = request.meta
+        """Creates or checks each slice; a worker on this host gets where the shared ones are."""
+        meta, regions = request.meta, []
+        same_host = request.conn.recv_ring is not None
         for i, key in enumerate(meta["keys"]):
             ident = (key, meta["starts"][i], meta["stops"][i])
             shape, dtype, numel = list(meta["shapes"][i]), meta["dtypes"][i], meta["numels"][i]
@@ -194,10 +246,14 @@ class KVServer(Handler):
                 if shard is None:
                     if not request.tensors:
                         raise KVError(f"key {key!r} was not initialized by worker 0")
-                    value = request.tensors[i].clone()  # may view the ring: keep a copy
+                    value = request.tensors[i].reshape(-1)  # may view the ring: keep a copy
                     if value.numel() != ident[2] - ident[1] or dtype not in DTYPES:
                         raise KVError(f"init of key {key!r} sent a value of the wrong size")
-                    shard = Shard(key, ident[1], ident[2], numel, shape, dtype, value.reshape(-1))
+                    shard = Shard(key, ident[1], ident[2], numel, shape, dtype, value)
+                    if same_host and value.numel():
+                        self._share(shard)
+                    else:
+                        shard.value = value.clone()
                     self._shards[ident] = shard
                     if self.optimizer_spec:
                         self._attach_optimizer(shard, *self.optimizer_spec)
@@ -206,19 +262,46 @@ class KVServer(Handler):
                         f"key {key!r} was initialized as {shard.dtype}{shard.shape}; "
                         f"init again as {dtype}{shape} is not allowed"
                     )
-        request.reply({})
+                region = shard.region
+                regions.append([region.offset, region.count] if same_host and region is not None else None)
+        if self._arena is not None and any(regions):
+            request.reply({"arena": self._arena.describe(), "regions": regions})
+        else:
+            request.reply({})
+
+    def _share(self, shard: Shard) -> None:
+        """Move a new shard's value into the arena, with round buffers in rounds mode."""
+        if self._arena is None:
+            self._arena = Arena()
+        count = 1 + (ROUND_BUFFERS if self.mode == "rounds" else 0)
+        region = self._arena.region(shard.value.numel(), shard.value.dtype, count)
+        region.buffers[0].copy_(shard.value)
+        region.publish(0, 0)
+        shard.region, shard.value, shard.value_buffer = region, region.buffers[0], 0
+        with shard.cond:
+            shard.open_free_buffers()
 
     # -- push -------------------------------------------------------------------------------------
     def _push(self, request: Request) -> None:
         meta, rank = request.meta, int(request.meta["rank"])
         owned = request.header.at is None  # else the tensors view the ring until handle() returns
-        for i, grad in enumerate(request.tensors):
+        added = self._flags(meta, "added")
+        if len(request.tensors) != added.count(False):
+            raise KVError(
+                f"push of {len(meta['keys'])} slices, {added.count(True)} added, carried "
+                f"{len(request.tensors)} tensors"
+            )
+        grads = iter(request.tensors)
+        for i, was_added in enumerate(added):
             shard = self._shard(meta, i)
-            if grad.dtype != shard.value.dtype or grad.numel() != shard.value.numel():
+            grad = None if was_added else next(grads)
+            if grad is not None and (grad.dtype != shard.value.dtype or grad.numel() != shard.value.numel()):
                 raise KVError(f"push to {shard.describe()}: {grad.dtype}[{grad.numel()}] does not match")
             shard.counts["pushes"] += 1
-            shard.counts["bytes_in"] += grad.numel() * grad.element_size()
+            shard.counts["bytes_in"] += shard.value.numel() * shard.value.element_size()
             if self.mode == "async":
+                if grad is None:
+                    raise KVError(f"push to {shard.describe()}: async pushes carry their payload")
                 self._apply(shard, grad)  # consumed here: a view of the ring will do
                 if owned:
                     with shard.cond:
@@ -227,22 +310,37 @@ class KVServer(Handler):
                 self._add_to_round(shard, int(meta["clocks"][i]), rank, grad, owned)
         self._serve_ready_pulls()
 
-    def _add_to_round(self, shard: Shard, clock: int, rank: int, grad: torch.Tensor, owned: bool) -> None:
+    def _add_to_round(
+        self, shard: Shard, clock: int, rank: int, grad: torch.Tensor | None, owned: bool
+    ) -> None:
+        """`grad` None: the worker added it into the round's shared buffer itself."""
         with shard.cond:
             if clock < shard.version:
                 raise KVError(f"push to {shard.describe()} for round {clock}, already applied")
             entry = shard.rounds.get(clock)
-            if entry is None:  # the first push becomes the round's accumulator
+            if entry is not None and rank in entry[1]:
+                raise KVError(f"worker {rank} pushed {shard.describe()} twice in round {clock}")
+            b = shard.opened.get(clock)
+            if b is not None:  # the round sums in a shared buffer
+                assert shard.region is not None
+                if grad is not None and not shard.region.add(clock, grad):
+                    raise KVError(f"{shard.describe()}: round {clock}'s buffer closed early")
+                acc = shard.region.buffers[b]
+                if grad is not None and owned:
+                    shard.recycle(grad)
+            elif grad is None:
+                raise KVError(f"{shard.describe()}: no shared buffer is open for round {clock}")
+            elif entry is None:  # the first push becomes the round's accumulator
                 acc = grad if owned else shard.buffer().copy_(grad)  # cond is re-entrant
-                shard.rounds[clock] = (acc, {rank})
             else:
-                acc, pushed = entry
-                if rank in pushed:
-                    raise KVError(f"worker {rank} pushed {shard.describe()} twice in round {clock}")
+                acc = entry[0]
                 acc.add_(grad)
-                pushed.add(rank)
                 if owned:
                     shard.recycle(grad)
+            if entry is None:
+                shard.rounds[clock] = (acc, {rank})
+            else:
+                entry[1].add(rank)
             self._apply_complete_rounds(shard)
 
     def _apply_complete_rounds(self, shard: Shard) -> None:
@@ -252,29 +350,50 @@ class KVServer(Handler):
             if entry is None or not self.members <= entry[1]:
                 return
             del shard.rounds[shard.version]
-            self._apply(shard, entry[0], locked=True)
-            if shard.optimizer is not None:  # else the sum became the value
+            b = shard.opened.pop(shard.version, None)
+            if b is not None:
+                assert shard.region is not None
+                shard.region.close_round(b)
+            self._apply(shard, entry[0], locked=True, buffer=b)
+            if b is None and entry[0] is not shard.value:  # spent: an optimizer's or a copy's input
                 shard.recycle(entry[0])
+            shard.open_free_buffers()
 
-    def _apply(self, shard: Shard, grad: torch.Tensor, locked: bool = False) -> None:
+    def _apply(
+        self, shard: Shard, grad: torch.Tensor, locked: bool = False, buffer: int | None = None
+    ) -> None:
         """One update: an optimizer step, or without one the round's sum (rounds) or the running
-        sum (async). Waits until no pull is reading the value."""
+        sum (async). Waits until no pull is reading the value. `buffer`: the shared buffer that
+        holds `grad` (it is returned to the shard's free buffers)."""
         if not locked:
             with shard.cond:
                 return self._apply(shard, grad, locked=True)
         while shard.readers:
             shard.cond.wait()
-        if shard.optimizer is not None:
-            assert shard.param is not None
-            shard.param.grad = grad
-            shard.optimizer.step()
-            shard.param.grad = None
-        elif self.mode == "async":
-            shard.value.add_(grad)
-        else:
-            shard.recycle(shard.value)  # no reader holds it: reuse as a push buffer
-            shard.value = grad
-        shard.version += 1
+        if shard.optimizer is None and self.mode != "async" and (buffer is not None or shard.region is None):
+            # The round's sum becomes the value: no reader holds the old one (the reader count;
+            # same-host readers hold a lock on its buffer, which open_free_buffers waits for).
+            if buffer is None:
+                shard.recycle(shard.value)
+            shard.value, shard.version = grad, shard.version + 1
+            if buffer is not None:
+                assert shard.region is not None
+                shard.value_buffer = buffer
+                shard.region.publish(buffer, shard.version)
+            return
+        with shard.writing():
+            if shard.optimizer is not None:
+                assert shard.param is not None
+                shard.param.grad = grad
+                shard.optimizer.step()
+                shard.param.grad = None
+            elif self.mode == "async":
+                shard.value.add_(grad)
+            else:  # a round summed outside the shared buffers: into the shared value
+                shard.value.copy_(grad)
+            shard.version += 1
+            if shard.region is not None:
+                shard.region.stamp(shard.version)
 
     def _leave(self, rank: int) -> None:
         """A worker that finished early: rounds stop waiting for it."""
@@ -291,7 +410,11 @@ class KVServer(Handler):
     def _pull(self, request: Request, min_versions: list[int]) -> None:
         meta = request.meta
         shards = [self._shard(meta, i) for i in range(len(meta["keys"]))]
-        pending = PendingPull(request, shards, [int(v) for v in min_versions])
+        read = self._flags(meta, "read")
+        for shard, reads in zip(shards, read, strict=True):
+            if reads and shard.region is None:
+                raise KVError(f"{shard.describe()} is not in shared memory: it cannot be read there")
+        pending = PendingPull(request, shards, [int(v) for v in min_versions], read)
         with self._lock:
             self._pending.append(pending)
         self._serve_ready_pulls()
@@ -307,18 +430,19 @@ class KVServer(Handler):
             self._send_values(pull)
 
     def _send_values(self, pull: PendingPull) -> None:
+        sent = [shard for shard, reads in zip(pull.shards, pull.read, strict=True) if not reads]
         values = []
-        for shard in pull.shards:
+        for shard in sent:
             with shard.cond:
                 shard.readers += 1
                 values.append(shard.value)
         try:
             pull.request.reply({"versions": [s.version for s in pull.shards]}, values)
-            for shard, value in zip(pull.shards, values, strict=True):
-                shard.counts["pulls"] += 1
-                shard.counts["bytes_out"] += value.numel() * value.element_size()
-        finally:
             for shard in pull.shards:
+                shard.counts["pulls"] += 1
+                shard.counts["bytes_out"] += shard.value.numel() * shard.value.element_size()
+        finally:
+            for shard in sent:
                 with shard.cond:
                     shard.readers -= 1
                     shard.cond.notify_all()
@@ -395,8 +519,15 @@ class KVServer(Handler):
             with shard.cond:
                 while shard.readers:
                     shard.cond.wait()
-                shard.value.copy_(value.reshape(-1))
-                shard.version, shard.rounds = 0, {}
+                with shard.writing():
+                    shard.value.copy_(value.reshape(-1))
+                    shard.version, shard.rounds = 0, {}
+                    if shard.region is not None:
+                        shard.region.stamp(0)
+                for b in shard.opened.values():  # every buffer opens again, from round 0
+                    shard.region.close_round(b)
+                shard.opened = {}
+                shard.open_free_buffers()
                 if state:
                     if shard.optimizer is None:
                         raise KVError("the state has optimizer state: call set_optimizer before load_state")
