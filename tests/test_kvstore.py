@@ -173,6 +173,17 @@ def test_a_shared_value_is_never_read_while_the_server_updates_it(shared_region)
     assert out.tolist() == [7.0] * 5
 
 
+def test_a_forked_child_lets_go_of_the_arena(shared_region):
+    # Else a DataLoader worker forked from a trainer would keep the trainer's locks alive after
+    # the trainer died: OFD locks go only when every descriptor of their open file is closed.
+    _, worker = shared_region
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if worker.fd == -1 else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert worker.fd != -1  # the parent keeps its own
+
+
 def test_an_arena_is_mapped_only_if_it_is_the_one_described():
     arena = Arena()
     try:

@@ -73,9 +73,8 @@ class Handle:
         except (RemoteError, TransportError) as exc:
             raise KVStoreError(str(exc)) from None
         versions = [v for r in replies for v in r.meta.get("versions", ())]
+        versions += [region.read(dest) for region, dest in self.reads]
         self.version = min(versions) if versions else self.version
-        for region, dest in self.reads:
-            region.read(dest)
         self.reads = []
         for fn in self.after:
             fn()

@@ -291,17 +291,22 @@ class KVServer(Handler):
                 f"push of {len(meta['keys'])} slices, {added.count(True)} added, carried "
                 f"{len(request.tensors)} tensors"
             )
-        grads = iter(request.tensors)
+        # Every slice is checked before any is counted: a frame is refused whole, never half-added.
+        grads, work = iter(request.tensors), []
         for i, was_added in enumerate(added):
             shard = self._shard(meta, i)
             grad = None if was_added else next(grads)
             if grad is not None and (grad.dtype != shard.value.dtype or grad.numel() != shard.value.numel()):
                 raise KVError(f"push to {shard.describe()}: {grad.dtype}[{grad.numel()}] does not match")
+            if self.mode == "async" and grad is None:
+                raise KVError(f"push to {shard.describe()}: async pushes carry their payload")
+            if self.mode != "async":
+                self._check_round(shard, int(meta["clocks"][i]), rank, grad is None)
+            work.append((i, shard, grad))
+        for i, shard, grad in work:
             shard.counts["pushes"] += 1
             shard.counts["bytes_in"] += shard.value.numel() * shard.value.element_size()
             if self.mode == "async":
-                if grad is None:
-                    raise KVError(f"push to {shard.describe()}: async pushes carry their payload")
                 self._apply(shard, grad)  # consumed here: a view of the ring will do
                 if owned:
                     with shard.cond:
@@ -315,11 +320,8 @@ class KVServer(Handler):
     ) -> None:
         """`grad` None: the worker added it into the round's shared buffer itself."""
         with shard.cond:
-            if clock < shard.version:
-                raise KVError(f"push to {shard.describe()} for round {clock}, already applied")
+            self._check_round(shard, clock, rank, grad is None)
             entry = shard.rounds.get(clock)
-            if entry is not None and rank in entry[1]:
-                raise KVError(f"worker {rank} pushed {shard.describe()} twice in round {clock}")
             b = shard.opened.get(clock)
             if b is not None:  # the round sums in a shared buffer
                 assert shard.region is not None
@@ -328,8 +330,6 @@ class KVServer(Handler):
                 acc = shard.region.buffers[b]
                 if grad is not None and owned:
                     shard.recycle(grad)
-            elif grad is None:
-                raise KVError(f"{shard.describe()}: no shared buffer is open for round {clock}")
             elif entry is None:  # the first push becomes the round's accumulator
                 acc = grad if owned else shard.buffer().copy_(grad)  # cond is re-entrant
             else:
@@ -343,12 +343,27 @@ class KVServer(Handler):
                 entry[1].add(rank)
             self._apply_complete_rounds(shard)
 
+    @staticmethod
+    def _check_round(shard: Shard, clock: int, rank: int, added: bool) -> None:
+        """Whether `rank` may push to round `clock` of `shard` (`added`: into its shared buffer)."""
+        with shard.cond:
+            if clock < shard.version:
+                raise KVError(f"push to {shard.describe()} for round {clock}, already applied")
+            entry = shard.rounds.get(clock)
+            if entry is not None and rank in entry[1]:
+                raise KVError(f"worker {rank} pushed {shard.describe()} twice in round {clock}")
+            if added and clock not in shard.opened:
+                raise KVError(f"{shard.describe()}: no shared buffer is open for round {clock}")
+
     def _apply_complete_rounds(self, shard: Shard) -> None:
         """Apply rounds that every live worker has pushed to, in order; holds shard.cond."""
         while True:
             entry = shard.rounds.get(shard.version)
             if entry is None or not self.members <= entry[1]:
                 return
+            if shard.readers:  # a pull is being sent from the value: wait, then look again
+                shard.cond.wait()
+                continue
             del shard.rounds[shard.version]
             b = shard.opened.pop(shard.version, None)
             if b is not None:
@@ -375,11 +390,11 @@ class KVServer(Handler):
             # same-host readers hold a lock on its buffer, which open_free_buffers waits for).
             if buffer is None:
                 shard.recycle(shard.value)
-            shard.value, shard.version = grad, shard.version + 1
-            if buffer is not None:
+            else:  # before the version moves: a pull found ready (without cond) reads it at once
                 assert shard.region is not None
+                shard.region.publish(buffer, shard.version + 1)
                 shard.value_buffer = buffer
-                shard.region.publish(buffer, shard.version)
+            shard.value, shard.version = grad, shard.version + 1
             return
         with shard.writing():
             if shard.optimizer is not None:
@@ -437,7 +452,7 @@ class KVServer(Handler):
                 shard.readers += 1
                 values.append(shard.value)
         try:
-            pull.request.reply({"versions": [s.version for s in pull.shards]}, values)
+            pull.request.reply({"versions": [s.version for s in sent]}, values)  # readers see theirs
             for shard in pull.shards:
                 shard.counts["pulls"] += 1
                 shard.counts["bytes_out"] += shard.value.numel() * shard.value.element_size()

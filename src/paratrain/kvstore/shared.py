@@ -17,9 +17,11 @@ round (it pushed further ahead than the buffers reach), or any push in async mod
 as before, and the server adds it into the round's buffer itself.
 
 Mutual exclusion between processes uses open-file-description byte-range locks (fcntl F_OFD_SETLKW):
-the kernel drops them when their holder dies, and they exclude per open file, so a worker that opened
-the arena through /proc conflicts with the server even within one process. No Python library offers
-locks on shared memory between unrelated processes, hence these few lines.
+the kernel drops them when the last descriptor of their open file closes, so when their holder dies
+(a forked child, e.g. a DataLoader worker, closes its inherited copy at once, so it cannot keep a
+dead parent's lock alive), and they exclude per open file, so a worker that opened the arena
+through /proc conflicts with the server even within one process. No Python library offers locks
+on shared memory between unrelated processes, hence these few lines.
 
 A shard's region in the arena (page-aligned):
     control page   int64 words: [value buffer, version, (round, adds) per buffer]; round -1: not open
@@ -34,6 +36,7 @@ import fcntl
 import mmap
 import os
 import struct
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -172,12 +175,27 @@ class Arena:
         return [os.getpid(), self.fd, self.token]
 
 
+_open_maps: weakref.WeakSet[ArenaMap] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for arena_map in list(_open_maps):
+        os.close(arena_map.fd)
+        arena_map.fd = -1
+        for region in arena_map.regions:
+            region.fd = -1  # its number may name another file in this child
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
 class ArenaMap:
     """A worker's view of one server's arena."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.regions: list[Region] = []
+        _open_maps.add(self)
 
     @classmethod
     def open(cls, described: list) -> ArenaMap:
@@ -201,4 +219,7 @@ class ArenaMap:
         for region in self.regions:
             region.close()
         self.regions = []
-        os.close(self.fd)
+        _open_maps.discard(self)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
