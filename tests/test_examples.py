@@ -27,7 +27,8 @@ def accuracy(lines: list[str]) -> float:
     [
         ("dist_sync", "(ps, sync,", "12", 0.95),
         ("dist_async", "(ps, async,", "8", 0.93),
-        ("ps:consistency=bounded,staleness=2", "(ps, bounded,", "8", 0.93),
+        # Staleness 2 learns slower, by how much varies with timing: 8 epochs gave 0.90 to 0.97.
+        ("ps:consistency=bounded,staleness=2", "(ps, bounded,", "12", 0.93),
     ],
 )
 def test_the_main_job_learns_the_digits(strategy, ran, epochs, least):

@@ -268,6 +268,47 @@ def test_bounded_staleness_holds_the_fast_workers_back_by_at_most_s_rounds(tmp_p
 
 
 @pytest.mark.timeout(240)
+def test_every_bounded_pull_holds_exactly_the_version_it_reports():
+    # Several pushpulls in flight at once, workers drifting apart within the bound, pulls copied
+    # out of the servers' shared memory while rounds are applied: with SGD(lr=1) and worker w
+    # pushing (w + 1) * (r + 1) in round r, version v of every element is -T * v * (v + 1) / 2.
+    outcome = run_job(
+        """
+        import random, time, torch, paratrain, paratrain.kvstore
+        from paratrain.kvstore import KVStoreConfig
+        S = 2
+        ctx = paratrain.init()
+        kv = paratrain.kvstore.create(KVStoreConfig(consistency="bounded", staleness=S))
+        sizes = {"a": 5, "b": 300_000, "c": 1000, "d": 50_000}
+        kv.init(list(sizes), [torch.zeros(n) for n in sizes.values()])
+        kv.set_optimizer(torch.optim.SGD, lr=1.0)
+        outs = {k: torch.empty(n) for k, n in sizes.items()}
+        rng = random.Random(ctx.rank)
+        T = ctx.num_workers * (ctx.num_workers + 1) // 2
+        wrong = []
+        for r in range(150):
+            handles = []
+            for k, n in sizes.items():
+                grad = torch.full((n,), float((ctx.rank + 1) * (r + 1)))
+                handles.append((k, kv.pushpull_async(k, grad, out=outs[k])))
+                if rng.random() < 0.2:
+                    time.sleep(0.002 * rng.random())
+            for k, handle in handles:
+                handle.wait()
+                v = handle.version
+                if v < r + 1 - S or not bool((outs[k] == -T * v * (v + 1) / 2).all()):
+                    wrong.append((k, r, v))
+        print("wrong", wrong[:5])
+        """,
+        workers=2,
+        servers=2,
+        timeout_s=200,
+    )
+    for rank in (0, 1):
+        assert outcome.lines("worker", rank, "stdout")[-1] == "wrong []"
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("aggregation", ["process", "host"])  # dist_async, dist_async_device
 def test_async_applies_every_push_from_every_worker(aggregation):
     outcome = run_job(
