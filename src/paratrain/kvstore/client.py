@@ -246,7 +246,6 @@ class DistKVStore(SparseAPI):
         )
 
         def send(with_values: bool) -> None:
-            servers = list(frames)
             futures = [
                 self._clients[s].request(
                     "init",
@@ -260,8 +259,8 @@ class DistKVStore(SparseAPI):
                 )
                 for s, meta in frames.items()
             ]
-            for s, reply in zip(servers, self._wait(futures), strict=True):
-                self._map_regions(s, frames[s], reply.meta)
+            for (s, meta), reply in zip(frames.items(), self._wait(futures), strict=True):
+                self._map_regions(s, meta, reply.meta)
 
         if self.rank == 0:
             send(with_values=True)
@@ -286,7 +285,8 @@ class DistKVStore(SparseAPI):
             logger.warning("server %d's shared memory is not usable here: %s", server, exc)
 
     def push(self, keys: Keys, values: Any) -> Handle:
-        """Starts the push and returns at once; values must not change until handle.wait()."""
+        """Starts the push and returns (slices for a same-host server's shared memory are added
+        there first); values must not change until handle.wait()."""
         return self._push(keys, values, pull_into=None)
 
     def pull_async(self, keys: Keys, out: Any) -> Handle:

@@ -60,7 +60,7 @@ class Region:
 
     def __init__(self, fd: int, offset: int, numel: int, dtype: torch.dtype, count: int) -> None:
         self.fd, self.offset, self.count = fd, offset, count
-        stride = _round_up(numel * torch.empty((), dtype=dtype).element_size(), PAGE)
+        stride = self._stride(numel, dtype)
         self._map = mmap.mmap(fd, self.bytes(numel, dtype, count), offset=offset)
         self.words = np.frombuffer(self._map, dtype=np.int64, count=2 + 2 * count)
         self.buffers = [
@@ -69,8 +69,12 @@ class Region:
         ]
 
     @staticmethod
+    def _stride(numel: int, dtype: torch.dtype) -> int:
+        return _round_up(numel * torch.empty((), dtype=dtype).element_size(), PAGE)
+
+    @staticmethod
     def bytes(numel: int, dtype: torch.dtype, count: int) -> int:
-        return PAGE + count * _round_up(numel * torch.empty((), dtype=dtype).element_size(), PAGE)
+        return PAGE + count * Region._stride(numel, dtype)
 
     # -- locks ------------------------------------------------------------------------------------
     def _lock(self, kind: int, which: int) -> None:
