@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +107,7 @@ class Shard:
     def describe(self) -> str:
         return f"key {self.key!r} [{self.start}, {self.stop})"
 
-    def writing(self):  # noqa: ANN201 - a context manager
+    def writing(self) -> AbstractContextManager[None]:
         """Hold while changing the value in place: waits for same-host workers reading it."""
         return self.region.writing(self.value_buffer) if self.region is not None else nullcontext()
 
@@ -318,9 +318,9 @@ class KVServer(Handler):
     def _add_to_round(
         self, shard: Shard, clock: int, rank: int, grad: torch.Tensor | None, owned: bool
     ) -> None:
-        """`grad` None: the worker added it into the round's shared buffer itself."""
+        """`grad` None: the worker added it into the round's shared buffer itself. _push checked
+        the push (_check_round); only this worker's own frames change that check's answer."""
         with shard.cond:
-            self._check_round(shard, clock, rank, grad is None)
             entry = shard.rounds.get(clock)
             b = shard.opened.get(clock)
             if b is not None:  # the round sums in a shared buffer
