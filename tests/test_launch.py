@@ -624,3 +624,44 @@ def test_interrupting_the_launcher_stops_every_child(markers, tmp_path, signum):
     assert "paratrain: interrupted by " + signal.Signals(signum).name in stderr
     assert_all_gone(pids)
     assert _scheduler_port_in(stderr) not in listening_ports()
+
+
+THREADS_SCRIPT = job(
+    """
+    if ROLE == "worker":
+        print("threads", os.environ.get("OMP_NUM_THREADS"), os.environ.get("MKL_NUM_THREADS"))
+        mark(f"worker-{RANK}.done")
+    else:
+        serve_until_workers_done()
+    """
+)
+
+
+@pytest.mark.parametrize("user_threads", [None, "3"])
+def test_the_launcher_gives_each_process_its_share_of_the_cores(markers, tmp_path, user_threads):
+    script = tmp_path / "threads_job.py"
+    script.write_text(THREADS_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    if user_threads:
+        env["OMP_NUM_THREADS"] = user_threads
+    cmd = [PARATRAIN, "launch", "-w", "2", "-s", "1", str(script)]
+    proc = subprocess.run(cmd, env={**env, **markers}, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    share = str(max(1, len(os.sched_getaffinity(0)) // 3))
+    expected = f"threads {user_threads} None" if user_threads else f"threads {share} {share}"
+    assert f"[worker 1] {expected}" in proc.stdout.splitlines()
+    said = "as set by the user" if user_threads else f"OMP_NUM_THREADS={share} ("
+    assert f"threads per process: {said}" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "strategy, named",
+    [("dist_snyc", "'dist_snyc'"), ("ps:consistency=eventual", "consistency"), ("hybrid", "num_servers=0")],
+)
+def test_a_bad_strategy_fails_before_any_process_starts(markers, tmp_path, strategy, named):
+    script = tmp_path / "cli_job.py"
+    script.write_text(CLI_SCRIPT)
+    cmd = [PARATRAIN, "launch", "-w", "2", "-s", "0", "--strategy", strategy, str(script)]
+    proc = subprocess.run(cmd, env={**os.environ, **markers}, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2, proc.stderr
+    assert named in proc.stderr and "pid " not in proc.stdout

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec, spec_to_env
+from paratrain.launch.api import LaunchConfig, describe_threads, host_cores, thread_env
 from paratrain.launch.report import (
     ChildFailure,
     ChildRecord,
@@ -282,6 +283,10 @@ class _Job:
         self.started = time.monotonic()
         self.deadline = None if config.timeout_s is None else self.started + config.timeout_s
         self.interrupt: int | None = None
+        cores, processes = host_cores(), config.num_workers + config.num_servers
+        self.threads = thread_env(cores, processes, {**os.environ, **config.env})
+        """OMP_NUM_THREADS for every child: its share of this machine's cores, unless the user chose."""
+        self.threads_line = describe_threads(self.threads, cores, processes, where="machine")
 
     # -- starting
 
@@ -291,7 +296,7 @@ class _Job:
         listener = _listen(cfg.host)
         port = listener.getsockname()[1]
         self.scheduler_address = f"{cfg.host}:{port}"
-        logger.info("%s", _describe(cfg, self.scheduler_address))
+        logger.info("%s\n  %s", _describe(cfg, self.scheduler_address), self.threads_line)
         try:
             self._spawn("scheduler", 0, secret, port, listener)
         finally:
@@ -320,7 +325,8 @@ class _Job:
         child = _Child(role, rank, cfg.host)
         pass_fds = () if listener is None else (listener.fileno(),)
         cmd = [cfg.python, "-u", cfg.script, *cfg.args]
-        child.start(cmd, _child_env(cfg, spec), pass_fds, self.printer, self.events)
+        env = {**self.threads, **_child_env(cfg, spec)}
+        child.start(cmd, env, pass_fds, self.printer, self.events)
         self.children.append(child)
 
     # -- waiting
@@ -514,6 +520,21 @@ def _interrupt_handlers(events: queue.SimpleQueue[Any]) -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def run_launch(config: LaunchConfig, host: str = "127.0.0.1") -> int:
+    """`paratrain launch --backend local`: the job as processes of this machine; its exit status."""
+    local = LocalJobConfig(
+        script=config.script,
+        args=config.args,
+        num_workers=config.num_workers,
+        num_servers=config.num_servers,
+        host=host,
+        env=config.job_env(),
+        timeout_s=config.timeout_s,
+        python=config.python,
+    )
+    return run_local_job(local).exit_code
 
 
 def run_local_job(
