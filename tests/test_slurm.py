@@ -241,10 +241,9 @@ def test_a_kvstore_job_runs_under_sbatch_and_srun_with_exact_values(slurm, tmp_p
     state = slurm.wait_for_job(job_id)
     text = output.read_text()
     assert state == "COMPLETED", f"job {job_id} ended {state}:\n{text}\n{slurm.logs()}"
-    # srun --label: every task's lines carry its task number; the workers are tasks 0 and 1.
-    for task in (0, 1):
+    for rank in (0, 1):  # every line carries its role, rank and node
         for line in ("round 1 exact", "push-ahead exact", "optimizer round 1 exact", "all exact"):
-            assert re.search(rf"^ *{task}: {line}$", text, re.M), (task, line, text)
+            assert f"[worker {rank} @{slurm.node}] {line}\n" in text, (rank, line, text)
     assert "paratrain: srun task 0: worker 0, 1: worker 1, 2: server 0" in text
 
 
@@ -253,14 +252,15 @@ def test_a_failed_task_stops_the_step_and_the_output_names_it(slurm, tmp_path):
     script.write_text(
         "import os, sys, time\n"
         "if os.environ['SLURM_PROCID'] == '1':\n"
-        "    sys.exit(3)\n"
+        "    sys.exit('worker 1 gives up')\n"
         "time.sleep(600)  # stopped by srun --kill-on-bad-exit, not by the time limit\n"
     )
     job_id, output = _submit(slurm, tmp_path, "-w", "2", "-s", "0", "--time", "5", str(script))
     state = slurm.wait_for_job(job_id)
     text = output.read_text()
     assert state == "FAILED", f"job {job_id} ended {state}:\n{text}"
-    assert re.search(r"task 1: Exited with exit code 3", text), text
+    assert f"[worker 1 @{slurm.node}] worker 1 gives up\n" in text
+    assert re.search(rf"srun: error: {slurm.node}: task 1: Exited with exit code 1", text), text
     assert "paratrain: job failed: srun exited with code" in text
 
 
@@ -292,6 +292,7 @@ def test_dry_run_prints_a_script_whose_single_srun_starts_every_role(tmp_path):
     sruns = [line for line in script.splitlines() if line.startswith("srun ")]
     assert len(sruns) == 1
     assert "--kill-on-bad-exit=1" in sruns[0] and "--ntasks=5" in sruns[0]
+    assert 'PREFIX_OUTPUT=\'labels=("worker 0" "server 0" "worker 1" "worker 2" "server 1"); ' in script
     assert f"-u {JOBS / 'kv_exact.py'} dist_async --flag" in sruns[0]
     for export in (
         "PARATRAIN_NUM_SERVERS=2",

@@ -10,8 +10,9 @@ port free together with the next one.
 The job secret is made inside the batch script when it runs and reaches the tasks through srun's
 environment: it is never in the script's text (which Slurm keeps), on a command line or in a file.
 `srun --kill-on-bad-exit=1` ends the step as soon as one task fails, and srun's own error line names
-that task and its node; each output line carries its task number (`srun --label`), and the script
-prints which task is which role first.
+that task and its node. Each task runs the script under `bash -c`, which prefixes every line of its
+output with `[role rank @node] ` (as the local launcher prefixes `[role rank] `); the table of roles
+in that command is `server_ranks` of the cluster spec, the rule each task's spec_from_env applies.
 
 The command returns once sbatch accepted the job (or failed to), printing the job id and the output
 file; `--dry-run` prints the script instead of submitting it.
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from paratrain.cluster.spec import server_ranks
 from paratrain.launch.api import LaunchConfig, thread_env
 
 SBATCH_TIMEOUT_S = 60.0
@@ -187,8 +189,10 @@ def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str
         'echo "paratrain: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, scheduler at'
         ' $MASTER_ADDR:$((MASTER_PORT + 1))"',
         f"echo {shlex.quote('paratrain: ' + describe_tasks(config.num_workers, config.num_servers))}",
-        f"srun --kill-on-bad-exit=1 --label --ntasks={tasks} --cpus-per-task={cpus} {python} -u {command} "
-        "&& exit 0",
+        "# Every line a task writes (stdout and stderr alike) starts with its role, rank and node.",
+        f"PREFIX_OUTPUT={shlex.quote(_prefix_output(config.num_workers, config.num_servers))}",
+        f'srun --kill-on-bad-exit=1 --ntasks={tasks} --cpus-per-task={cpus} bash -c "$PREFIX_OUTPUT" '
+        f"{python} -u {command} && exit 0",
         "status=$?",
         'echo "paratrain: job failed: srun exited with code $status; its error line above names the'
         ' failed task and node" >&2',
@@ -203,18 +207,26 @@ def _minutes(timeout_s: float | None) -> str | None:
 
 
 def task_roles(num_workers: int, num_servers: int) -> list[tuple[str, int]]:
-    """(role, rank) of each srun task by global rank, as the cluster spec assigns them: server j is
-    global rank floor((j+1)*N/S) - 1, the last of S equal blocks, the rest workers in order."""
-    tasks = num_workers + num_servers
-    servers = {(j + 1) * tasks // num_servers - 1: j for j in range(num_servers)}
+    """(role, rank) of each srun task by global rank, as the cluster spec assigns them."""
+    servers = server_ranks(num_workers + num_servers, num_servers)
     roles, worker = [], 0
-    for rank in range(tasks):
-        if rank in servers:
-            roles.append(("server", servers[rank]))
+    for task in range(num_workers + num_servers):
+        if task in servers:
+            roles.append(("server", servers.index(task)))
         else:
             roles.append(("worker", worker))
             worker += 1
     return roles
+
+
+def _prefix_output(num_workers: int, num_servers: int) -> str:
+    """The bash command each task runs: "$0" "$@" with every output line prefixed, its exit status
+    kept. bash waits for the whole pipeline, so sed has flushed before the task ends."""
+    labels = " ".join(f'"{role} {rank}"' for role, rank in task_roles(num_workers, num_servers))
+    return (
+        f'labels=({labels}); "$0" "$@" 2>&1 | sed -u "s|^|[${{labels[$SLURM_PROCID]}} @$SLURMD_NODENAME] |"; '
+        'exit "${PIPESTATUS[0]}"'
+    )
 
 
 def describe_tasks(num_workers: int, num_servers: int) -> str:
