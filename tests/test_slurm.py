@@ -291,7 +291,7 @@ def test_dry_run_prints_a_script_whose_single_srun_starts_every_role(tmp_path):
     }
     sruns = [line for line in script.splitlines() if line.startswith("srun ")]
     assert len(sruns) == 1
-    assert "--kill-on-bad-exit=1" in sruns[0] and "--ntasks=5" in sruns[0]
+    assert "--kill-on-bad-exit=1 --ntasks=5 --cpus-per-task=2 --gpus-per-task=1 " in sruns[0]
     assert 'PREFIX_OUTPUT=\'labels=("worker 0" "server 0" "worker 1" "worker 2" "server 1"); ' in script
     assert f"-u {JOBS / 'kv_exact.py'} dist_async --flag" in sruns[0]
     for export in (
@@ -307,11 +307,12 @@ def test_dry_run_prints_a_script_whose_single_srun_starts_every_role(tmp_path):
 
 
 def test_the_secret_is_made_at_run_time_and_never_written_down():
-    config = LaunchConfig(script="train.py", num_workers=2, num_servers=1, strategy="dist_async")
+    given = {"PARATRAIN_SECRET": "cd" * 32}
+    config = LaunchConfig(script="train.py", num_workers=2, num_servers=1, strategy="dist_async", env=given)
     environ = {"PARATRAIN_SECRET": "ab" * 32, "PARATRAIN_ROLE": "worker", "RANK": "3"}
     script = sbatch_script(config, SlurmOptions(), environ)
     assert "\nexport PARATRAIN_STRATEGY=dist_async\n" in script
-    assert "ab" * 32 not in script  # an inherited secret is not copied into the script
+    assert "ab" * 32 not in script and "cd" * 32 not in script  # neither inherited nor given secrets
     (assignment,) = [line for line in script.splitlines() if line.startswith("PARATRAIN_SECRET=")]
     assert assignment.endswith("-c 'import secrets; print(secrets.token_hex(32))')")
     # ... and run, it gives every task one fresh secret through the environment: run the script's

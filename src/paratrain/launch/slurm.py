@@ -54,6 +54,12 @@ _FOREIGN_IDENTITY = (
     "LOCAL_RANK",
 )
 
+# What the script sets itself; the same names in LaunchConfig.env are dropped (a secret there would be
+# written into the script's text).
+_SET_BY_SCRIPT = frozenset(
+    {*_FOREIGN_IDENTITY, "PARATRAIN_NUM_SERVERS", "PARATRAIN_SECRET", "MASTER_ADDR", "MASTER_PORT"}
+)
+
 # sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]].
 _TIME = re.compile(r"(\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)")
 _SBATCH_WORD = re.compile(r"[A-Za-z0-9_.,:@%+=/-]+")
@@ -150,25 +156,18 @@ def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str
         if not _ENV_NAME.fullmatch(key):
             raise ValueError(f"env key {key!r} is not a shell variable name")
     cpus = options.cpus_per_task
-    directives = {
-        "job-name": job_name(config, options),
-        "output": output_path(config, options),
-        "ntasks": str(tasks),
-        "cpus-per-task": str(cpus),
-        "nodes": None if options.nodes is None else str(options.nodes),
-        "partition": options.partition,
-        "time": options.time or _minutes(config.timeout_s),
-        "gpus-per-task": str(options.gpus_per_worker) if options.gpus_per_worker else None,
-    }
     threads = thread_env(cpus, 1, {**environ, **config.env})
-    exports = {**config.job_env(), "PARATRAIN_NUM_SERVERS": str(config.num_servers), **threads}
+    # The job's identity wins over the user's env, as under the local launcher.
+    job_env = {k: v for k, v in config.job_env().items() if k not in _SET_BY_SCRIPT}
+    exports = {**job_env, "PARATRAIN_NUM_SERVERS": str(config.num_servers), **threads}
     python = shlex.quote(config.python)
     command = " ".join(shlex.quote(word) for word in (os.path.abspath(config.script), *config.args))
+    gpus = f" --gpus-per-task={options.gpus_per_worker}" if options.gpus_per_worker else ""
     lines = [
         "#!/bin/bash",
         f"# paratrain job: {config.num_workers} worker(s) and {config.num_servers} server(s) as one srun "
         f"of {tasks} tasks",
-        *(f"#SBATCH --{name}={value}" for name, value in directives.items() if value is not None),
+        *_directives(config, options),
         "set -eu",
         "",
         "# Identity comes from srun (SLURM_PROCID, SLURM_NTASKS) and PARATRAIN_NUM_SERVERS; values",
@@ -176,6 +175,38 @@ def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str
         f"unset {' '.join(_FOREIGN_IDENTITY)}",
         *(f"export {key}={shlex.quote(value)}" for key, value in exports.items()),
         "export PYTHONUNBUFFERED=1",
+        *_rendezvous(python),
+        f"echo {shlex.quote('paratrain: ' + describe_tasks(config.num_workers, config.num_servers))}",
+        "# Every line a task writes (stdout and stderr alike) starts with its role, rank and node.",
+        f"PREFIX_OUTPUT={shlex.quote(_prefix_output(config.num_workers, config.num_servers))}",
+        f"srun --kill-on-bad-exit=1 --ntasks={tasks} --cpus-per-task={cpus}{gpus} "
+        f'bash -c "$PREFIX_OUTPUT" {python} -u {command} && exit 0',
+        "status=$?",
+        'echo "paratrain: job failed: srun exited with code $status; its error line above names the'
+        ' failed task and node" >&2',
+        "exit $status",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _directives(config: LaunchConfig, options: SlurmOptions) -> list[str]:
+    values = {
+        "job-name": job_name(config, options),
+        "output": output_path(config, options),
+        "ntasks": str(config.num_workers + config.num_servers),
+        "cpus-per-task": str(options.cpus_per_task),
+        "nodes": None if options.nodes is None else str(options.nodes),
+        "partition": options.partition,
+        "time": options.time or _minutes(config.timeout_s),
+        "gpus-per-task": str(options.gpus_per_worker) if options.gpus_per_worker else None,
+    }
+    return [f"#SBATCH --{name}={value}" for name, value in values.items() if value is not None]
+
+
+def _rendezvous(python: str) -> list[str]:
+    """Lines that set MASTER_ADDR, MASTER_PORT and the secret, at run time, on the first node."""
+    return [
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
         "# This script runs on that first node: a free port there, and the next one for the scheduler.",
         f"MASTER_PORT=$({python} - <<'EOF'",
@@ -188,18 +219,7 @@ def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str
         "export PARATRAIN_SECRET",
         'echo "paratrain: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, scheduler at'
         ' $MASTER_ADDR:$((MASTER_PORT + 1))"',
-        f"echo {shlex.quote('paratrain: ' + describe_tasks(config.num_workers, config.num_servers))}",
-        "# Every line a task writes (stdout and stderr alike) starts with its role, rank and node.",
-        f"PREFIX_OUTPUT={shlex.quote(_prefix_output(config.num_workers, config.num_servers))}",
-        f'srun --kill-on-bad-exit=1 --ntasks={tasks} --cpus-per-task={cpus} bash -c "$PREFIX_OUTPUT" '
-        f"{python} -u {command} && exit 0",
-        "status=$?",
-        'echo "paratrain: job failed: srun exited with code $status; its error line above names the'
-        ' failed task and node" >&2',
-        "exit $status",
-        "",
     ]
-    return "\n".join(lines)
 
 
 def _minutes(timeout_s: float | None) -> str | None:
