@@ -159,6 +159,25 @@ def _processes_of(conf: Path) -> list[int]:
     return pids
 
 
+def _cancel_all(cluster: SlurmCluster) -> None:
+    """Cancels every job of the cluster and waits until none is left (its processes gone)."""
+    subprocess.run(["scancel", "--user=root"], env=cluster.env, capture_output=True, timeout=30)
+    _wait("every job to end", partial(_no_jobs, cluster), STOP_TIMEOUT_S, cluster.logs)
+
+
+def _no_jobs(cluster: SlurmCluster) -> bool:
+    return not cluster.run("squeue", "-h", "-o", "%i").strip()
+
+
+def _survivors(conf: Path) -> list[int]:
+    """Processes of the cluster still there STOP_TIMEOUT_S after its daemons stopped (a step daemon
+    may still be tidying up a moment after its job ended)."""
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while (left := _processes_of(conf)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     for proc in reversed(procs):  # slurmd, slurmctld, then munged, which they use to the end
         if proc.poll() is None:
@@ -209,13 +228,15 @@ def slurm() -> Iterator[SlurmCluster]:
         _wait(f"node {node} to be idle", partial(_idle, cluster), START_TIMEOUT_S, cluster.logs)
         yield cluster
     finally:
-        if any(proc.poll() is None for proc in procs[1:]):
-            subprocess.run(["scancel", "--user=root"], env=cluster.env, capture_output=True, timeout=30)
-        _stop(procs)
-        left = _processes_of(conf)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            if len(procs) == len(DAEMONS) and all(proc.poll() is None for proc in procs):
+                _cancel_all(cluster)
+        finally:
+            _stop(procs)
+            left = _survivors(conf)
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(root, ignore_errors=True)
         assert not left, f"processes of the test Slurm cluster still running after it stopped: {left}"
 
 
