@@ -180,11 +180,18 @@ from paratrain.transport.config import TransportConfig
 ctx = paratrain.init(JobConfig(transport=TransportConfig(request_timeout_s=8)))
 kv = paratrain.kvstore.create(KVStoreConfig(wait_warning_s=2))
 kv.init("w", torch.zeros(2))
-out = torch.empty(2)
+kv.init_table("t", 2)
+out, ids = torch.empty(2), torch.tensor([5])
 kv.pushpull("w", torch.ones(2), out=out)
+kv.push_sparse("t", ids, torch.ones(1, 2)).wait()
 if ctx.rank == 1:
     while True:          # stuck in its data loader; its heartbeat thread runs on
         time.sleep(1)
+kv.push_sparse("t", ids, torch.ones(1, 2)).wait()
+try:
+    kv.row_sparse_pull("t", out=torch.empty(1, 2), row_ids=ids)
+except KVStoreError as exc:
+    print("sparse KVStoreError:", exc, flush=True)
 try:
     kv.pushpull("w", torch.ones(2), out=out)
 except KVStoreError as exc:
@@ -208,3 +215,10 @@ def test_a_stuck_worker_is_named_by_the_warnings_and_the_error():
         "server 0: worker 0 waits for round 1 of key 'w' [0, 2), which worker(s) 1 have not pushed" in served
     )
     assert "worker 0" in outcome.report and "worker(s) 1" in outcome.report
+    sparse = [
+        line for line in outcome.lines("worker", 0, "stdout") if line.startswith("sparse KVStoreError:")
+    ]
+    assert sparse and "worker 0's sparse pull of table 't' got no reply within 8 s" in sparse[0]
+    assert "round 1 of table 't' on server 0" in sparse[0] and "waits for worker(s) 1," in sparse[0]
+    assert "worker 0's sparse pull of table 't' has waited 2 s" in warned
+    assert "server 0: worker 0 waits for round 1 of table 't', which worker(s) 1 have not pushed" in served

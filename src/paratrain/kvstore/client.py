@@ -142,6 +142,38 @@ def as_lists(keys: Keys, values: Any = None) -> tuple[list, list]:
     return keys, [_summed(v) for v in values]
 
 
+def explain_wait(probes: list[tuple[Any, str, dict]], timeout_s: float | None) -> str:
+    """Send each (client, op, query) probe of a long wait ("waiting", "sparse_waiting") and say what
+    the servers answered: the rounds the call waits for and the workers that have not pushed them."""
+    probe_s = min(10.0, timeout_s or 10.0)
+    asked: list[tuple[str, Any]] = []
+    for client, op, query in probes:
+        try:
+            asked.append((client.name, client.request(op, query)))
+        except TransportError as exc:
+            asked.append((client.name, exc))
+    reasons = []
+    for name, probe in asked:
+        reply = None
+        try:
+            reply = probe.wait(probe_s) if not isinstance(probe, Exception) else None
+        except (RemoteError, TransportError, TimeoutError) as exc:
+            probe = exc
+        if reply is None:
+            reasons.append(f"{name} does not answer ({probe})")
+            continue
+        waits = reply.meta.get("waits", [])
+        for wait in waits:
+            missing = ", ".join(map(str, wait["missing"])) or "none (being applied)"
+            reasons.append(
+                f"round {wait['round']} of {wait.get('kind', 'key')} {wait['key']!r} on {name} waits for "
+                f"worker(s) {missing}, which have not pushed it"
+            )
+        if not waits:
+            reasons.append(f"{name} has not replied, though it reports no round this call waits for")
+    return "; ".join(dict.fromkeys(reasons))  # each reason once (a key's slices on one server)
+
+
 def check_tensors(what: str, keys: list, tensors: list, spec: Callable[[Any], tuple[list[int], Any]]) -> None:
     """Every tensor has its key's shape and dtype (`spec(key)`); checked before any state changes,
     so that a refused call leaves nothing behind (no clock moved, nothing sent)."""
@@ -254,7 +286,7 @@ class DistKVStore(SparseAPI):
     def _wait(self, futures: list[Future]) -> list:
         try:
             return [f.wait(self._timeout_s) for f in futures]
-        except (RemoteError, TransportError) as exc:
+        except (RemoteError, TransportError, TimeoutError) as exc:
             raise KVStoreError(str(exc)) from None
 
     def _info(self, key: Any) -> KeyInfo:
@@ -391,35 +423,12 @@ class DistKVStore(SparseAPI):
     def _diagnose(self, waiting: list[tuple[int, dict]], pulls: bool) -> str:
         """Ask the servers that have not replied what the call waits for: the rounds its pulls
         need and the workers that have not pushed them (the servers log the same)."""
-        probe_s = min(10.0, self._timeout_s or 10.0)
-        asked = []
+        probes = []
         for s, meta in waiting:
             query = {k: meta[k] for k in ("keys", "starts", "stops", "rank")}
             query["min_versions"] = meta["min_versions"] if pulls else [0] * len(meta["keys"])
-            try:
-                asked.append((s, self._clients[s].request("waiting", query)))
-            except TransportError as exc:
-                asked.append((s, exc))
-        reasons = []
-        for s, probe in asked:
-            name = self._clients[s].name
-            try:
-                reply = probe.wait(probe_s) if not isinstance(probe, Exception) else None
-            except (RemoteError, TransportError, TimeoutError) as exc:
-                probe = exc
-            if isinstance(probe, Exception):
-                reasons.append(f"{name} does not answer ({probe})")
-                continue
-            waits = reply.meta.get("waits", [])
-            for wait in waits:
-                missing = ", ".join(map(str, wait["missing"])) or "none (being applied)"
-                reasons.append(
-                    f"round {wait['round']} of key {wait['key']!r} on {name} waits for worker(s) "
-                    f"{missing}, which have not pushed it"
-                )
-            if not waits:
-                reasons.append(f"{name} has not replied, though it reports no round this call waits for")
-        return "; ".join(dict.fromkeys(reasons))  # one line per reason, slices of a key once
+            probes.append((self._clients[s], "waiting", query))
+        return explain_wait(probes, self._timeout_s)
 
     def pull(self, keys: Keys, out: Any) -> int | None:
         """Returns when `out` holds the value (in sync mode: of the round this worker last pushed);

@@ -36,7 +36,7 @@ from paratrain.checkpoint import save_file
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import kernels, optim
 from paratrain.kvstore.api import KVStoreConfig, SparseAPI, TableConfig, check_key
-from paratrain.kvstore.client import Handle, check_finite
+from paratrain.kvstore.client import Handle, check_finite, explain_wait
 from paratrain.kvstore.local import LocalKVStore
 from paratrain.kvstore.rowstore import SHARD_SALT
 from paratrain.kvstore.sparse import SparseTables, shard_of
@@ -93,7 +93,7 @@ class TableClient:
     def _wait(self, futures: list) -> list:
         try:
             return [f.wait(self._timeout_s) for f in futures]
-        except (RemoteError, TransportError) as exc:
+        except (RemoteError, TransportError, TimeoutError) as exc:
             raise KVStoreError(str(exc)) from None
 
     def _all(self, op: str, meta: dict) -> list:
@@ -142,12 +142,18 @@ class TableClient:
         rows = torch.empty(len(route.ids), info.dim)
         meta = {"key": key, "clock": info.clock, "min_version": self._min_version(info), "train": train}
         meta["rank"] = self.rank
+        servers = [s for s, (a, b) in enumerate(route.bounds) if b > a]
         futures = [
             self._clients[s].request("sparse_pull", meta, [route.ids[a:b]], out=[rows[a:b]])
             for s, (a, b) in enumerate(route.bounds)
             if b > a
         ]
-        return self._handle(f"sparse pull of table {key!r}", futures), rows
+        query = {"key": key, "min_version": meta["min_version"], "rank": self.rank}
+        handle = self._handle(f"sparse pull of table {key!r}", futures)
+        handle.diagnose = lambda pending: explain_wait(
+            [(self._clients[servers[i]], "sparse_waiting", query) for i in pending], self._timeout_s
+        )
+        return handle, rows
 
     def push(self, key: Any, route: Route, grads: torch.Tensor) -> Handle:
         """Push one gradient row per route id (in route order). In rounds modes every server gets
