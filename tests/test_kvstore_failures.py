@@ -222,3 +222,41 @@ def test_a_stuck_worker_is_named_by_the_warnings_and_the_error():
     assert "round 1 of table 't' on server 0" in sparse[0] and "waits for worker(s) 1," in sparse[0]
     assert "worker 0's sparse pull of table 't' has waited 2 s" in warned
     assert "server 0: worker 0 waits for round 1 of table 't', which worker(s) 1 have not pushed" in served
+
+
+HOST_JOB = """
+import torch, paratrain, paratrain.kvstore
+from paratrain.kvstore import KVStoreConfig
+ctx = paratrain.init()
+kv = paratrain.kvstore.create(KVStoreConfig(aggregation="host", refuse_non_finite=True))
+kv.init("w", torch.zeros(4))
+out = torch.empty(4)
+def attempt(name, fn):
+    try:
+        fn()
+    except Exception as exc:
+        print(f"{name}: {type(exc).__name__}: {exc}", flush=True)
+if ctx.rank == 1:   # not the host's leader: its own checks must run before the host's collectives
+    attempt("bad out", lambda: kv.pushpull("w", torch.ones(4), out=torch.empty(3)))
+    attempt("bad pull", lambda: kv.pull("w", out=torch.empty(2, 2)))
+    attempt("nan push", lambda: kv.push("w", torch.full((4,), float("nan"))))
+    attempt("missing", lambda: kv.push("v", torch.ones(1)))
+kv.pushpull("w", torch.full((4,), float(ctx.rank + 1)), out=out)
+print("round 0", out.tolist(), flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_the_host_store_checks_every_argument_before_the_hosts_collectives():
+    outcome = run_job(HOST_JOB, workers=2, servers=1, timeout_s=100)
+    lines = outcome.lines("worker", 1, "stdout")
+    assert "bad out: ValueError: out for key 'w' is torch.float32[3]; it must be torch.float32[4]" in lines
+    assert (
+        "bad pull: ValueError: out for key 'w' is torch.float32[2, 2]; it must be torch.float32[4]" in lines
+    )
+    assert any(
+        line.startswith("nan push: ValueError: worker 1 pushed 4 non-finite value(s)") for line in lines
+    )
+    assert "missing: KVStoreError: key 'v' was never initialized (call kv.init first)" in lines
+    for rank in (0, 1):
+        assert outcome.lines("worker", rank, "stdout")[-1] == "round 0 [3.0, 3.0, 3.0, 3.0]"

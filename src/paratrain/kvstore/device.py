@@ -120,8 +120,8 @@ class HostKVStore:
         return Handle([])
 
     def pushpull(self, keys: Keys, values: Any, out: Any) -> None:
+        outs = as_lists(keys, out)[1]  # before `keys` becomes a list: one key's out is one tensor
         keys, values = as_lists(keys, values)
-        outs = as_lists(keys, out)[1]
         self._check(keys, values, outs)
         sums = self._reduce(values)
         if self._inner is not None:
