@@ -174,6 +174,13 @@ def explain_wait(probes: list[tuple[Any, str, dict]], timeout_s: float | None) -
     return "; ".join(dict.fromkeys(reasons))  # each reason once (a key's slices on one server)
 
 
+def check_init_value(key: Any, value: Any) -> None:
+    """An init's value is a tensor of a dtype the wire carries."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"init of key {key!r}: the value must be a tensor, not a {type(value).__name__}")
+    dtype_name(value.dtype)
+
+
 def check_tensors(what: str, keys: list, tensors: list, spec: Callable[[Any], tuple[list[int], Any]]) -> None:
     """Every tensor has its key's shape and dtype (`spec(key)`); checked before any state changes,
     so that a refused call leaves nothing behind (no clock moved, nothing sent)."""
@@ -322,9 +329,7 @@ class DistKVStore(SparseAPI):
         and dtype. Every worker inits the same keys in the same order."""
         keys, values = as_lists(keys, values)
         for key, value in zip(keys, values, strict=True):  # all checked before any is recorded
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"init of key {key!r}: the value must be a tensor, not {value!r}")
-            dtype_name(value.dtype)
+            check_init_value(key, value)
             known = self._keys.get(key)
             if known is not None and (known.shape, known.dtype) != (list(value.shape), value.dtype):
                 raise ValueError(

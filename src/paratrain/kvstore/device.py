@@ -18,7 +18,15 @@ import torch.distributed as dist
 from paratrain.cluster.rendezvous import init_torch_distributed
 from paratrain.errors import KVStoreError
 from paratrain.kvstore.api import KVStoreConfig
-from paratrain.kvstore.client import DistKVStore, Handle, Keys, as_lists, check_finite, check_tensors
+from paratrain.kvstore.client import (
+    DistKVStore,
+    Handle,
+    Keys,
+    as_lists,
+    check_finite,
+    check_init_value,
+    check_tensors,
+)
 from paratrain.node import Context
 
 
@@ -90,8 +98,7 @@ class HostKVStore:
     def init(self, keys: Keys, values: Any) -> None:
         keys, values = as_lists(keys, values)
         for key, value in zip(keys, values, strict=True):
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"init of key {key!r}: the value must be a tensor, not {value!r}")
+            check_init_value(key, value)
             known = self._specs.get(key)
             if known is not None and known != (list(value.shape), value.dtype):
                 raise ValueError(

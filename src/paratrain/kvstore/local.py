@@ -15,7 +15,7 @@ import torch
 from paratrain.errors import KVStoreError
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVStoreConfig
-from paratrain.kvstore.client import Handle, Keys, as_lists, check_finite, check_tensors
+from paratrain.kvstore.client import Handle, Keys, as_lists, check_finite, check_init_value, check_tensors
 from paratrain.kvstore.state import read_state, write_state
 
 
@@ -51,8 +51,7 @@ class LocalKVStore:
     def init(self, keys: Keys, values: Any) -> None:
         keys, values = as_lists(keys, values)
         for key, value in zip(keys, values, strict=True):
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"init of key {key!r}: the value must be a tensor, not {value!r}")
+            check_init_value(key, value)
         for key, value in zip(keys, values, strict=True):
             known = self._values.get(key)
             if known is None:
