@@ -260,3 +260,44 @@ def test_the_host_store_checks_every_argument_before_the_hosts_collectives():
     assert "missing: KVStoreError: key 'v' was never initialized (call kv.init first)" in lines
     for rank in (0, 1):
         assert outcome.lines("worker", rank, "stdout")[-1] == "round 0 [3.0, 3.0, 3.0, 3.0]"
+
+
+def test_a_long_wait_warns_and_then_fails_with_a_kvstore_error_naming_the_cause(caplog):
+    from paratrain.errors import KVStoreError
+    from paratrain.kvstore.client import Handle
+    from paratrain.transport.rpc import Future
+
+    never = Future("'pull' (id 1) from server 0 (127.0.0.1:1)", None)  # its reply never comes
+    asked = []
+
+    def diagnose(pending):
+        asked.append(pending)
+        return "round 1 of key 'w' on server 0 waits for worker(s) 1, which have not pushed it"
+
+    handle = Handle(
+        [never], timeout_s=2.0, what="worker 0's pull of key 'w'", diagnose=diagnose, warn_after_s=0.1
+    )
+    with (
+        caplog.at_level("WARNING", logger="paratrain.kvstore.client"),
+        pytest.raises(
+            KVStoreError, match=r"pull of key 'w' got no reply within 2 s: round 1 .* worker\(s\) 1"
+        ),
+    ):
+        handle.wait()
+    assert any("worker 0's pull of key 'w' has waited" in r.getMessage() for r in caplog.records)
+    assert asked and all(pending == [0] for pending in asked)
+    # without a diagnosis the error still names the server it waited on
+    with pytest.raises(KVStoreError, match=r"no reply from server 0 \(127.0.0.1:1\)"):
+        Handle([never], timeout_s=0.1).wait()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"wait_warning_s": 0}, "KVStoreConfig.wait_warning_s=0"),
+        ({"refuse_non_finite": 1}, "refuse_non_finite=1"),
+    ],
+)
+def test_the_new_settings_are_validated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        KVStoreConfig(**kwargs)
