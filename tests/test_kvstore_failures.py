@@ -214,7 +214,6 @@ def test_a_stuck_worker_is_named_by_the_warnings_and_the_error():
     assert (
         "server 0: worker 0 waits for round 1 of key 'w' [0, 2), which worker(s) 1 have not pushed" in served
     )
-    assert "worker 0" in outcome.report and "worker(s) 1" in outcome.report
     sparse = [
         line for line in outcome.lines("worker", 0, "stdout") if line.startswith("sparse KVStoreError:")
     ]

@@ -28,6 +28,7 @@ import torch
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVStoreConfig, SparseAPI, check_key
+from paratrain.kvstore.checks import check_finite, check_init_value, check_tensors, explain_wait
 from paratrain.kvstore.placement import Placement, Slice
 from paratrain.kvstore.shared import ArenaMap, Region
 from paratrain.kvstore.state import Entry, read_state, read_tables, write_state
@@ -113,17 +114,22 @@ class Handle:
                     raise KVStoreError(
                         f"{self.what} got no reply within {timeout_s:g} s: {self._why(pending)}"
                     ) from None
-                logger.warning("%s has waited %.0f s: %s", self.what, waited, self._why(pending, waited))
+                logger.warning("%s has waited %.0f s: %s", self.what, waited, self._why(pending))
                 assert warn_at is not None and self.warn_after_s is not None
                 warn_at += self.warn_after_s
         return replies
 
-    def _why(self, pending: list[int], waited: float = 0.0) -> str:
+    def _why(self, pending: list[int]) -> str:
         if not pending:
             return "every reply has just arrived"
+        unanswered = "no reply from " + ", ".join(self.futures[i].what.split(" from ")[-1] for i in pending)
         if self.diagnose is None:
-            return "no reply from " + ", ".join(self.futures[i].what.split(" from ")[-1] for i in pending)
-        return self.diagnose(pending)
+            return unanswered
+        try:
+            return self.diagnose(pending)
+        except Exception as exc:  # the diagnosis is a courtesy: the wait's own error must still come
+            logger.debug("diagnosing a long wait failed", exc_info=True)
+            return f"{unanswered} (asking why failed: {exc!r})"
 
 
 Keys = Any | Sequence[Any]
@@ -140,71 +146,6 @@ def as_lists(keys: Keys, values: Any = None) -> tuple[list, list]:
     for key in keys:
         check_key(key)
     return keys, [_summed(v) for v in values]
-
-
-def explain_wait(probes: list[tuple[Any, str, dict]], timeout_s: float | None) -> str:
-    """Send each (client, op, query) probe of a long wait ("waiting", "sparse_waiting") and say what
-    the servers answered: the rounds the call waits for and the workers that have not pushed them."""
-    probe_s = min(10.0, timeout_s or 10.0)
-    asked: list[tuple[str, Any]] = []
-    for client, op, query in probes:
-        try:
-            asked.append((client.name, client.request(op, query)))
-        except TransportError as exc:
-            asked.append((client.name, exc))
-    reasons = []
-    for name, probe in asked:
-        reply = None
-        try:
-            reply = probe.wait(probe_s) if not isinstance(probe, Exception) else None
-        except (RemoteError, TransportError, TimeoutError) as exc:
-            probe = exc
-        if reply is None:
-            reasons.append(f"{name} does not answer ({probe})")
-            continue
-        waits = reply.meta.get("waits", [])
-        for wait in waits:
-            missing = ", ".join(map(str, wait["missing"])) or "none (being applied)"
-            reasons.append(
-                f"round {wait['round']} of {wait.get('kind', 'key')} {wait['key']!r} on {name} waits for "
-                f"worker(s) {missing}, which have not pushed it"
-            )
-        if not waits:
-            reasons.append(f"{name} has not replied, though it reports no round this call waits for")
-    return "; ".join(dict.fromkeys(reasons))  # each reason once (a key's slices on one server)
-
-
-def check_init_value(key: Any, value: Any) -> None:
-    """An init's value is a tensor of a dtype the wire carries."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"init of key {key!r}: the value must be a tensor, not a {type(value).__name__}")
-    dtype_name(value.dtype)
-
-
-def check_tensors(what: str, keys: list, tensors: list, spec: Callable[[Any], tuple[list[int], Any]]) -> None:
-    """Every tensor has its key's shape and dtype (`spec(key)`); checked before any state changes,
-    so that a refused call leaves nothing behind (no clock moved, nothing sent)."""
-    for key, tensor in zip(keys, tensors, strict=True):
-        shape, dtype = spec(key)
-        if not isinstance(tensor, torch.Tensor):
-            kind = type(tensor).__name__
-            raise TypeError(f"{what} for key {key!r} must be a {dtype} tensor of shape {shape}, not a {kind}")
-        if list(tensor.shape) != shape or tensor.dtype != dtype:
-            raise ValueError(
-                f"{what} for key {key!r} is {tensor.dtype}{list(tensor.shape)}; it must be {dtype}{shape}"
-            )
-
-
-def check_finite(keys: list, values: list, rank: int, what: str = "key") -> None:
-    """Refuse NaN and infinite values in a push (KVStoreConfig.refuse_non_finite)."""
-    for key, value in zip(keys, values, strict=True):
-        if value.is_floating_point() or value.is_complex():
-            bad = int(value.numel() - torch.isfinite(value).sum())
-            if bad:
-                raise ValueError(
-                    f"worker {rank} pushed {bad} non-finite value(s) (NaN or inf) to {what} {key!r}: refused "
-                    "(KVStoreConfig.refuse_non_finite); nothing was sent"
-                )
 
 
 def _summed(value: Any) -> Any:

@@ -18,14 +18,12 @@ import torch.distributed as dist
 from paratrain.cluster.rendezvous import init_torch_distributed
 from paratrain.errors import KVStoreError
 from paratrain.kvstore.api import KVStoreConfig
+from paratrain.kvstore.checks import check_finite, check_init_value, check_tensors
 from paratrain.kvstore.client import (
     DistKVStore,
     Handle,
     Keys,
     as_lists,
-    check_finite,
-    check_init_value,
-    check_tensors,
 )
 from paratrain.node import Context
 

@@ -36,7 +36,8 @@ from paratrain.checkpoint import save_file
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import kernels, optim
 from paratrain.kvstore.api import KVStoreConfig, SparseAPI, TableConfig, check_key
-from paratrain.kvstore.client import Handle, check_finite, explain_wait
+from paratrain.kvstore.checks import check_finite, explain_wait
+from paratrain.kvstore.client import Handle
 from paratrain.kvstore.local import LocalKVStore
 from paratrain.kvstore.rowstore import SHARD_SALT
 from paratrain.kvstore.sparse import SparseTables, shard_of

@@ -15,7 +15,8 @@ import torch
 from paratrain.errors import KVStoreError
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVStoreConfig
-from paratrain.kvstore.client import Handle, Keys, as_lists, check_finite, check_init_value, check_tensors
+from paratrain.kvstore.checks import check_finite, check_init_value, check_tensors
+from paratrain.kvstore.client import Handle, Keys, as_lists
 from paratrain.kvstore.state import read_state, write_state
 
 
