@@ -530,11 +530,18 @@ class DistKVStore(SparseAPI):
         atexit.unregister(self.close)
         # Runs at exit too (atexit), where an error would only print a traceback: a server that
         # is gone or refuses is the scheduler's to report, so a failed leave is logged, not raised.
-        for s, client in enumerate(self._clients):
+        leaving = []
+        for client in self._clients:
             try:
-                client.request("leave", {"rank": self.rank}).wait(min(10.0, self._timeout_s or 10.0))
+                leaving.append((client, client.request("leave", {"rank": self.rank})))
+            except TransportError as exc:
+                logger.debug("worker %d could not leave %s's rounds: %s", self.rank, client.name, exc)
+        deadline = time.monotonic() + min(10.0, self._timeout_s or 10.0)
+        for client, future in leaving:
+            try:
+                future.wait(max(0.0, deadline - time.monotonic()))
             except (RemoteError, TransportError, TimeoutError) as exc:
-                logger.debug("worker %d could not leave server %d's rounds: %s", self.rank, s, exc)
+                logger.debug("worker %d could not leave %s's rounds: %s", self.rank, client.name, exc)
         for client in self._clients:
             try:
                 client.close()
