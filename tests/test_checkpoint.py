@@ -206,3 +206,41 @@ def test_reader_never_sees_partial_checkpoint(tmp_path: Path) -> None:
     assert not reader.is_alive()
     assert not errors, errors
     assert seen and seen[-1] == 50
+
+
+def test_a_commit_lists_only_the_checkpoint_files_and_cleans_what_a_kill_left(tmp_path: Path) -> None:
+    # A run killed mid-save left a temporary file in step 3's staging folder (the kvstore wrote
+    # `servers.pt.tmp-PID`, unhidden; save_file writes `.NAME.tmp-PID`), a pointer's temporary file
+    # and a folder moved aside by a replace or a prune. The resumed run saves step 3 again.
+    staging = staging_dir(tmp_path, 3)
+    (staging / "servers.pt.tmp-4242").write_bytes(b"half a file")
+    (staging / ".worker-0.pt.tmp-4243").write_bytes(b"half a file")
+    (tmp_path / ".latest.tmp-4244").write_bytes(b"step-0000")
+    (tmp_path / ".step-00000002.old-4245").mkdir()
+    (tmp_path / ".step-00000001.partial.old-4246").mkdir()
+    save_file(staging / "worker-0.pt", {"x": torch.ones(1)})
+    save_file(staging / "servers.pt", {"y": torch.ones(1)})
+    final = commit(tmp_path, 3, {})
+    assert load(tmp_path).meta["files"] == ["servers.pt", "worker-0.pt"]
+    assert sorted(p.name for p in final.iterdir()) == ["meta.json", "servers.pt", "worker-0.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000003"]
+
+
+def test_the_kvstore_state_file_is_fsynced_before_it_is_renamed(tmp_path: Path, monkeypatch) -> None:
+    import os
+
+    from paratrain.kvstore import create
+
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(
+        os, "replace", lambda a, b: (events.append(f"replace {Path(a).name}"), real_replace(a, b))[1]
+    )
+    kv = create("local")
+    kv.init("w", torch.arange(3.0))
+    kv.init_table("t", 2)
+    kv.save_state(tmp_path / "servers.pt")  # the local store rewrites the file to add its tables
+    pid = os.getpid()
+    assert events == ["fsync", f"replace .servers.pt.tmp-{pid}"] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["servers.pt"]

@@ -6,8 +6,10 @@ a barrier, worker 0 alone calls `commit`: it writes `meta.json`, renames the fol
 rewrites the pointer file `root/latest` to name it. Every file, `meta.json` and the pointer are written
 to a temporary name, fsynced and renamed, so a reader (another process, while training runs) sees either
 the old or the new version, never half a file; a folder without `meta.json`, or ending in `.partial`,
-is never treated as a checkpoint. Files hold tensors and plain data only and are loaded with
-`weights_only=True`, so loading never runs code from the file.
+is never treated as a checkpoint. A commit lists only the staged files (temporary files left by a
+process killed mid-write are removed, never listed) and removes the root's debris of an earlier commit
+killed midway (the pointer's temporary file, folders moved aside). Files hold tensors and plain data
+only and are loaded with `weights_only=True`, so loading never runs code from the file.
 
 A reader can lose one race: `commit(..., keep=k)` may delete a checkpoint that a reader has just found.
 Readers that must not fail retry `latest()` after a `CheckpointError`.
@@ -43,7 +45,8 @@ PARTIAL = ".partial"
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 _PARTIAL_DIR = re.compile(r"step-(\d+)\.partial")
-_TMP_FILE = re.compile(r"\..+\.tmp-\d+")
+_TMP_FILE = re.compile(r"\.?.+\.tmp-\d+")  # hidden (save_file's), or from an older writer
+_ROOT_DEBRIS = re.compile(r"\.(latest\.tmp|step-\d+(\.partial)?\.old)-\d+")
 
 # The plain types that torch's weights_only unpickler rebuilds, so a save is refused up front rather
 # than a load failing after a long run.
@@ -135,6 +138,7 @@ def commit(root: str | os.PathLike[str], step: int, meta: dict, keep: int | None
     _fsync_dir(root)
     _atomic_write(root / POINTER, lambda f: f.write(f"{name}\n".encode()))
     _fsync_dir(root)
+    _clean_debris(root)
     logger.info("checkpoint step %d committed at %s (%d files)", step, final, len(full_meta["files"]))
     if keep is not None:
         _prune(root, step, keep)
@@ -266,6 +270,19 @@ def _staged_files(staging: Path) -> list[str]:
         if rel != META:
             files.append(rel)
     return sorted(files)
+
+
+def _clean_debris(root: Path) -> None:
+    """Remove what a commit killed midway left in the root: a pointer's temporary file, a replaced
+    or pruned folder moved aside. Only worker 0 commits, so no other writer can still own them."""
+    for child in root.iterdir():
+        if not _ROOT_DEBRIS.fullmatch(child.name):
+            continue
+        logger.warning("removing %s: a commit into %s did not finish", child, root)
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
 
 
 def _rename_over(src: Path, dst: Path) -> None:

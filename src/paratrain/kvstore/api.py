@@ -25,6 +25,14 @@ class KVStoreConfig:
     """Keys with more elements than this are sliced across all servers."""
     local: bool = False
     """Keep everything in this process (MXNet's `local` / `device`): no servers."""
+    wait_warning_s: float = 60.0
+    """A call that has waited this long for the servers (a pull for a round that some worker has
+    not pushed) logs what it waits for and on whom, on this worker and on the server, and again
+    every wait_warning_s after that; the wait itself ends at the transport's request_timeout_s."""
+    refuse_non_finite: bool = False
+    """Refuse a push holding NaN or infinite values (ValueError naming the key and the worker)
+    before anything is sent, instead of letting it poison every worker's copy. Costs one pass
+    over each pushed tensor."""
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCY:
@@ -40,6 +48,34 @@ class KVStoreConfig:
             raise ValueError(f"KVStoreConfig.aggregation={self.aggregation!r} is not one of {AGGREGATION}")
         if not isinstance(self.slice_elements, int) or self.slice_elements < 1:
             raise ValueError(f"KVStoreConfig.slice_elements={self.slice_elements!r} must be an int >= 1")
+        if not isinstance(self.wait_warning_s, (int, float)) or not self.wait_warning_s > 0:
+            raise ValueError(f"KVStoreConfig.wait_warning_s={self.wait_warning_s!r} must be a number > 0")
+        if not isinstance(self.refuse_non_finite, bool):
+            raise ValueError(f"KVStoreConfig.refuse_non_finite={self.refuse_non_finite!r} must be a bool")
+
+
+MAX_KEY_BYTES = 1024
+"""The longest key name (UTF-8 bytes): every frame's header lists its keys, and headers are capped
+(TransportConfig.max_header_bytes) by the receiver, which closes a connection that sends more."""
+KEY_INTS = (-(1 << 63), (1 << 63) - 1)
+"""Integer keys are int64s (the wire's integers)."""
+
+
+def check_key(key: Any, what: str = "key") -> None:
+    """Raise TypeError / ValueError for a key the wire cannot carry, before any state changes."""
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise TypeError(f"{what} {key!r} is not an int or a str")
+    if isinstance(key, int) and not KEY_INTS[0] <= key <= KEY_INTS[1]:
+        raise ValueError(f"{what} {key} is outside the int64 range [-2**63, 2**63 - 1]")
+    if isinstance(key, str):
+        try:
+            size = len(key.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{what} {key[:40]!r} is not valid Unicode text: {exc.reason}") from None
+        if size > MAX_KEY_BYTES:
+            raise ValueError(
+                f"{what} {key[:40]!r}... is {size} bytes long; the limit is {MAX_KEY_BYTES} bytes (UTF-8)"
+            )
 
 
 KINDS = {

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,8 @@ import torch
 
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import optim
-from paratrain.kvstore.api import KVStoreConfig, SparseAPI
+from paratrain.kvstore.api import KVStoreConfig, SparseAPI, check_key
+from paratrain.kvstore.checks import check_finite, check_init_value, check_tensors, explain_wait
 from paratrain.kvstore.placement import Placement, Slice
 from paratrain.kvstore.shared import ArenaMap, Region
 from paratrain.kvstore.state import Entry, read_state, read_tables, write_state
@@ -54,8 +56,9 @@ class KeyInfo:
 
 @dataclass
 class Handle:
-    """Completion of one push / pull / pushpull. `wait()` raises the servers' errors; pulled slices
-    that a same-host server keeps in shared memory are copied into `out` there."""
+    """Completion of one push / pull / pushpull. `wait()` raises the servers' errors, and a
+    KVStoreError naming what it still waits for and on whom when `timeout_s` runs out; pulled
+    slices that a same-host server keeps in shared memory are copied into `out` there."""
 
     futures: list[Future]
     after: list[Callable[[], None]] = field(default_factory=list)
@@ -65,11 +68,17 @@ class Handle:
     version: int | None = None
     """After wait(): the oldest version among the pulled slices (rounds applied, in sync and
     bounded modes; pushes applied, in async mode)."""
+    what: str = "request"
+    """What the caller waits for ("pushpull of key 'w'"), for the messages of a long wait."""
+    diagnose: Callable[[list[int]], str] | None = None
+    """Given the indices of the futures not yet answered: what they wait for and on whom."""
+    warn_after_s: float | None = None
+    """Log what the wait is for after this long, and again every warn_after_s (None: never)."""
 
     def wait(self, timeout_s: float | None = None) -> None:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            replies = [future.wait(timeout) for future in self.futures]
+            replies = self._replies(timeout)
         except (RemoteError, TransportError) as exc:
             raise KVStoreError(str(exc)) from None
         versions = [v for r in replies for v in r.meta.get("versions", ())]
@@ -84,6 +93,44 @@ class Handle:
         """Whether every server replied (wait() then only copies shared-memory slices)."""
         return all(f.done() for f in self.futures)
 
+    def _replies(self, timeout_s: float | None) -> list:
+        """Every future's reply; a wait is never silent: past warn_after_s it logs what it waits
+        for, and past timeout_s it raises a KVStoreError that says the same."""
+        start = time.monotonic()
+        deadline = None if timeout_s is None else start + timeout_s
+        warn_at = None if self.warn_after_s is None else start + self.warn_after_s
+        replies = []
+        for future in self.futures:
+            while True:
+                ends = [t for t in (deadline, warn_at) if t is not None]
+                try:
+                    replies.append(future.wait(max(0.0, min(ends) - time.monotonic()) if ends else None))
+                    break
+                except TimeoutError:
+                    pass
+                waited = time.monotonic() - start
+                pending = [i for i, f in enumerate(self.futures) if not f.done()]
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise KVStoreError(
+                        f"{self.what} got no reply within {timeout_s:g} s: {self._why(pending)}"
+                    ) from None
+                logger.warning("%s has waited %.0f s: %s", self.what, waited, self._why(pending))
+                assert warn_at is not None and self.warn_after_s is not None
+                warn_at += self.warn_after_s
+        return replies
+
+    def _why(self, pending: list[int]) -> str:
+        if not pending:
+            return "every reply has just arrived"
+        unanswered = "no reply from " + ", ".join(self.futures[i].what.split(" from ")[-1] for i in pending)
+        if self.diagnose is None:
+            return unanswered
+        try:
+            return self.diagnose(pending)
+        except Exception as exc:  # the diagnosis is a courtesy: the wait's own error must still come
+            logger.debug("diagnosing a long wait failed", exc_info=True)
+            return f"{unanswered} (asking why failed: {exc!r})"
+
 
 Keys = Any | Sequence[Any]
 
@@ -97,8 +144,7 @@ def as_lists(keys: Keys, values: Any = None) -> tuple[list, list]:
     if len(values) != len(keys):
         raise ValueError(f"{len(keys)} keys but {len(values)} values")
     for key in keys:
-        if not isinstance(key, (int, str)) or isinstance(key, bool):
-            raise TypeError(f"key {key!r} is not an int or a str")
+        check_key(key)
     return keys, [_summed(v) for v in values]
 
 
@@ -188,7 +234,7 @@ class DistKVStore(SparseAPI):
     def _wait(self, futures: list[Future]) -> list:
         try:
             return [f.wait(self._timeout_s) for f in futures]
-        except (RemoteError, TransportError) as exc:
+        except (RemoteError, TransportError, TimeoutError) as exc:
             raise KVStoreError(str(exc)) from None
 
     def _info(self, key: Any) -> KeyInfo:
@@ -223,15 +269,19 @@ class DistKVStore(SparseAPI):
         """The first init of a key sets its value (worker 0's); a later one must match its shape
         and dtype. Every worker inits the same keys in the same order."""
         keys, values = as_lists(keys, values)
+        for key, value in zip(keys, values, strict=True):  # all checked before any is recorded
+            check_init_value(key, value)
+            known = self._keys.get(key)
+            if known is not None and (known.shape, known.dtype) != (list(value.shape), value.dtype):
+                raise ValueError(
+                    f"key {key!r} was initialized as {known.dtype}{known.shape}; "
+                    f"init as {value.dtype}{list(value.shape)} is not allowed"
+                )
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"init lists a key twice: {keys!r}")
         for key, value in zip(keys, values, strict=True):
             known = self._keys.get(key)
             shape, dtype = list(value.shape), value.dtype
-            dtype_name(dtype)
-            if known is not None and (known.shape, known.dtype) != (shape, dtype):
-                raise ValueError(
-                    f"key {key!r} was initialized as {known.dtype}{known.shape}; "
-                    f"init as {dtype}{shape} is not allowed"
-                )
             if known is None:
                 slices = self._placement.place(value.numel(), value.element_size())
                 self._keys[key] = KeyInfo(shape, dtype, slices)
@@ -298,7 +348,33 @@ class DistKVStore(SparseAPI):
         for s, meta in frames.items():
             out = self._dests(s, meta, views, reads)
             futures.append(self._clients[s].request("pull", meta, (), out=out))
-        return Handle(futures, after, self._timeout_s, reads)
+        return self._handle("pull", keys, frames, futures, after, reads)
+
+    def _handle(
+        self, op: str, keys: list, frames: dict[int, dict], futures: list, after: list, reads: list
+    ) -> Handle:
+        """A Handle whose long waits say what they wait for: the servers are asked (`_diagnose`)."""
+        what = f"{op} of key {keys[0]!r}" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
+        sent = list(frames.items())
+        return Handle(
+            futures,
+            after,
+            self._timeout_s,
+            reads,
+            what=f"worker {self.rank}'s {what}",
+            diagnose=lambda pending: self._diagnose([sent[i] for i in pending], op != "push"),
+            warn_after_s=self.config.wait_warning_s,
+        )
+
+    def _diagnose(self, waiting: list[tuple[int, dict]], pulls: bool) -> str:
+        """Ask the servers that have not replied what the call waits for: the rounds its pulls
+        need and the workers that have not pushed them (the servers log the same)."""
+        probes = []
+        for s, meta in waiting:
+            query = {k: meta[k] for k in ("keys", "starts", "stops", "rank")}
+            query["min_versions"] = meta["min_versions"] if pulls else [0] * len(meta["keys"])
+            probes.append((self._clients[s], "waiting", query))
+        return explain_wait(probes, self._timeout_s)
 
     def pull(self, keys: Keys, out: Any) -> int | None:
         """Returns when `out` holds the value (in sync mode: of the round this worker last pushed);
@@ -320,19 +396,19 @@ class DistKVStore(SparseAPI):
     def _push(self, keys: Keys, values: Any, pull_into: Any) -> Handle:
         outs = as_lists(keys, pull_into)[1] if pull_into is not None else None
         keys, values = as_lists(keys, values)
-        flat = {}
-        for key, value in zip(keys, values, strict=True):
-            info = self._info(key)
-            if list(value.shape) != info.shape or value.dtype != info.dtype:
-                raise ValueError(
-                    f"push to key {key!r}: {value.dtype}{list(value.shape)} is not {info.dtype}{info.shape}"
-                )
-            flat[key] = flat_cpu(value)
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"a push lists a key twice: {keys!r}")
+        # Every argument is checked before a clock moves: a refused call must leave no trace, or
+        # this worker's next push would join a later round than the others'.
+        check_tensors("push", keys, values, self._spec)
+        after: list[Callable[[], None]] = []
+        views = self._out_views(keys, outs, after) if outs is not None else None
+        flat = {key: flat_cpu(value) for key, value in zip(keys, values, strict=True)}
+        if self.config.refuse_non_finite:
+            check_finite(keys, list(flat.values()), self.rank)
         clocks = {key: self._info(key).clock for key in keys}
         for key in keys:
             self._info(key).clock += 1
-        after: list[Callable[[], None]] = []
-        views = self._out_views(keys, outs, after) if outs is not None else None
         frames = self._frames(
             keys,
             lambda key, info, piece: {"clocks": clocks[key], "min_versions": self._min_version(info)},
@@ -353,15 +429,18 @@ class DistKVStore(SparseAPI):
             op = "push" if views is None else "pushpull"
             out = self._dests(s, meta, views, reads) if views is not None else None
             futures.append(self._clients[s].request(op, meta, tensors, out=out))
-        return Handle(futures, after, self._timeout_s, reads)
+        return self._handle("push" if views is None else "pushpull", keys, frames, futures, after, reads)
+
+    def _spec(self, key: Any) -> tuple[list[int], torch.dtype]:
+        info = self._info(key)
+        return info.shape, info.dtype
 
     def _out_views(self, keys: list, outs: list, after: list) -> dict[Any, torch.Tensor]:
         """Flat CPU views of the outs; a GPU or non-contiguous out is filled through a staging copy."""
+        check_tensors("out", keys, outs, self._spec)
         views = {}
         for key, out in zip(keys, outs, strict=True):
             info = self._info(key)
-            if not isinstance(out, torch.Tensor) or list(out.shape) != info.shape or out.dtype != info.dtype:
-                raise ValueError(f"out for key {key!r} must be a {info.dtype} tensor of shape {info.shape}")
             if out.device.type == "cpu" and out.is_contiguous():
                 views[key] = out.view(-1)
             else:
@@ -449,12 +528,25 @@ class DistKVStore(SparseAPI):
             return
         self._closed = True
         atexit.unregister(self.close)
-        try:
-            self._wait([c.request("leave", {"rank": self.rank}) for c in self._clients])
-        except KVStoreError:
-            pass  # a server already gone: the scheduler reports it
+        # Runs at exit too (atexit), where an error would only print a traceback: a server that
+        # is gone or refuses is the scheduler's to report, so a failed leave is logged, not raised.
+        leaving = []
         for client in self._clients:
-            client.close()
+            try:
+                leaving.append((client, client.request("leave", {"rank": self.rank})))
+            except TransportError as exc:
+                logger.debug("worker %d could not leave %s's rounds: %s", self.rank, client.name, exc)
+        deadline = time.monotonic() + min(10.0, self._timeout_s or 10.0)
+        for client, future in leaving:
+            try:
+                future.wait(max(0.0, deadline - time.monotonic()))
+            except (RemoteError, TransportError, TimeoutError) as exc:
+                logger.debug("worker %d could not leave %s's rounds: %s", self.rank, client.name, exc)
+        for client in self._clients:
+            try:
+                client.close()
+            except (OSError, TransportError) as exc:
+                logger.debug("closing the connection to %s: %s", client.name, exc)
         for info in self._keys.values():
             info.regions = {}
         for arena in self._arenas.values():

@@ -16,8 +16,15 @@ import torch
 import torch.distributed as dist
 
 from paratrain.cluster.rendezvous import init_torch_distributed
+from paratrain.errors import KVStoreError
 from paratrain.kvstore.api import KVStoreConfig
-from paratrain.kvstore.client import DistKVStore, Handle, Keys, as_lists
+from paratrain.kvstore.checks import check_finite, check_init_value, check_tensors
+from paratrain.kvstore.client import (
+    DistKVStore,
+    Handle,
+    Keys,
+    as_lists,
+)
 from paratrain.node import Context
 
 
@@ -45,6 +52,8 @@ class HostKVStore:
         self._local, self._group = next((g, pg) for g, pg in made if self.rank in g)
         self.leader = self._local[0]
         self.is_leader = self.rank == self.leader
+        self.config = config
+        self._specs: dict[Any, tuple[list[int], torch.dtype]] = {}  # every worker checks its own calls
         self._inner = (
             DistKVStore(ctx, config, members=leaders, barrier=lambda _name: dist.barrier(group=leader_group))
             if self.is_leader
@@ -69,16 +78,44 @@ class HostKVStore:
             fn(self._inner)
         dist.barrier()
 
+    def _spec(self, key: Any) -> tuple[list[int], torch.dtype]:
+        if key not in self._specs:
+            raise KVStoreError(f"key {key!r} was never initialized (call kv.init first)")
+        return self._specs[key]
+
+    def _check(self, keys: list, values: list | None, outs: list | None) -> None:
+        """A worker checks its own arguments before the host's collectives, where a bad one would
+        fail or hang the other workers of the host."""
+        if values is not None:
+            check_tensors("push", keys, values, self._spec)
+            if self.config.refuse_non_finite:
+                check_finite(keys, values, self.rank)
+        if outs is not None:
+            check_tensors("out", keys, outs, self._spec)
+
     def init(self, keys: Keys, values: Any) -> None:
+        keys, values = as_lists(keys, values)
+        for key, value in zip(keys, values, strict=True):
+            check_init_value(key, value)
+            known = self._specs.get(key)
+            if known is not None and known != (list(value.shape), value.dtype):
+                raise ValueError(
+                    f"key {key!r} was initialized as {known[1]}{known[0]}; "
+                    f"init as {value.dtype}{list(value.shape)} is not allowed"
+                )
         self._leader_then_all(lambda kv: kv.init(keys, values))
+        for key, value in zip(keys, values, strict=True):
+            self._specs.setdefault(key, (list(value.shape), value.dtype))
 
     def push(self, keys: Keys, values: Any) -> Handle:
         keys, values = as_lists(keys, values)
+        self._check(keys, values, None)
         sums = self._reduce(values)
         return self._inner.push(keys, sums) if self._inner is not None else Handle([])
 
     def pull(self, keys: Keys, out: Any) -> None:
         keys, outs = as_lists(keys, out)
+        self._check(keys, None, outs)
         if self._inner is not None:
             self._inner.pull(keys, outs)
         self._broadcast(outs)
@@ -88,8 +125,9 @@ class HostKVStore:
         return Handle([])
 
     def pushpull(self, keys: Keys, values: Any, out: Any) -> None:
+        outs = as_lists(keys, out)[1]  # before `keys` becomes a list: one key's out is one tensor
         keys, values = as_lists(keys, values)
-        outs = as_lists(keys, out)[1]
+        self._check(keys, values, outs)
         sums = self._reduce(values)
         if self._inner is not None:
             self._inner.pushpull(keys, sums, outs)

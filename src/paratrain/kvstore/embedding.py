@@ -32,9 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.checkpoint import save_file
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import kernels, optim
-from paratrain.kvstore.api import KVStoreConfig, SparseAPI, TableConfig
+from paratrain.kvstore.api import KVStoreConfig, SparseAPI, TableConfig, check_key
+from paratrain.kvstore.checks import check_finite, explain_wait
 from paratrain.kvstore.client import Handle
 from paratrain.kvstore.local import LocalKVStore
 from paratrain.kvstore.rowstore import SHARD_SALT
@@ -92,15 +94,14 @@ class TableClient:
     def _wait(self, futures: list) -> list:
         try:
             return [f.wait(self._timeout_s) for f in futures]
-        except (RemoteError, TransportError) as exc:
+        except (RemoteError, TransportError, TimeoutError) as exc:
             raise KVStoreError(str(exc)) from None
 
     def _all(self, op: str, meta: dict) -> list:
         return self._wait([c.request(op, meta) for c in self._clients])
 
     def init_table(self, key: Any, dim: int, config: TableConfig) -> None:
-        if not isinstance(key, (int, str)) or isinstance(key, bool):
-            raise TypeError(f"table key {key!r} is not an int or a str")
+        check_key(key, "table key")
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
             raise ValueError(f"table {key!r}: dim={dim!r} must be an int >= 1")
         known = self.tables.get(key)
@@ -142,12 +143,18 @@ class TableClient:
         rows = torch.empty(len(route.ids), info.dim)
         meta = {"key": key, "clock": info.clock, "min_version": self._min_version(info), "train": train}
         meta["rank"] = self.rank
+        servers = [s for s, (a, b) in enumerate(route.bounds) if b > a]
         futures = [
             self._clients[s].request("sparse_pull", meta, [route.ids[a:b]], out=[rows[a:b]])
             for s, (a, b) in enumerate(route.bounds)
             if b > a
         ]
-        return Handle(futures, timeout_s=self._timeout_s), rows
+        query = {"key": key, "min_version": meta["min_version"], "rank": self.rank}
+        handle = self._handle(f"sparse pull of table {key!r}", futures)
+        handle.diagnose = lambda pending: explain_wait(
+            [(self._clients[servers[i]], "sparse_waiting", query) for i in pending], self._timeout_s
+        )
+        return handle, rows
 
     def push(self, key: Any, route: Route, grads: torch.Tensor) -> Handle:
         """Push one gradient row per route id (in route order). In rounds modes every server gets
@@ -156,6 +163,8 @@ class TableClient:
         if grads.dtype != torch.float32 or tuple(grads.shape) != (len(route.ids), info.dim):
             raise ValueError(f"push to table {key!r}: grads must be float32 [{len(route.ids)}, {info.dim}]")
         grads = grads.detach().to("cpu").contiguous()
+        if self._config.refuse_non_finite:  # before the clock moves: a refused push leaves no trace
+            check_finite([key], [grads], self.rank, "table")
         meta = {"key": key, "clock": info.clock, "rank": self.rank}
         info.clock += 1
         everyone = self._config.consistency != "async"
@@ -164,7 +173,12 @@ class TableClient:
             for s, (a, b) in enumerate(route.bounds)
             if b > a or everyone
         ]
-        return Handle(futures, timeout_s=self._timeout_s)
+        return self._handle(f"sparse push to table {key!r}", futures)
+
+    def _handle(self, what: str, futures: list) -> Handle:
+        """A Handle that logs what it still waits for after KVStoreConfig.wait_warning_s."""
+        what = f"worker {self.rank}'s {what}"
+        return Handle(futures, timeout_s=self._timeout_s, what=what, warn_after_s=self._config.wait_warning_s)
 
     def row_sparse_pull(self, key: Any, out: torch.Tensor, row_ids: torch.Tensor, train: bool) -> int | None:
         info = self._info(key)
@@ -180,6 +194,14 @@ class TableClient:
     def push_sparse(self, key: Any, row_ids: torch.Tensor, grads: torch.Tensor) -> Handle:
         info = self._info(key)
         flat = _ids(row_ids)
+        if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():
+            kind = grads.dtype if isinstance(grads, torch.Tensor) else type(grads).__name__
+            raise TypeError(f"push to table {key!r}: grads must be a float tensor, not {kind}")
+        if grads.numel() != len(flat) * info.dim or (grads.dim() > 1 and grads.shape[-1] != info.dim):
+            raise ValueError(
+                f"push to table {key!r}: grads are {grads.dtype}{list(grads.shape)}; {len(flat)} ids "
+                f"need [{len(flat)}, {info.dim}]"
+            )
         grads = grads.detach().to("cpu", torch.float32).reshape(len(flat), info.dim)
         route, where = self.dedup(flat)
         summed = torch.zeros(len(route.ids), info.dim).index_add_(0, where, grads)
@@ -250,7 +272,8 @@ class TableClient:
 
 def _ids(row_ids: torch.Tensor) -> torch.Tensor:
     if not isinstance(row_ids, torch.Tensor) or row_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"row ids must be an int64 tensor, not {type(row_ids).__name__}")
+        kind = row_ids.dtype if isinstance(row_ids, torch.Tensor) else type(row_ids).__name__
+        raise TypeError(f"row ids must be an int64 or int32 tensor, not {kind}")
     return row_ids.detach().reshape(-1).to("cpu", torch.int64)
 
 
@@ -268,9 +291,7 @@ def _merge(pieces: list[tuple[dict, list[torch.Tensor]]], full: bool) -> TableEn
 
 
 def _save(path: str | os.PathLike[str], payload: dict) -> None:
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    save_file(path, payload)  # fsynced and renamed, as checkpoint files are
 
 
 # -- a store without servers ----------------------------------------------------------------------

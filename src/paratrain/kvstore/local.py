@@ -15,6 +15,7 @@ import torch
 from paratrain.errors import KVStoreError
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVStoreConfig
+from paratrain.kvstore.checks import check_finite, check_init_value, check_tensors
 from paratrain.kvstore.client import Handle, Keys, as_lists
 from paratrain.kvstore.state import read_state, write_state
 
@@ -35,8 +36,24 @@ class LocalKVStore:
             raise KVStoreError(f"key {key!r} was never initialized (call kv.init first)")
         return self._values[key]
 
+    def _spec(self, key: Any) -> tuple[list[int], torch.dtype]:
+        value = self._value(key)
+        return list(value.shape), value.dtype
+
+    def _check(self, keys: list, values: list | None, outs: list | None) -> None:
+        """Every argument is checked before any value changes (as DistKVStore does)."""
+        if values is not None:
+            check_tensors("push", keys, values, self._spec)
+            if self.config.refuse_non_finite:
+                check_finite(keys, values, self.rank)
+        if outs is not None:
+            check_tensors("out", keys, outs, self._spec)
+
     def init(self, keys: Keys, values: Any) -> None:
-        for key, value in zip(*as_lists(keys, values), strict=True):
+        keys, values = as_lists(keys, values)
+        for key, value in zip(keys, values, strict=True):
+            check_init_value(key, value)
+        for key, value in zip(keys, values, strict=True):
             known = self._values.get(key)
             if known is None:
                 self._values[key] = value.detach().to("cpu", copy=True)
@@ -49,7 +66,9 @@ class LocalKVStore:
                 )
 
     def push(self, keys: Keys, values: Any) -> Handle:
-        for key, value in zip(*as_lists(keys, values), strict=True):
+        keys, values = as_lists(keys, values)
+        self._check(keys, values, None)
+        for key, value in zip(keys, values, strict=True):
             current, grad = self._value(key), value.detach().to("cpu")
             if key in self._optimizers:
                 self._params[key].grad = grad.to(current.dtype)
@@ -62,7 +81,9 @@ class LocalKVStore:
         return Handle([])
 
     def pull_async(self, keys: Keys, out: Any) -> Handle:
-        for key, dest in zip(*as_lists(keys, out), strict=True):
+        keys, outs = as_lists(keys, out)
+        self._check(keys, None, outs)
+        for key, dest in zip(keys, outs, strict=True):
             dest.copy_(self._value(key))
         return Handle([])
 
@@ -70,6 +91,7 @@ class LocalKVStore:
         self.pull_async(keys, out)
 
     def pushpull_async(self, keys: Keys, values: Any, out: Any) -> Handle:
+        self._check(*as_lists(keys, values), as_lists(keys, out)[1])  # the outs too, before the push
         self.push(keys, values)
         return self.pull_async(keys, out)
 

@@ -9,6 +9,9 @@ Requests (meta lists are parallel; every tensor is one flat slice of one key):
     pushpull      push and pull of the same slices in one frame
     set_optimizer {path, hyper}                                     from worker 0
     leave         {rank}                                            that worker pushes no more
+    waiting       {keys, starts, stops, min_versions, rank}         from a worker whose call waits
+                  long: per slice behind min_version, its round and the workers that have not
+                  pushed it (logged here too, so that no wait is silent on either side)
     get_state / set_state                                           for save_state / load_state
     sparse_*                                                        sparse tables (sparse.py)
 
@@ -219,6 +222,8 @@ class KVServer(Handler):
                 request.reply(request.meta, request.tensors)
             elif op == "stats":
                 request.reply(self._stats())
+            elif op == "waiting":
+                request.reply({"waits": self._waiting(request.meta)})
             elif op in SparseTables.OPS:
                 self.tables.handle(request)
             else:
@@ -245,7 +250,7 @@ class KVServer(Handler):
                 shard = self._shards.get(ident)
                 if shard is None:
                     if not request.tensors:
-                        raise KVError(f"key {key!r} was not initialized by worker 0")
+                        raise KVError(self._not_initialized(key, shape, dtype, ident))
                     value = request.tensors[i].reshape(-1)  # may view the ring: keep a copy
                     if value.numel() != ident[2] - ident[1] or dtype not in DTYPES:
                         raise KVError(f"init of key {key!r} sent a value of the wrong size")
@@ -268,6 +273,21 @@ class KVServer(Handler):
             request.reply({"arena": self._arena.describe(), "regions": regions})
         else:
             request.reply({})
+
+    def _not_initialized(self, key: Any, shape: list[int], dtype: str, ident: tuple) -> str:
+        """Why a worker's checking init found no slice: worker 0 made the key with another shape
+        (so its slices lie elsewhere), or never made it. Holds self._lock."""
+        other = next((s for s in self._shards.values() if s.key == key), None)
+        if other is not None:
+            return (
+                f"key {key!r} was initialized by worker 0 as {other.dtype}{other.shape}; this worker's "
+                f"init as {dtype}{shape} does not match it"
+            )
+        return (
+            f"key {key!r} (as {dtype}{shape}, elements [{ident[1]}, {ident[2]})) is not on server "
+            f"{self.rank}: worker 0 did not initialize it, or with another shape; every worker must "
+            "init the same keys with the same shapes, in the same order"
+        )
 
     def _share(self, shard: Shard) -> None:
         """Move a new shard's value into the arena, with round buffers in rounds mode."""
@@ -461,6 +481,36 @@ class KVServer(Handler):
                 with shard.cond:
                     shard.readers -= 1
                     shard.cond.notify_all()
+
+    def _waiting(self, meta: dict) -> list[dict]:
+        """The rounds that hold back a waiting worker's pulls: per slice below its min_version,
+        the round applied next and the members that have not pushed it."""
+        rank, waits = int(meta["rank"]), []
+        with self._lock:
+            members = set(self.members)
+        for i in range(len(meta["keys"])):
+            shard, need = self._shard(meta, i), int(meta["min_versions"][i])
+            with shard.cond:
+                if shard.version >= need:
+                    continue
+                entry = shard.rounds.get(shard.version)
+                pushed = set(entry[1]) if entry is not None else set()
+                missing = sorted(members - pushed)
+                waits.append({"key": shard.key, "start": shard.start, "stop": shard.stop})
+                waits[-1] |= {"version": shard.version, "round": shard.version, "missing": missing}
+        if waits:
+            logger.warning(
+                "server %d: worker %d waits for %s",
+                self.rank,
+                rank,
+                "; ".join(
+                    f"round {w['round']} of key {w['key']!r} [{w['start']}, {w['stop']}), which worker(s) "
+                    f"{', '.join(map(str, w['missing'])) or 'none (being applied)'} have not pushed"
+                    for w in waits[:8]
+                )
+                + (f"; and {len(waits) - 8} more slices" if len(waits) > 8 else ""),
+            )
+        return waits
 
     def _stats(self) -> dict:
         """Per shard: its counts, version, open rounds and the pulls waiting on it (queue depth)."""

@@ -22,6 +22,8 @@ Protocol (KVServer hands the ops in `OPS` to `SparseTables.handle`):
     sparse_stats      {key}
     sparse_get_state  {key | None, full}                      tables by id: rows (+ ages and state)
     sparse_set_state  {key, names, step}                      replace a table's rows
+    sparse_waiting    {key, min_version, rank}                from a worker whose pull waits long:
+                                                              the round and who has not pushed it
 
 Consistency is the dense keys' (server.py): in rounds mode a worker's n-th push joins round n, applied
 once every member pushed (pushes summed per id in rank order, then one update); a pull waits until the
@@ -378,7 +380,7 @@ class SparseTables:
 
     OPS = frozenset(
         ("sparse_init", "sparse_pull", "sparse_push", "sparse_optimizer", "sparse_stats")
-        + ("sparse_get_state", "sparse_set_state")
+        + ("sparse_get_state", "sparse_set_state", "sparse_waiting")
     )
 
     def __init__(self, server: Any) -> None:
@@ -410,11 +412,32 @@ class SparseTables:
             request.reply(stats)
         elif op == "sparse_get_state":
             self._get_state(request)
+        elif op == "sparse_waiting":
+            request.reply({"waits": self._waiting(meta)})
         elif op == "sparse_set_state":
             table = self._table(meta["key"])
             with table.lock:
                 table.load(list(meta["names"]), request.tensors)
             request.reply({})
+
+    def _waiting(self, meta: dict) -> list[dict]:
+        """What holds a waiting worker's pull back: the table's next round and the members that
+        have not pushed it (logged here too, so that the wait is not silent on this side)."""
+        table, need = self._table(meta["key"]), int(meta["min_version"])
+        members = frozenset(self.server.members)
+        with table.lock:
+            if table.version >= need:
+                return []
+            round_, missing = table.version, sorted(members - set(table.rounds.get(table.version, {})))
+        logger.warning(
+            "server %d: worker %s waits for round %d of table %r, which worker(s) %s have not pushed",
+            self.server.rank,
+            meta.get("rank"),
+            round_,
+            table.key,
+            ", ".join(map(str, missing)) or "none (being applied)",
+        )
+        return [{"kind": "table", "key": table.key, "round": round_, "missing": missing}]
 
     def _table(self, key: Any) -> SparseTable:
         table = self.tables.get(key)

@@ -1,6 +1,7 @@
 """The kvstore's state file: every key's whole value and optimizer state, independent of how many
 servers held it. Tensors and plain data only, so loading runs no code (`weights_only=True`); written
-to a temporary file and renamed, so a reader never sees half a file."""
+as every checkpoint file is (checkpoint.save_file): to a hidden temporary file, fsynced, renamed, so
+a reader never sees half a file and a kill mid-write leaves only debris that `commit` removes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import torch
 
+from paratrain.checkpoint import save_file
 from paratrain.errors import KVStoreError
 from paratrain.transport.tensors import dtype_name
 
@@ -38,9 +40,7 @@ def write_state(
 
 
 def _write(path: str | os.PathLike[str], state: dict) -> None:
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    save_file(path, state)
 
 
 def read_state(path: str | os.PathLike[str]) -> list[Entry]:
