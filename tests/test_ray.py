@@ -366,3 +366,24 @@ def _descendants(root: int) -> list[int]:
         found += children
         frontier += children
     return found
+
+
+def test_a_dead_node_stops_the_job_and_is_named(cluster):
+    """Last in the module: it takes the cluster's second node away for good."""
+    [other] = cluster.worker_nodes
+    victim = other.node_id[:6]
+    ready: set[int] = set()
+
+    def remove_the_node_once_every_worker_is_ready(key, line):
+        if line.startswith("ready"):
+            ready.add(key[1])
+            if ready == {0, 1}:
+                cluster.remove_node(other)
+
+    result, out, err = _run(
+        [ROLES, "hang"], workers=2, servers=2, on_line=remove_the_node_once_every_worker_is_ready
+    )
+    assert result.exit_code == 1, err.getvalue()
+    failure = result.failure
+    assert failure.host.endswith(f"/{victim}"), result.report
+    assert f"was lost with its node {failure.host} (Ray node {victim}" in result.report
