@@ -265,6 +265,13 @@ def test_an_exact_kvstore_job_runs_on_two_nodes_with_a_server_on_each(cluster):
     assert "job finished: 2 worker(s) succeeded" in err.getvalue()
 
 
+def test_a_job_the_cluster_cannot_hold_starts_nothing_and_says_why(cluster):
+    result, _, err = _run([ROLES, "ok"], workers=2, servers=1, cpus_per_worker=NODE_CPUS + 1)  # 3 per node
+    assert result.exit_code == 1 and result.children == []
+    said = "could not start the job on Ray: no node of the Ray cluster can hold a worker (CPU 4)"
+    assert said in err.getvalue()
+
+
 def test_a_failing_worker_stops_the_job_and_is_named_with_its_node(cluster):
     result, out, err = _run([ROLES, "raise"], workers=2, servers=1, cpus_per_worker=2)
     assert result.exit_code == 1

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shlex
 import signal
 import sys
 import threading
@@ -130,12 +131,20 @@ def run_ray(
     stays connected). Output goes to `out` and `err` (default sys.stdout and sys.stderr), each line
     prefixed `[role rank @node] `; a failure or interruption report is written to `err`.
     """
-    import ray
-
+    printer = _Printer(out or sys.stdout, err or sys.stderr)
+    try:
+        import ray
+    except ImportError:
+        printer.write(printer.err, "paratrain: --backend ray needs Ray: pip install 'paratrain[ray]'\n")
+        return RayJobResult(1, None, "", [])
     connected_here = not ray.is_initialized()
     if connected_here:
-        ray.init(address=options.address, log_to_driver=False, logging_level=logging.WARNING)
-    printer = _Printer(out or sys.stdout, err or sys.stderr)
+        try:
+            ray.init(address=options.address, log_to_driver=False, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            report = f"paratrain: could not connect to the Ray cluster at {options.address!r}: {exc}\n"
+            printer.write(printer.err, report)
+            return RayJobResult(1, None, report, [])
     job = _RayJob(config, options, printer)
     started = time.monotonic()
     try:
@@ -335,7 +344,7 @@ class _RayJob:
         timeout = "none" if cfg.timeout_s is None else f"{cfg.timeout_s} s"
         where = ", ".join(f"{c.label} @{c.node_label}" for c in self.children)
         return (
-            f"starting {cfg.script} {' '.join(cfg.args)} on Ray ({self.options.address})\n"
+            f"starting {shlex.join([cfg.script, *cfg.args])} on Ray ({self.options.address})\n"
             f"  {cfg.num_workers} worker(s), {cfg.num_servers} server(s), scheduler at "
             f"{self.scheduler_address}; timeout {timeout}\n"
             f"  placed: {where}\n"
