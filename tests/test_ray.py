@@ -254,10 +254,10 @@ def _assert_nothing_left_on_ray(wait_s: float = 15.0) -> None:
 
 
 def test_an_exact_kvstore_job_runs_on_two_nodes_with_a_server_on_each(cluster):
-    result, out, err = _run([JOBS / "kv_exact.py", "dist_sync"], workers=2, servers=2)
+    result, out, err = _run([ROLES, "exact"], workers=2, servers=2)
     assert result.exit_code == 0, err.getvalue()
     for rank in range(2):
-        assert out.by_child[("worker", rank)][-1] == "all exact"
+        assert out.by_child[("worker", rank)][-2:] == ["all exact", "done"]
     server_nodes = {result.nodes[f"server {rank}"] for rank in range(2)}
     alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
     assert len(server_nodes) == 2, result.nodes  # STRICT_SPREAD: one server on each node
