@@ -303,23 +303,17 @@ def test_a_killed_process_is_reported_and_every_process_is_gone(cluster):
     assert f"worker 1 (pid {pids[1]}, host {failure.host}) was killed by signal SIGKILL" in result.report
 
 
-def test_the_cli_runs_on_ray_and_ctrl_c_stops_every_process_on_every_node(cluster, tmp_path):
-    cmd = [
-        PARATRAIN,
-        "launch",
-        "--backend",
-        "ray",
-        "--address",
-        cluster.address,
-        "-w",
-        "2",
-        "-s",
-        "2",
-        ROLES,
-        "hang",
-    ]
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_the_cli_runs_on_ray_and_stopping_the_driver_stops_every_process_on_every_node(cluster, signum):
+    """SIGINT (Ctrl-C): the driver stops every process itself. SIGKILL: Ray kills the actors of
+    a driver that died, and each child dies with its actor."""
+    cmd = [PARATRAIN, "launch", "--backend", "ray", "--address", cluster.address, "-w", "2", "-s", "2"]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        [*cmd, ROLES, "hang"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     pids, nodes, ready = [], set(), 0
     try:
@@ -334,17 +328,20 @@ def test_the_cli_runs_on_ray_and_ctrl_c_stops_every_process_on_every_node(cluste
             if ready == 2:
                 break
         assert ready == 2, proc.stderr.read()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, stderr
-    assert "interrupted by SIGINT; stopped every process of the job" in stderr
-    assert "threads per process: OMP_NUM_THREADS = its CPUs" in stderr
     assert len(pids) == 5 and len(nodes) == 2, (pids, nodes)
-    assert_all_gone(pids, wait_s=15)
-    _assert_nothing_left_on_ray()
+    assert "threads per process: OMP_NUM_THREADS = its CPUs" in stderr
+    if signum == signal.SIGINT:
+        assert proc.returncode == 130, stderr
+        assert "interrupted by SIGINT; stopped every process of the job" in stderr
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    assert_all_gone(pids, wait_s=30)
+    _assert_nothing_left_on_ray(wait_s=30)
 
 
 def _processes() -> list[tuple[int, str]]:
