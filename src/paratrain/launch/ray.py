@@ -10,14 +10,11 @@ own node's address through a socket its actor opened and handed over. The job se
 in the arguments of the actor call that starts each process (never in a command line, a file or
 an actor's creation spec, which Ray keeps in its control store).
 
-The driver long-polls every actor for output and exit (`ray.wait` on the pending polls, one
-thread), prints each line prefixed `[role rank @node] `, and ends the job as the local engine
-does (launch/local.py is the model): success when every worker exits 0 and then the scheduler and
-servers by themselves; on the first failure, a lost actor (its node died) included, everything is
-stopped (SIGTERM to each process group through its actor, then SIGKILL) and report.py's report
-names role, rank, node and cause. Ctrl-C (SIGINT) or SIGTERM to the driver stops every process on
-every node. Whatever happens, every actor is killed and every placement group removed; a child
-whose actor dies goes with it (see ray_process.py), and Ray kills the actors of a driver that dies.
+Once they run, ray_supervise.py prints their output prefixed `[role rank @node] ` and ends the
+job as the local engine does; a process lost with its node fails it like one that exited. Ctrl-C
+(SIGINT) or SIGTERM to the driver stops every process on every node. Whatever happens, every actor
+is killed and every placement group removed; a child whose actor dies goes with it (see
+ray_process.py), and Ray kills the actors of a driver that dies.
 
 Each process gets OMP_NUM_THREADS = the CPUs its role reserves (at least 1) unless the user set
 OMP_NUM_THREADS or MKL_NUM_THREADS, which are then passed on as they are. Every node needs
@@ -32,36 +29,21 @@ import logging
 import os
 import secrets
 import shlex
-import signal
 import sys
-import threading
 import time
-from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec, spec_to_env
+from paratrain.cluster.spec import ClusterSpec, spec_to_env
 from paratrain.launch.api import THREAD_VARS, LaunchConfig, thread_env
 from paratrain.launch.ray_placement import GroupPlan, NodeInfo, RayJobError, node_labels, plan_groups
-from paratrain.launch.report import (
-    ChildFailure,
-    ChildRecord,
-    JobResult,
-    _exit_reason,
-    _failure_report,
-    _first_failure,
-    _interrupted_report,
-    _signal_name,
-)
+from paratrain.launch.ray_supervise import POLL_S, Interrupts, Printer, RayChild, Supervisor, first_line
+from paratrain.launch.report import JobResult, _failure_report, _interrupted_report
 
 logger = logging.getLogger(__name__)
 
-STDERR_TAIL_LINES = 30
 EXIT_INTERRUPTED = 130
-_POLL_S = 0.5
-"""How long one ray.wait (and one actor poll) lasts: the driver notices an interrupt this fast."""
-_KILL_WAIT_S = 30.0
 _ACTOR_CONCURRENCY = 4
 """Calls one actor serves at once: a poll may be waiting while signal or close comes in."""
 
@@ -131,7 +113,7 @@ def run_ray(
     stays connected). Output goes to `out` and `err` (default sys.stdout and sys.stderr), each line
     prefixed `[role rank @node] `; a failure or interruption report is written to `err`.
     """
-    printer = _Printer(out or sys.stdout, err or sys.stderr)
+    printer = Printer(out or sys.stdout, err or sys.stderr)
     try:
         import ray
     except ImportError:
@@ -148,7 +130,7 @@ def run_ray(
     job = _RayJob(config, options, printer)
     started = time.monotonic()
     try:
-        with _interrupt_handlers(job):
+        with job.interrupts.handled():
             try:
                 job.start()
                 outcome = job.supervise()
@@ -174,91 +156,17 @@ def run_ray(
     return result
 
 
-class _Printer:
-    """Writes whole lines to the driver's streams; one lock so lines never interleave."""
+class _RayJob(Supervisor):
+    """The actors and processes of one job on Ray: placed and started here, supervised by the base."""
 
-    def __init__(self, out: IO[str], err: IO[str]) -> None:
-        self.out = out
-        self.err = err
-        self._lock = threading.Lock()
-
-    def write(self, stream: IO[str], text: str) -> None:
-        with self._lock:
-            try:
-                stream.write(text)
-                stream.flush()
-            except (OSError, ValueError):
-                pass  # a closed or broken stream must not stop the job's supervision
-
-
-class _RayChild:
-    """One process of the job as the driver sees it: its actor, its node and its exit."""
-
-    def __init__(self, role: str, rank: int, actor: Any) -> None:
-        self.role = role
-        self.rank = rank
-        self.label = f"{role} {rank}"
-        self.actor = actor
-        self.node = NodeInfo(ip="?", node_id="?")
-        self.node_label = "?"
-        self.pid = 0
-        self.poll_ref: Any = None
-        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
-        self.ended = False
-        self.returncode: int | None = None
-        self.lost: str | None = None
-        """Why its actor is gone (its node died, or Ray lost it); None while it answers."""
-        self.exit_time: float | None = None
-        self.failure_reason: str | None = None
-
-    @property
-    def running(self) -> bool:
-        """Running as far as the driver knows: its exit (or loss) has not been processed yet."""
-        return not self.ended
-
-    @property
-    def prefix(self) -> str:
-        return f"[{self.label} @{self.node_label}] "
-
-    def signal(self, signum: int) -> None:
-        if self.running:
-            self.actor.signal.remote(signum)
-
-    def record(self) -> ChildRecord:
-        return ChildRecord(self.role, self.rank, self.pid, self.returncode)
-
-    def failure(self, reason: str) -> ChildFailure:
-        rc = self.returncode
-        signame = _signal_name(-rc) if rc is not None and rc < 0 else None
-        host = self.node_label
-        return ChildFailure(self.role, self.rank, self.pid, host, rc, signame, reason, list(self.stderr_tail))
-
-
-class _RayJob:
-    """The actors and processes of one job on Ray, and the loop that reacts to their exits."""
-
-    def __init__(self, config: LaunchConfig, options: RayOptions, printer: _Printer) -> None:
+    def __init__(self, config: LaunchConfig, options: RayOptions, printer: Printer) -> None:
+        timeout_s = config.timeout_s
+        super().__init__(printer, Interrupts(), options.stop_grace_s, options.exit_grace_s, timeout_s)
         self.config = config
         self.options = options
-        self.printer = printer
-        self.children: list[_RayChild] = []
         self.groups: list[Any] = []
-        self.failed: list[_RayChild] = []
-        self.early: list[_RayChild] = []
-        self.still_running: list[_RayChild] = []
         self.scheduler_address = ""
         self.start_error = ""
-        self.interrupt: int | None = None
-        """The first SIGINT or SIGTERM the driver got."""
-        self.interrupts = 0
-        """How many it got; a wait returns early while this exceeds `seen_interrupts`."""
-        self.seen_interrupts = 0
-        self.deadline = None if config.timeout_s is None else time.monotonic() + config.timeout_s
-
-    @property
-    def interrupted(self) -> bool:
-        """A SIGINT or SIGTERM came that no wait has yet given way to."""
-        return self.interrupts > self.seen_interrupts
 
     # -- starting
 
@@ -278,7 +186,7 @@ class _RayJob:
                     max_concurrency=_ACTOR_CONCURRENCY,
                     scheduling_strategy=_in_bundle(group, index),
                 ).remote()
-                self.children.append(_RayChild(role, rank, actor))
+                self.children.append(RayChild(role, rank, actor))
         order = {"scheduler": 0, "server": 1, "worker": 2}
         self.children.sort(key=lambda c: (order[c.role], c.rank))
         wheres = self._wait_all([c.actor.where.remote() for c in self.children], "the actors to start")
@@ -328,7 +236,7 @@ class _RayJob:
             refs.append(child.actor.start.remote(cmd, env, os.getcwd()))
         for child, pid in zip(self.children, self._wait_all(refs, "the processes to start")):
             child.pid = pid
-            child.poll_ref = child.actor.poll.remote(_POLL_S)
+            child.poll_ref = child.actor.poll.remote(POLL_S)
 
     def _threads(self) -> tuple[dict[str, dict[str, str]], str]:
         """Each role's thread variables and the line saying what was chosen."""
@@ -360,168 +268,15 @@ class _RayJob:
         deadline = time.monotonic() + timeout_s
         pending = list(refs)
         while pending:
-            if self.interrupted:
+            if self.interrupts.pending:
                 raise _Interrupted
             if time.monotonic() >= deadline:
                 raise RayJobError(f"waited {timeout_s} s for {what}")
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
         try:
             return ray.get(refs)
         except ray.exceptions.RayError as exc:
-            raise RayJobError(f"while waiting for {what}: {_first_line(exc)}") from None
-
-    # -- waiting
-
-    def supervise(self) -> str:
-        """Waits for the job to end; returns ok, failed, timeout, grace or interrupted."""
-        while self._workers_running():
-            early_end = self._early_exit_deadline()
-            ended = self._next_exits(_earliest(self.deadline, early_end))
-            if self.interrupted:
-                return "interrupted"
-            if ended is None:
-                if early_end is not None and time.monotonic() >= early_end:
-                    self.failed.extend(self.early)
-                    return "failed"
-                return "timeout"
-            for child in ended:
-                if not self._record(child):
-                    return self._after_failure()
-        self.early.clear()  # they only left a little before the last worker: no harm done
-        return self._await_rest()
-
-    def _workers_running(self) -> bool:
-        return any(c.running for c in self.children if c.role == "worker")
-
-    def _early_exit_deadline(self) -> float | None:
-        """A scheduler or server that exits 0 while workers still run fails the job, unless the
-        workers too exit 0 within exit_grace_s (as in the local engine)."""
-        times = [c.exit_time for c in self.early if c.exit_time is not None]
-        return min(times) + self.options.exit_grace_s if times else None
-
-    def _await_rest(self) -> str:
-        """Every worker exited 0: the scheduler and servers now exit by themselves."""
-        grace_end = time.monotonic() + self.options.exit_grace_s
-        deadline = grace_end if self.deadline is None else min(grace_end, self.deadline)
-        while any(c.running for c in self.children):
-            ended = self._next_exits(deadline)
-            if self.interrupted:
-                return "interrupted"
-            if ended is None:
-                return "grace" if deadline == grace_end else "timeout"
-            for child in ended:
-                if not self._record(child):
-                    return self._after_failure()
-        return "ok"
-
-    def _after_failure(self) -> str:
-        """After an EXIT_ABORTED exit the real cause may still be on its way: give the others
-        stop_grace_s to exit by themselves before stopping them."""
-        end = time.monotonic() + self.options.stop_grace_s
-        while all(c.returncode == EXIT_ABORTED for c in self.failed) and self._any_running():
-            ended = self._next_exits(end)
-            if self.interrupted:
-                return "interrupted"
-            if ended is None:
-                break
-            for child in ended:
-                self._record(child)
-        return "failed"
-
-    def _any_running(self) -> bool:
-        return any(c.running for c in self.children)
-
-    def _next_exits(self, deadline: float | None) -> list[_RayChild] | None:
-        """Prints the output that came in; returns the children that ended meanwhile (maybe
-        none), or None once the deadline has passed. Returns early on an interrupt."""
-        import ray
-
-        while not self.interrupted:
-            wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
-            if wait <= 0:
-                return None
-            by_ref = {c.poll_ref: c for c in self.children if c.running and c.poll_ref is not None}
-            if not by_ref:
-                return []
-            ready, rest = ray.wait(list(by_ref), num_returns=1, timeout=wait)
-            if ready and rest:
-                more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-                ready += more
-            ended = [child for child in (by_ref[ref] for ref in ready) if self._take(child)]
-            if ended:
-                return ended
-        return []
-
-    def _take(self, child: _RayChild) -> bool:
-        """Prints one finished poll's output and asks for the next; True if the child ended."""
-        import ray
-
-        try:
-            reply = ray.get(child.poll_ref)
-        except ray.exceptions.RayError as exc:
-            child.lost = _lost_reason(child, exc)
-            child.ended, child.exit_time, child.poll_ref = True, time.monotonic(), None
-            return True
-        for stream, line in reply["lines"]:
-            if stream == 2:
-                child.stderr_tail.append(line)
-            stream_out = self.printer.out if stream == 1 else self.printer.err
-            self.printer.write(stream_out, f"{child.prefix}{line}\n")
-        if reply["dropped"]:
-            self.printer.write(self.printer.err, f"{child.prefix}({reply['dropped']} lines dropped)\n")
-        if reply["returncode"] is None:
-            child.poll_ref = child.actor.poll.remote(_POLL_S)
-            return False
-        child.returncode, child.poll_ref = reply["returncode"], None
-        # When it exited, on the driver's clock: the first failure is the first to exit, not the
-        # first whose news came in (several exits often arrive in one batch).
-        ago = max(0.0, time.time() - reply["exited_at"])
-        child.ended, child.exit_time = True, time.monotonic() - ago
-        return True
-
-    def _record(self, child: _RayChild, stopping: bool = False) -> bool:
-        """Notes one exit or loss; returns False if it fails the job."""
-        if stopping:
-            return True
-        if child.lost is not None or child.returncode != 0:
-            child.failure_reason = child.lost or _exit_reason(child.returncode or 0)
-            self.failed.append(child)
-            self.failed.extend(self.early)  # an earlier clean exit may be the cause of this one
-            self.early.clear()
-            return False
-        if child.role != "worker" and self._workers_running():
-            child.failure_reason = "exited early (code 0) before every worker finished"
-            self.early.append(child)
-        return True
-
-    # -- stopping
-
-    def stop(self) -> None:
-        """SIGTERM to every running process group, SIGKILL after stop_grace_s; waits for the exits."""
-        self.still_running = [c for c in self.children if c.running and c.poll_ref is not None]
-        if not self.still_running:
-            return
-        for child in self.still_running:
-            child.signal(signal.SIGTERM)
-        if self._drain(time.monotonic() + self.options.stop_grace_s, interruptible=True):
-            return
-        for child in self.children:
-            child.signal(signal.SIGKILL)
-        if not self._drain(time.monotonic() + _KILL_WAIT_S, interruptible=False):
-            left = ", ".join(f"{c.label} (pid {c.pid} @{c.node_label})" for c in self.children if c.running)
-            self.printer.write(self.printer.err, f"paratrain: could not reap {left}\n")
-
-    def _drain(self, deadline: float, interruptible: bool) -> bool:
-        """Takes exits until every started process exited (True) or the deadline (False). A new
-        interrupt while stopping skips the rest of the grace period (when interruptible)."""
-        seen = self.interrupts
-        while any(c.running and c.poll_ref is not None for c in self.children):
-            if interruptible and self.interrupts != seen:
-                return False
-            self.seen_interrupts = self.interrupts  # past interrupts must not cut the wait short
-            if self._next_exits(deadline) is None:
-                return False
-        return True
+            raise RayJobError(f"while waiting for {what}: {first_line(exc)}") from None
 
     def release(self) -> None:
         """Kills every actor (a child still alive dies with it) and removes the placement groups."""
@@ -540,28 +295,15 @@ class _RayJob:
     def result(self, outcome: str) -> RayJobResult:
         failure, report, exit_code = None, "", 0
         if outcome == "interrupted":
-            report, exit_code = _interrupted_report(self.interrupt), EXIT_INTERRUPTED
+            report, exit_code = _interrupted_report(self.interrupts.first), EXIT_INTERRUPTED
         elif outcome == "unstarted":
             report, exit_code = f"paratrain: could not start the job on Ray: {self.start_error}\n", 1
         elif outcome != "ok":
-            failure = self._failure(outcome)
+            failure = self.failure(outcome)
             report, exit_code = _failure_report(failure, self.failed, self.still_running), 1
         children = [c.record() for c in self.children]
         nodes = {c.label: c.node_label for c in self.children}
         return RayJobResult(exit_code, failure, report, children, self.scheduler_address, nodes)
-
-    def _failure(self, outcome: str) -> ChildFailure:
-        if outcome == "failed":
-            child = _first_failure(self.failed)
-            assert child.failure_reason is not None
-            return child.failure(child.failure_reason)
-        left = self.still_running or self.children
-        if outcome == "timeout":
-            workers = [c for c in left if c.role == "worker"]
-            reason = f"was still running when the job timed out after {self.config.timeout_s} s"
-            return (workers or left)[0].failure(reason)
-        reason = f"did not exit within {self.options.exit_grace_s} s after every worker finished"
-        return left[0].failure(reason)
 
 
 def role_threads(options: RayOptions, user_env: Mapping[str, str]) -> tuple[dict[str, dict[str, str]], bool]:
@@ -579,8 +321,9 @@ def role_threads(options: RayOptions, user_env: Mapping[str, str]) -> tuple[dict
     return {role: thread_env(max(1, int(n)), 1, env={}) for role, n in cpus.items()}, False
 
 
-class _Interrupted(RayJobError):
-    """Raised out of a startup wait when SIGINT or SIGTERM arrived."""
+class _Interrupted(Exception):
+    """Raised out of a startup wait when SIGINT or SIGTERM arrived (not a RayJobError: nothing
+    went wrong with the cluster)."""
 
 
 def _role_process_class() -> type:
@@ -607,47 +350,5 @@ def _available() -> str:
     return ", ".join(f"{name} {free[name]:g}" for name in ("CPU", "GPU") if name in free) or "nothing"
 
 
-def _lost_reason(child: _RayChild, exc: Exception) -> str:
-    """Why a child's actor stopped answering: its node died, or Ray says otherwise."""
-    import ray
-
-    node = next((n for n in ray.nodes() if n.get("NodeID") == child.node.node_id), None)
-    if node is not None and not node.get("Alive", True):
-        return f"was lost with its node {child.node_label} (Ray node {child.node.node_id[:12]} died)"
-    return f"was lost: its Ray actor died ({_first_line(exc)})"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _earliest(*deadlines: float | None) -> float | None:
-    return min((d for d in deadlines if d is not None), default=None)
-
-
-@contextlib.contextmanager
-def _interrupt_handlers(job: _RayJob) -> Iterator[None]:
-    """SIGINT/SIGTERM set job.interrupt, which the loops check every _POLL_S (only possible in
-    the main thread; elsewhere the job cannot be interrupted but by its timeout)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signums = (signal.SIGINT, signal.SIGTERM)
-    previous = {signum: signal.getsignal(signum) for signum in signums}
-
-    def note(signum: int, frame: Any) -> None:
-        job.interrupt = job.interrupt or signum
-        job.interrupts += 1
-
-    for signum in signums:
-        signal.signal(signum, note)
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
