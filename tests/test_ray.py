@@ -190,6 +190,7 @@ def _drain_keeper(keeper: RoleProcess) -> tuple[list[tuple[int, str]], int]:
 def cluster():
     from ray.cluster_utils import Cluster
 
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no report to send from a test cluster
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": NODE_CPUS, "include_dashboard": False}
     )
