@@ -192,10 +192,11 @@ def cluster():
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no report to send from a test cluster
     cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": NODE_CPUS, "include_dashboard": False}
+        initialize_head=True,
+        head_node_args={"num_cpus": NODE_CPUS, "num_gpus": 1, "include_dashboard": False},
     )
     try:
-        cluster.add_node(num_cpus=NODE_CPUS)
+        cluster.add_node(num_cpus=NODE_CPUS, num_gpus=1)  # GPUs as Ray counts them: no device needed
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         yield cluster
@@ -274,7 +275,8 @@ def test_a_job_the_cluster_cannot_hold_starts_nothing_and_says_why(cluster):
 
 
 def test_a_failing_worker_stops_the_job_and_is_named_with_its_node(cluster):
-    result, out, err = _run([ROLES, "raise"], workers=2, servers=1, cpus_per_worker=2)
+    """Also: each process's threads are its CPUs, and each worker sees the GPU it reserved."""
+    result, out, err = _run([ROLES, "raise"], workers=2, servers=1, cpus_per_worker=2, gpus_per_worker=1)
     assert result.exit_code == 1
     failure = result.failure
     assert (failure.role, failure.rank, failure.returncode) == ("worker", 1, 1), err.getvalue()
@@ -286,6 +288,9 @@ def test_a_failing_worker_stops_the_job_and_is_named_with_its_node(cluster):
     )
     threads = {key: lines[0].split()[-1] for key, lines in out.by_child.items()}
     assert threads == {("scheduler", 0): "1", ("server", 0): "1", ("worker", 0): "2", ("worker", 1): "2"}
+    # Each worker reserved a GPU and each node has one: one worker per node, each told its GPU.
+    assert [out.by_child[("worker", rank)][0].split()[5] for rank in range(2)] == ["'0'", "'0'"]
+    assert out.nodes[("worker", 0)] != out.nodes[("worker", 1)]
 
 
 def test_a_killed_process_is_reported_and_every_process_is_gone(cluster):

@@ -1,5 +1,5 @@
-"""A job for the Ray engine's tests: each process says where it runs and with how many threads,
-then argv[1] decides what the workers do.
+"""A job for the Ray engine's tests: each process says where it runs, which GPUs it may use and
+with how many threads, then argv[1] decides what the workers do.
 
     ok     every worker passes a barrier and exits 0
     exact  dist_sync rounds of pushpull on a key sliced across every server, each sum checked exactly
@@ -14,8 +14,10 @@ import time
 import paratrain
 
 role = os.environ["PARATRAIN_ROLE"]
+env = os.environ
 print(
-    f"pid {os.getpid()} host {os.environ['PARATRAIN_HOST']} threads {os.environ.get('OMP_NUM_THREADS')}",
+    f"pid {os.getpid()} host {env['PARATRAIN_HOST']} gpus {env.get('CUDA_VISIBLE_DEVICES')!r} "
+    f"threads {env.get('OMP_NUM_THREADS')}",
     flush=True,
 )
 mode = sys.argv[1]
