@@ -38,6 +38,7 @@ from typing import IO, Any
 from paratrain.cluster.spec import ClusterSpec, spec_to_env
 from paratrain.launch.api import THREAD_VARS, LaunchConfig, thread_env
 from paratrain.launch.ray_placement import GroupPlan, NodeInfo, RayJobError, node_labels, plan_groups
+from paratrain.launch.ray_process import RoleProcess
 from paratrain.launch.ray_supervise import POLL_S, Interrupts, Printer, RayChild, Supervisor, first_line
 from paratrain.launch.report import JobResult, _failure_report, _interrupted_report
 
@@ -176,7 +177,7 @@ class _RayJob(Supervisor):
         nodes = _alive_nodes(ray.nodes())
         plans = plan_groups(self.config, self.options, nodes)
         self._place(plans)
-        remote = ray.remote(_role_process_class())
+        remote = ray.remote(RoleProcess)
         for plan, group in zip(plans, self.groups):
             for index, (role, rank) in enumerate(plan.members):
                 bundle = plan.bundles[index]
@@ -190,7 +191,7 @@ class _RayJob(Supervisor):
         order = {"scheduler": 0, "server": 1, "worker": 2}
         self.children.sort(key=lambda c: (order[c.role], c.rank))
         wheres = self._wait_all([c.actor.where.remote() for c in self.children], "the actors to start")
-        for child, where in zip(self.children, wheres):
+        for child, where in zip(self.children, wheres):  # pid: the actor's, until its process starts
             child.node, child.pid = NodeInfo(ip=where["ip"], node_id=where["node_id"]), where["pid"]
         labels = node_labels([c.node for c in self.children])
         for child in self.children:
@@ -324,12 +325,6 @@ def role_threads(options: RayOptions, user_env: Mapping[str, str]) -> tuple[dict
 class _Interrupted(Exception):
     """Raised out of a startup wait when SIGINT or SIGTERM arrived (not a RayJobError: nothing
     went wrong with the cluster)."""
-
-
-def _role_process_class() -> type:
-    from paratrain.launch.ray_process import RoleProcess
-
-    return RoleProcess
 
 
 def _in_bundle(group: Any, index: int) -> Any:

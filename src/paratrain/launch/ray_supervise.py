@@ -258,10 +258,8 @@ class Supervisor:
         child.ended, child.exit_time = True, time.monotonic() - ago
         return True
 
-    def _record(self, child: RayChild, stopping: bool = False) -> bool:
-        """Notes one exit or loss; returns False if it fails the job."""
-        if stopping:
-            return True
+    def _record(self, child: RayChild) -> bool:
+        """Notes one exit or loss (before stopping began); returns False if it fails the job."""
         if child.lost is not None or child.returncode != 0:
             child.failure_reason = child.lost or _exit_reason(child.returncode or 0)
             self.failed.append(child)
