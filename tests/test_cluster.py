@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -278,3 +279,47 @@ def test_bad_job_config_names_the_field_and_value(field, value):
 def test_heartbeat_timeout_must_exceed_the_interval():
     with pytest.raises(ValueError, match="heartbeat_timeout_s=1.0 must be larger"):
         JobConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=1.0)
+
+
+WORLD_OF_WORKERS = """
+import torch, torch.distributed as dist, paratrain
+from paratrain.cluster.rendezvous import init_torch_distributed
+ctx = paratrain.init()
+init_torch_distributed(ctx)
+total = torch.tensor([float(ctx.rank + 1)])
+dist.all_reduce(total)
+print("world", ctx.rank, dist.get_rank(), dist.get_world_size(), total.item())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_with_servers_runs_an_exact_parameter_server_job_and_a_world_of_workers(tmp_path):
+    """Real torchrun, 4 processes, PARATRAIN_NUM_SERVERS=1: global rank 3 serves, ranks 0-2 are
+    workers 0-2; the kvstore job checks every value, and a collective world holds the 3 workers."""
+    (tmp_path / "world.py").write_text(WORLD_OF_WORKERS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARATRAIN_")}
+    env.update(PARATRAIN_NUM_SERVERS="1", PARATRAIN_SECRET="cd" * 32)
+    torchrun = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "4",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
+    runs = {
+        "kv": [*torchrun, str(Path(__file__).parent / "jobs" / "kv_exact.py"), "dist_sync", "2", "tcp"],
+        "world": [*torchrun, str(tmp_path / "world.py")],
+    }
+    for name, cmd in runs.items():
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
+        assert done.returncode == 0, f"{name}:\n{done.stdout}\n{done.stderr}"
+        if name == "kv":
+            assert done.stdout.count("all exact") == 3, done.stdout  # three workers, each checked
+        else:
+            lines = sorted(line for line in done.stdout.splitlines() if line.startswith("world"))
+            assert lines == [f"world {r} {r} 3 6.0" for r in range(3)], done.stdout

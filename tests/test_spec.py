@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from paratrain.cluster.spec import ClusterSpec, spec_from_env, spec_to_env
+from paratrain.cluster import spec as spec_module
+from paratrain.cluster.spec import ClusterSpec, own_address, server_ranks, spec_from_env, spec_to_env
 
 SECRET = bytes(range(16, 48))
 SECRET_HEX = SECRET.hex()
@@ -29,6 +30,24 @@ def tf_config(task_type: object, index: object, with_chief: bool = True, **clust
         if with_chief:
             cluster["chief"] = ["c0:1000"]
     return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+
+
+# What the fake route lookup below answers: this host's address towards any peer.
+ROUTED = "10.0.0.9"
+
+
+@pytest.fixture(autouse=True)
+def fake_route(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Where no variable names a process's address, spec_from_env asks the kernel for the route to
+    the scheduler's host; here a fake answers, and records what it was asked."""
+    asked: list[tuple[str, str]] = []
+
+    def route(peer_host: str, name: str = "PARATRAIN_SCHEDULER") -> str:
+        asked.append((peer_host, name))
+        return ROUTED
+
+    monkeypatch.setattr(spec_module, "own_address", route)
+    return asked
 
 
 PARATRAIN = {
@@ -63,14 +82,14 @@ IPV6_SERVER = {
 # Under torchrun, Slurm and MPI: 4 workers, no servers, the scheduler at MASTER_PORT+1.
 WORKERS = (4, 0, "10.0.0.1", 29501)
 ACCEPTED = {
-    "paratrain worker": (PARATRAIN, spec("worker", 2, 3, 2, "10.0.0.1", 5000)),
+    "paratrain worker": (PARATRAIN, spec("worker", 2, 3, 2, "10.0.0.1", 5000, host=ROUTED)),
     "paratrain server IPv6": (
         {**PARATRAIN, **IPV6_SERVER},
         spec("server", None, 3, 2, "::1", 5000, host="::1", launcher_pid=4242, scheduler_fd=3),
     ),
     "paratrain scheduler": (
         {**PARATRAIN, "PARATRAIN_ROLE": "scheduler", "PARATRAIN_RANK": "0"},
-        spec("scheduler", 0, 3, 2, "10.0.0.1", 5000),
+        spec("scheduler", 0, 3, 2, "10.0.0.1", 5000, host="10.0.0.1"),
     ),
     "dmlc worker": (
         {**DMLC, "DMLC_NODE_HOST": "10.0.0.7"},
@@ -78,7 +97,7 @@ ACCEPTED = {
     ),
     "dmlc server without id": (
         {**DMLC, "DMLC_ROLE": "server"},
-        spec("server", None, 2, 1, "10.0.0.1", 9000, source="dmlc"),
+        spec("server", None, 2, 1, "10.0.0.1", 9000, host=ROUTED, source="dmlc"),
     ),
     "dmlc scheduler": (
         {**DMLC, "DMLC_ROLE": "scheduler", "PARATRAIN_HOST": "10.0.0.1"},
@@ -100,14 +119,42 @@ ACCEPTED = {
         {"TF_CONFIG": tf_config("ps", "1")},
         spec("server", 1, 3, 2, "c0", 1000, host="::1", source="tf_config"),
     ),
-    "torchrun": (TORCHRUN, spec("worker", 1, *WORKERS, source="torchrun")),
+    "torchrun": (TORCHRUN, spec("worker", 1, *WORKERS, host=ROUTED, source="torchrun")),
     "torchrun rank 0": (
         {**TORCHRUN, "RANK": "0", "PARATRAIN_HOST": "10.0.0.1"},
         spec("worker", 0, *WORKERS, host="10.0.0.1", source="torchrun", embedded_scheduler=True),
     ),
-    "slurm": (SLURM, spec("worker", 1, *WORKERS, source="slurm")),
-    "open mpi": (OMPI, spec("worker", 1, 4, 0, "h", 7000, source="mpi")),
-    "mpich": (PMI, spec("worker", 1, *WORKERS, source="mpi")),
+    "slurm": (SLURM, spec("worker", 1, *WORKERS, host=ROUTED, source="slurm")),
+    "open mpi": (OMPI, spec("worker", 1, 4, 0, "h", 7000, host=ROUTED, source="mpi")),
+    "mpich": (PMI, spec("worker", 1, *WORKERS, host=ROUTED, source="mpi")),
+    # 4 processes with 2 servers: global ranks 1 and 3 serve, 0 and 2 are workers 0 and 1.
+    "torchrun server": (
+        {**TORCHRUN, "PARATRAIN_NUM_SERVERS": "2"},
+        spec("server", 0, 2, 2, "10.0.0.1", 29501, host=ROUTED, source="torchrun"),
+    ),
+    "torchrun rank 0 with servers": (
+        {**TORCHRUN, "RANK": "0", "PARATRAIN_NUM_SERVERS": "2"},
+        spec("worker", 0, 2, 2, "10.0.0.1", 29501, host=ROUTED, source="torchrun", embedded_scheduler=True),
+    ),
+    "slurm worker after a server": (
+        {**SLURM, "SLURM_PROCID": "2", "PARATRAIN_NUM_SERVERS": "2"},
+        spec("worker", 1, 2, 2, "10.0.0.1", 29501, host=ROUTED, source="slurm"),
+    ),
+    # 3 processes, 2 servers: ranks 0 and 2 serve, and rank 0 also runs the scheduler.
+    "mpich rank 0 serves and schedules": (
+        {**PMI, "PMI_RANK": "0", "PMI_SIZE": "3", "PARATRAIN_NUM_SERVERS": "2"},
+        spec("server", 0, 1, 2, "10.0.0.1", 29501, host=ROUTED, source="mpi", embedded_scheduler=True),
+    ),
+    "slurm without MASTER_ADDR": (
+        {
+            "SLURM_PROCID": "1",
+            "SLURM_NTASKS": "4",
+            "SLURM_JOB_ID": "1234",
+            "SLURM_STEP_NODELIST": "node[03-05,07],gpu1",
+            "SLURM_JOB_NODELIST": "other",
+        },
+        spec("worker", 1, 4, 0, "node03", 21235, host=ROUTED, source="slurm"),
+    ),
 }
 
 
@@ -225,7 +272,10 @@ REJECTED = [
     ({}, "TF_CONFIG", tf_config("ps", 0, ps="p:1"), "TF_CONFIG cluster.ps='p:1'"),
     ({}, "TF_CONFIG", tf_config("chief", 0, chief=["a:1", "b:2"]), "TF_CONFIG cluster.chief has 2"),
     ({}, "TF_CONFIG", tf_config("ps", 0, **NO_WORKERS), "TF_CONFIG cluster has no chief or worker"),
-    (TORCHRUN, "RANK", "4", "RANK=4 is out of range for 4 workers (0..3)"),
+    (TORCHRUN, "RANK", "4", "RANK=4 must be in 0..3"),
+    (TORCHRUN, "PARATRAIN_NUM_SERVERS", "4", "PARATRAIN_NUM_SERVERS=4 leaves no worker among WORLD_SIZE=4"),
+    (TORCHRUN, "PARATRAIN_NUM_SERVERS", "-1", None),
+    (SLURM, "MASTER_ADDR", "", "nor SLURM_STEP_NODELIST or SLURM_JOB_NODELIST"),
     (TORCHRUN, "RANK", "zero", None),
     (TORCHRUN, "WORLD_SIZE", "0", None),
     (TORCHRUN, "MASTER_ADDR", "", "MASTER_ADDR is not set"),
@@ -306,7 +356,8 @@ def test_scheduler_address_brackets_ipv6() -> None:
         ({"role": "server", "num_servers": 0}, "num_servers=0"),
         ({"scheduler_port": 0}, "scheduler_port=0"),
         ({"source": "yarn"}, "source='yarn'"),
-        ({"rank": 1, "embedded_scheduler": True}, "embedded_scheduler=True"),
+        ({"rank": None, "embedded_scheduler": True}, "embedded_scheduler=True"),
+        ({"role": "scheduler", "embedded_scheduler": True}, "embedded_scheduler=True"),
         ({"secret": b"short"}, "secret is 5 bytes"),
     ],
 )
@@ -314,3 +365,57 @@ def test_cluster_spec_validates_its_fields(fields: dict[str, object], message: s
     valid = dict(role="worker", rank=0, num_workers=2, num_servers=1)
     with pytest.raises(ValueError, match=re.escape(message)):
         spec(**{**valid, "scheduler_host": "h", "scheduler_port": 1, **fields})
+
+
+@pytest.mark.parametrize(
+    ("world_size", "num_servers", "expected"),
+    [
+        (4, 1, [3]),
+        (4, 2, [1, 3]),
+        (8, 2, [3, 7]),
+        (8, 4, [1, 3, 5, 7]),
+        (3, 1, [2]),
+        (5, 2, [1, 4]),
+        (2, 1, [1]),
+    ],
+)
+def test_servers_are_the_last_rank_of_equal_blocks(
+    world_size: int, num_servers: int, expected: list[int]
+) -> None:
+    assert server_ranks(world_size, num_servers) == expected
+
+
+@pytest.mark.parametrize(("nnodes", "nproc", "servers"), [(2, 4, 2), (2, 2, 1), (3, 2, 3), (4, 3, 2)])
+def test_torchrun_ranks_give_every_role_and_rank_once_with_servers_spread_over_nodes(
+    nnodes: int, nproc: int, servers: int
+) -> None:
+    """What every process of `torchrun --nnodes N --nproc_per_node K` reads, with S servers."""
+    places = []
+    for global_rank in range(nnodes * nproc):
+        env = {**TORCHRUN, "RANK": str(global_rank), "WORLD_SIZE": str(nnodes * nproc)}
+        got = spec_from_env({**env, "PARATRAIN_NUM_SERVERS": str(servers), **WITH_SECRET})
+        assert got is not None and got.embedded_scheduler == (global_rank == 0)
+        places.append((got.role, got.rank, global_rank // nproc))
+    roles = sorted((role, rank) for role, rank, _ in places)
+    workers = nnodes * nproc - servers
+    assert roles == sorted([("server", r) for r in range(servers)] + [("worker", r) for r in range(workers)])
+    server_nodes = [node for role, _, node in places if role == "server"]
+    assert (
+        max(server_nodes.count(n) for n in range(nnodes)) - min(server_nodes.count(n) for n in range(nnodes))
+        <= 1
+    )
+    assert places[0][:2] == ("worker", 0)
+
+
+def test_own_address_asks_the_route_and_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()  # the real lookup
+    assert own_address("127.0.0.1") == "127.0.0.1"
+    with pytest.raises(ValueError, match="MASTER_ADDR='no-such-host.invalid'.*set PARATRAIN_HOST"):
+        own_address("no-such-host.invalid", "MASTER_ADDR")
+
+
+def test_a_process_asks_for_its_route_only_when_nothing_names_its_address(fake_route) -> None:
+    spec_from_env({**TORCHRUN, **WITH_SECRET, "PARATRAIN_HOST": "10.0.0.5"})
+    assert fake_route == []
+    spec_from_env({**TORCHRUN, **WITH_SECRET})
+    assert fake_route == [("10.0.0.1", "MASTER_ADDR")]

@@ -87,9 +87,21 @@ def _setup_logging(spec: ClusterSpec) -> None:
     )
 
 
+def _start_embedded_scheduler(spec: ClusterSpec, config: JobConfig) -> threading.Thread | None:
+    """Where no scheduler process exists (TF_CONFIG, torchrun, Slurm, MPI), one worker or server
+    runs it in a thread (see cluster/spec.py)."""
+    if not spec.embedded_scheduler:
+        return None
+    scheduler = Scheduler(spec, config)
+    thread = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
+    thread.start()
+    return thread
+
+
 def _serve(spec: ClusterSpec, config: JobConfig) -> int:
     from paratrain.kvstore.server import KVServer  # servers serve the kvstore (and "ping")
 
+    scheduler_thread = _start_embedded_scheduler(spec, config)
     server = RpcServer(
         spec.secret,
         KVServer(spec.rank or 0),
@@ -102,15 +114,13 @@ def _serve(spec: ClusterSpec, config: JobConfig) -> int:
     link.shutdown.wait()
     server.close()
     link.close()
+    if scheduler_thread is not None:  # it has told every node; let it finish and release its port
+        scheduler_thread.join(config.finish_timeout_s + config.heartbeat_timeout_s)
     return 0
 
 
 def _join_as_worker(spec: ClusterSpec, config: JobConfig) -> Context:
-    scheduler_thread = None
-    if spec.embedded_scheduler:
-        scheduler = Scheduler(spec, config)
-        scheduler_thread = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
-        scheduler_thread.start()
+    scheduler_thread = _start_embedded_scheduler(spec, config)
     link = SchedulerLink(spec, config)
     roster = link.register("worker")
     _install_exit_hooks(link, scheduler_thread, config)

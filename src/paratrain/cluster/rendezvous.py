@@ -1,5 +1,7 @@
-"""A torch.distributed world from paratrain's scheduler: worker 0 hosts a TCPStore on a free port and
-the scheduler's barrier tells every worker where it is. Under torchrun the world already exists."""
+"""A torch.distributed world of the workers, from paratrain's scheduler: worker 0 hosts a TCPStore on a
+free port and the scheduler's barrier tells every worker where it is. Under torchrun with no servers
+torchrun's own world (its store and ranks) is the workers' world and is used as it is; with servers
+some of torchrun's processes are servers, so the workers make their own world as above."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ def init_torch_distributed(ctx, backend: str = "gloo", timeout_s: float = 300.0)
     """Join every worker of `ctx` into the default torch.distributed process group."""
     if dist.is_initialized():
         return
-    if ctx.spec is not None and ctx.spec.source == "torchrun":
+    if ctx.spec is not None and ctx.spec.source == "torchrun" and ctx.num_servers == 0:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         return
+    # Otherwise the world is the workers only (servers never join it), ranked as paratrain ranks them.
     host = ctx.spec.host if ctx.spec is not None else "127.0.0.1"
     store = None
     if ctx.rank == 0:

@@ -293,7 +293,9 @@ def listen_socket(spec: ClusterSpec):
 
     if spec.scheduler_fd is not None:
         return socket.socket(fileno=spec.scheduler_fd)
-    return listen(spec.scheduler_host, spec.scheduler_port)
+    # Its own address, not the name others reach it by: that may be a DNS alias (a Kubernetes
+    # Service) that no local interface carries.
+    return listen(spec.host, spec.scheduler_port)
 
 
 def _quietly(fn, *args) -> None:  # noqa: ANN001

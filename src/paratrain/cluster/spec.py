@@ -26,19 +26,38 @@ Other launchers' conventions are accepted too; the first whose marker is set win
     slurm       SLURM_PROCID + SLURM_NTASKS
     mpi         OMPI_COMM_WORLD_RANK + OMPI_COMM_WORLD_SIZE, or PMI_RANK + PMI_SIZE
 
-TF_CONFIG, torchrun, Slurm and MPI start no scheduler process: worker 0 runs it embedded. Under
-TF_CONFIG it listens at worker 0's listed address; under torchrun, Slurm and MPI at MASTER_ADDR and
+Servers under torchrun, Slurm and MPI: these start N processes of one kind and number them
+0..N-1 (the global rank). With PARATRAIN_NUM_SERVERS=S set (default 0), S of them become servers:
+server j is global rank floor((j + 1) * N / S) - 1, the last rank of each of S equal blocks of
+ranks. Every one of these launchers numbers ranks node by node (torchrun always; srun and mpirun
+with their default block distribution), so the servers spread over the nodes as evenly as the
+counts allow (`torchrun --nnodes 2 --nproc_per_node 4` with S=2: ranks 3 and 7, one per node)
+rather than crowding the first node, and each node keeps its low ranks as workers. The other ranks
+are workers, numbered 0.. in global-rank order, so global rank 0 is worker 0 whenever S <= N/2.
+`server_ranks(N, S)` gives the list.
+
+TF_CONFIG, torchrun, Slurm and MPI start no scheduler process: one process runs it embedded in a
+thread, whatever its role. Under TF_CONFIG that is worker 0, at worker 0's listed address; under
+torchrun, Slurm and MPI it is global rank 0 (the process at MASTER_ADDR), at MASTER_ADDR and
 MASTER_PORT+1 (MASTER_PORT itself is torch.distributed's store), or at PARATRAIN_SCHEDULER if set.
-Those three name no per-process address, so host defaults to 127.0.0.1: on several machines set
-PARATRAIN_HOST. In every convention the secret comes from PARATRAIN_SECRET(_FILE), PARATRAIN_HOST
-overrides the host, and PARATRAIN_LAUNCHER_PID/PARATRAIN_SCHEDULER_FD are read. A variable set to
-the empty string counts as unset.
+Under Slurm, MASTER_ADDR defaults to the first host of the step's node list and MASTER_PORT to
+20000 + SLURM_JOB_ID % 20000 (the same on every task of a job, and apart for concurrent jobs).
+
+A process's own address (the one it binds and advertises): PARATRAIN_HOST if set; else what its
+convention names (DMLC_NODE_HOST, TF_CONFIG's entry; the scheduler's own address for the
+scheduler); else the local address this host routes to the scheduler's host from (127.0.0.1 for a
+scheduler on loopback), so that processes on several machines advertise addresses their peers can
+reach with no setting. In every convention the secret comes from PARATRAIN_SECRET(_FILE), and
+PARATRAIN_LAUNCHER_PID/PARATRAIN_SCHEDULER_FD are read. A variable set to the empty string counts
+as unset.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -72,8 +91,9 @@ class ClusterSpec:
     source: str = "paratrain"
     """Which convention the spec was read from: paratrain, dmlc, tf_config, torchrun, slurm, mpi."""
     embedded_scheduler: bool = False
-    """True where no separate scheduler process exists (TF_CONFIG, torchrun, Slurm, MPI): worker 0
-    then runs the scheduler in a thread at scheduler_host:scheduler_port."""
+    """True where no separate scheduler process exists (TF_CONFIG, torchrun, Slurm, MPI) and this
+    process runs it in a thread at scheduler_host:scheduler_port (worker 0 under TF_CONFIG, global
+    rank 0 under the others, whatever its role)."""
     launcher_pid: int | None = None
     scheduler_fd: int | None = None
 
@@ -84,9 +104,10 @@ class ClusterSpec:
         _check_place(self.role, self.rank, self.num_workers, self.num_servers, _FIELD_NAMES)
         _check_range("scheduler_port", self.scheduler_port, 1, 65535)
         _check_choice("source", self.source, SOURCES)
-        if self.embedded_scheduler and (self.role, self.rank) != ("worker", 0):
+        if self.embedded_scheduler and (self.role == "scheduler" or self.rank is None):
             raise ValueError(
-                f"embedded_scheduler=True on {self.role} rank={self.rank}: only worker 0 runs it"
+                f"embedded_scheduler=True on {self.role} rank={self.rank}: only a worker or server "
+                f"with a known rank runs it"
             )
         if len(self.secret) < MIN_SECRET_BYTES:
             raise ValueError(f"secret is {len(self.secret)} bytes; it must be at least {MIN_SECRET_BYTES}")
@@ -106,8 +127,11 @@ class _Place:
     num_servers: int
     scheduler_host: str
     scheduler_port: int
-    host: str = "127.0.0.1"
+    host: str | None = None
+    """None: PARATRAIN_HOST, else the local address that routes to the scheduler's host."""
     embedded_scheduler: bool = False
+    host_var: str = "PARATRAIN_SCHEDULER"
+    """The variable that named the scheduler's host (in the message when it cannot be routed to)."""
 
 
 # The names _check_place uses in its messages: (role, rank, num_servers).
@@ -164,7 +188,7 @@ def _finish(env: Mapping[str, str], place: _Place, source: str) -> ClusterSpec:
         scheduler_host=place.scheduler_host,
         scheduler_port=place.scheduler_port,
         secret=_read_secret(env),
-        host=_get(env, "PARATRAIN_HOST") or place.host,
+        host=_get(env, "PARATRAIN_HOST") or place.host or own_address(place.scheduler_host, place.host_var),
         source=source,
         embedded_scheduler=place.embedded_scheduler,
         launcher_pid=_optional_int(env, "PARATRAIN_LAUNCHER_PID", 1),
@@ -183,8 +207,11 @@ def _read_paratrain(env: Mapping[str, str]) -> _Place:
     rank = _optional_int(env, "PARATRAIN_RANK")
     names = ("PARATRAIN_ROLE", "PARATRAIN_RANK", "PARATRAIN_NUM_SERVERS")
     _check_place(role, rank, num_workers, num_servers, names)
-    scheduler = _require(env, "PARATRAIN_SCHEDULER", because)
-    return _Place(role, rank, num_workers, num_servers, *_parse_address("PARATRAIN_SCHEDULER", scheduler))
+    scheduler_host, scheduler_port = _parse_address(
+        "PARATRAIN_SCHEDULER", _require(env, "PARATRAIN_SCHEDULER", because)
+    )
+    host = scheduler_host if role == "scheduler" else None
+    return _Place(role, rank, num_workers, num_servers, scheduler_host, scheduler_port, host)
 
 
 def _read_dmlc(env: Mapping[str, str]) -> _Place:
@@ -197,8 +224,17 @@ def _read_dmlc(env: Mapping[str, str]) -> _Place:
     _check_place(role, rank, num_workers, num_servers, ("DMLC_ROLE", rank_var or "rank", "DMLC_NUM_SERVER"))
     scheduler_host = _require(env, "DMLC_PS_ROOT_URI", because)
     scheduler_port = _required_int(env, "DMLC_PS_ROOT_PORT", because, 1, 65535)
-    host = _get(env, "DMLC_NODE_HOST") or "127.0.0.1"
-    return _Place(role, rank, num_workers, num_servers, scheduler_host, scheduler_port, host)
+    host = _get(env, "DMLC_NODE_HOST") or (scheduler_host if role == "scheduler" else None)
+    return _Place(
+        role,
+        rank,
+        num_workers,
+        num_servers,
+        scheduler_host,
+        scheduler_port,
+        host,
+        host_var="DMLC_PS_ROOT_URI",
+    )
 
 
 _TF_TASK_TYPES = ("chief", "worker", "ps")
@@ -267,29 +303,97 @@ def _tf_task(task: Mapping[str, object], cluster: Mapping[str, Sequence[object]]
     return task_type, index
 
 
-def _read_worker_ranks(env: Mapping[str, str], rank_var: str, size_var: str) -> _Place:
-    """torchrun, Slurm, MPI: every process is a worker and worker 0 runs the scheduler."""
-    num_workers = _parse_int(size_var, env[size_var], 1)
-    rank = _parse_int(rank_var, env[rank_var])
-    _check_place("worker", rank, num_workers, 0, ("role", rank_var, "num_servers"))
-    scheduler_host, scheduler_port = _embedded_scheduler_address(env, f"{rank_var} is set")
+def server_ranks(world_size: int, num_servers: int) -> list[int]:
+    """The global ranks that become servers when a launcher starts world_size processes of one kind:
+    the last rank of each of num_servers equal blocks (see the module docstring for why)."""
+    return [(j + 1) * world_size // num_servers - 1 for j in range(num_servers)]
+
+
+def _read_global_ranks(env: Mapping[str, str], rank_var: str, size_var: str) -> _Place:
+    """torchrun, Slurm, MPI: PARATRAIN_NUM_SERVERS of the processes are servers, the rest workers,
+    and global rank 0 runs the scheduler."""
+    world_size = _parse_int(size_var, env[size_var], 1)
+    global_rank = _parse_int(rank_var, env[rank_var])
+    _check_range(rank_var, global_rank, 0, world_size - 1)
+    num_servers = _optional_int(env, "PARATRAIN_NUM_SERVERS", 0) or 0
+    if num_servers >= world_size:
+        raise ValueError(
+            f"PARATRAIN_NUM_SERVERS={num_servers} leaves no worker among {size_var}={world_size} "
+            f"processes; it must be at most {world_size - 1}"
+        )
+    servers = server_ranks(world_size, num_servers)
+    if global_rank in servers:
+        role, rank = "server", servers.index(global_rank)
+    else:
+        role, rank = "worker", global_rank - sum(r < global_rank for r in servers)
+    because = f"{rank_var} is set"
+    scheduler_host, scheduler_port, host_var = _embedded_scheduler_address(env, because, rank_var)
     return _Place(
-        "worker", rank, num_workers, 0, scheduler_host, scheduler_port, embedded_scheduler=rank == 0
+        role,
+        rank,
+        world_size - num_servers,
+        num_servers,
+        scheduler_host,
+        scheduler_port,
+        embedded_scheduler=global_rank == 0,
+        host_var=host_var,
     )
 
 
-def _embedded_scheduler_address(env: Mapping[str, str], because: str) -> tuple[str, int]:
+def _embedded_scheduler_address(env: Mapping[str, str], because: str, rank_var: str) -> tuple[str, int, str]:
     """PARATRAIN_SCHEDULER if set, else MASTER_ADDR:MASTER_PORT+1 (torch.distributed's store has
-    MASTER_PORT)."""
+    MASTER_PORT); under Slurm these two default to the step's first node and a port from the job id.
+    Also returns the name of the variable that gave the host."""
     explicit = _get(env, "PARATRAIN_SCHEDULER")
     if explicit is not None:
-        return _parse_address("PARATRAIN_SCHEDULER", explicit)
+        return (*_parse_address("PARATRAIN_SCHEDULER", explicit), "PARATRAIN_SCHEDULER")
     because = f"{because} and PARATRAIN_SCHEDULER is not"
-    host = _require(env, "MASTER_ADDR", because)
-    port = _required_int(env, "MASTER_PORT", because, 1, 65535)
+    host, host_var = _get(env, "MASTER_ADDR"), "MASTER_ADDR"
+    port = _optional_int(env, "MASTER_PORT", 1, 65535)
+    if rank_var == "SLURM_PROCID":
+        if host is None:
+            host, host_var = _slurm_first_host(env, because)
+        if port is None and _get(env, "SLURM_JOB_ID") is not None:
+            port = 20000 + _parse_int("SLURM_JOB_ID", env["SLURM_JOB_ID"], 0) % 20000
+    if host is None:
+        _require(env, "MASTER_ADDR", because)
+    if port is None:
+        _require(env, "MASTER_PORT", because)
+    assert host is not None and port is not None
     if port == 65535:
         raise ValueError("MASTER_PORT=65535 leaves no port for the scheduler (it uses MASTER_PORT+1)")
-    return host, port + 1
+    return host, port + 1, host_var
+
+
+def _slurm_first_host(env: Mapping[str, str], because: str) -> tuple[str, str]:
+    """The first host of SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST), where task 0 runs under the
+    default block distribution. Slurm compresses the list (`node[01-04,07],gpu-a`); only its first
+    name is needed, so this reads that much of Slurm's hostlist syntax rather than calling scontrol."""
+    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"):
+        value = _get(env, name)
+        if value is None:
+            continue
+        match = re.match(r"([^,\[]+)(?:\[([^\],-]+))?", value)
+        if not match:
+            raise ValueError(f"{name}={value!r} is not a Slurm node list")
+        return match[1] + (match[2] or ""), name
+    raise ValueError(f"MASTER_ADDR is not set ({because}), nor SLURM_STEP_NODELIST or SLURM_JOB_NODELIST")
+
+
+def own_address(peer_host: str, name: str = "PARATRAIN_SCHEDULER") -> str:
+    """The local address this host sends from to reach peer_host (no packet is sent: a UDP socket's
+    connect only picks the route). A peer on loopback gives loopback. `name` is the variable that
+    named peer_host, for the message when it does not resolve or has no route."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(peer_host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise ValueError(
+            f"cannot find this host's address towards {name}={peer_host!r} ({exc}); set PARATRAIN_HOST "
+            f"to the address this process should bind and advertise"
+        ) from None
 
 
 _Reader = Callable[[Mapping[str, str]], _Place]
@@ -300,22 +404,22 @@ _CONVENTIONS: tuple[tuple[str, tuple[str, ...], _Reader], ...] = (
     (
         "torchrun",
         ("RANK", "WORLD_SIZE"),
-        partial(_read_worker_ranks, rank_var="RANK", size_var="WORLD_SIZE"),
+        partial(_read_global_ranks, rank_var="RANK", size_var="WORLD_SIZE"),
     ),
     (
         "slurm",
         ("SLURM_PROCID", "SLURM_NTASKS"),
-        partial(_read_worker_ranks, rank_var="SLURM_PROCID", size_var="SLURM_NTASKS"),
+        partial(_read_global_ranks, rank_var="SLURM_PROCID", size_var="SLURM_NTASKS"),
     ),
     (
         "mpi",
         ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-        partial(_read_worker_ranks, rank_var="OMPI_COMM_WORLD_RANK", size_var="OMPI_COMM_WORLD_SIZE"),
+        partial(_read_global_ranks, rank_var="OMPI_COMM_WORLD_RANK", size_var="OMPI_COMM_WORLD_SIZE"),
     ),
     (
         "mpi",
         ("PMI_RANK", "PMI_SIZE"),
-        partial(_read_worker_ranks, rank_var="PMI_RANK", size_var="PMI_SIZE"),
+        partial(_read_global_ranks, rank_var="PMI_RANK", size_var="PMI_SIZE"),
     ),
 )
 

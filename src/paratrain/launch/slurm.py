@@ -1,0 +1,319 @@
+"""`paratrain launch --backend slurm`: one sbatch script whose single `srun` starts every role.
+
+The script asks Slurm for W+S tasks and starts them all with one `srun`; each task finds its role
+and rank in the cluster spec's Slurm convention (SLURM_PROCID, SLURM_NTASKS) with
+PARATRAIN_NUM_SERVERS=S: S of the tasks are servers, the rest workers, and global rank 0 runs the
+scheduler at MASTER_ADDR:MASTER_PORT+1 (see cluster/spec.py). MASTER_ADDR is the allocation's first
+node, where the batch script itself runs, so the script picks MASTER_PORT there, at run time, as a
+port free together with the next one.
+
+The job secret is made inside the batch script when it runs and reaches the tasks through srun's
+environment: it is never in the script's text (which Slurm keeps), on a command line or in a file.
+`srun --kill-on-bad-exit=1` ends the step as soon as one task fails, and srun's own error line names
+that task and its node. Each task runs the script under `bash -c`, which prefixes every line of its
+output with `[role rank @node] ` (as the local launcher prefixes `[role rank] `); the table of roles
+in that command is `server_ranks` of the cluster spec, the rule each task's spec_from_env applies.
+
+The command returns once sbatch accepted the job (or failed to), printing the job id and the output
+file; `--dry-run` prints the script instead of submitting it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from paratrain.cluster.spec import server_ranks
+from paratrain.launch.api import LaunchConfig, thread_env
+
+SBATCH_TIMEOUT_S = 60.0
+
+# Inherited values of these, from the shell that ran sbatch, would describe some other process (or
+# would win over srun's convention in spec_from_env, which reads paratrain's and torchrun's first).
+_FOREIGN_IDENTITY = (
+    "PARATRAIN_ROLE",
+    "PARATRAIN_RANK",
+    "PARATRAIN_NUM_WORKERS",
+    "PARATRAIN_SCHEDULER",
+    "PARATRAIN_SECRET_FILE",
+    "PARATRAIN_HOST",
+    "PARATRAIN_LAUNCHER_PID",
+    "PARATRAIN_SCHEDULER_FD",
+    "DMLC_ROLE",
+    "TF_CONFIG",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+)
+
+# What the script sets itself; the same names in LaunchConfig.env are dropped (a secret there would be
+# written into the script's text).
+_SET_BY_SCRIPT = frozenset(
+    {*_FOREIGN_IDENTITY, "PARATRAIN_NUM_SERVERS", "PARATRAIN_SECRET", "MASTER_ADDR", "MASTER_PORT"}
+)
+
+# sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]].
+_TIME = re.compile(r"(\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)")
+_SBATCH_WORD = re.compile(r"[A-Za-z0-9_.,:@%+=/-]+")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# Run on the first node by the batch script: a port that is free there together with the next one
+# (torch.distributed's store takes MASTER_PORT, paratrain's scheduler MASTER_PORT+1).
+_FREE_PORT_PAIR = """\
+import socket
+for _ in range(100):
+    with socket.socket() as first, socket.socket() as second:
+        first.bind(("", 0))
+        port = first.getsockname()[1]
+        try:
+            second.bind(("", port + 1))
+        except OSError:
+            continue
+        print(port)
+        break
+else:
+    raise SystemExit("paratrain: found no two free consecutive ports for MASTER_PORT")"""
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """What the Slurm engine adds to a LaunchConfig: where and with what the job runs."""
+
+    partition: str | None = None
+    """sbatch --partition; None: the cluster's default partition."""
+    time: str | None = None
+    """sbatch --time (e.g. 30, 1:00:00, 2-0); None: from the job's timeout, else the partition's."""
+    nodes: int | None = None
+    """sbatch --nodes; None lets Slurm choose. Tasks are laid out in blocks over the nodes."""
+    dry_run: bool = False
+    """Print the sbatch script instead of submitting it."""
+    cpus_per_worker: float = 1.0
+    """CPUs for each worker task (Slurm gives every task of one srun the same: the larger of the
+    two, rounded up)."""
+    cpus_per_server: float = 1.0
+    """CPUs for each server task."""
+    gpus_per_worker: int = 0
+    """GPUs for each task (srun --gpus-per-task; one srun gives the servers as many)."""
+    job_name: str | None = None
+    """sbatch --job-name; None: paratrain-<script name>."""
+    output: str | None = None
+    """sbatch --output (%j is the job id); None: <job name>-%j.out in the current directory."""
+
+    def __post_init__(self) -> None:
+        for name in ("partition", "job_name", "output"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and _SBATCH_WORD.fullmatch(value)):
+                raise ValueError(f"{name} must be a word of letters, digits and _.,:@%+=/-, got {value!r}")
+        if self.time is not None and not (isinstance(self.time, str) and _TIME.fullmatch(self.time)):
+            raise ValueError(
+                f"time must be sbatch's --time format (minutes, h:mm:ss, days-hours, ...), got {self.time!r}"
+            )
+        if self.nodes is not None and (not _is_int(self.nodes) or self.nodes < 1):
+            raise ValueError(f"nodes must be an int >= 1 or None, got {self.nodes!r}")
+        for name in ("cpus_per_worker", "cpus_per_server"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if not _is_int(self.gpus_per_worker) or self.gpus_per_worker < 0:
+            raise ValueError(f"gpus_per_worker must be an int >= 0, got {self.gpus_per_worker!r}")
+
+    @property
+    def cpus_per_task(self) -> int:
+        return math.ceil(max(self.cpus_per_worker, self.cpus_per_server))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def job_name(config: LaunchConfig, options: SlurmOptions) -> str:
+    if options.job_name is not None:
+        return options.job_name
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(config.script).stem) or "job"
+    return f"paratrain-{stem}"
+
+
+def output_path(config: LaunchConfig, options: SlurmOptions) -> str:
+    """Where the job's output goes, absolute (%j stands for the job id)."""
+    return os.path.abspath(options.output or f"{job_name(config, options)}-%j.out")
+
+
+def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str, str] | None = None) -> str:
+    """The batch script for `config`; `environ` (default os.environ) is what sbatch will export."""
+    environ = dict(os.environ if environ is None else environ)
+    tasks = config.num_workers + config.num_servers
+    if options.nodes is not None and options.nodes > tasks:
+        raise ValueError(f"nodes={options.nodes} is more than the job's {tasks} tasks (-w + -s)")
+    for key in config.env:
+        if not _ENV_NAME.fullmatch(key):
+            raise ValueError(f"env key {key!r} is not a shell variable name")
+    cpus = options.cpus_per_task
+    threads = thread_env(cpus, 1, {**environ, **config.env})
+    # The job's identity wins over the user's env, as under the local launcher.
+    job_env = {k: v for k, v in config.job_env().items() if k not in _SET_BY_SCRIPT}
+    exports = {**job_env, "PARATRAIN_NUM_SERVERS": str(config.num_servers), **threads}
+    python = shlex.quote(config.python)
+    command = " ".join(shlex.quote(word) for word in (os.path.abspath(config.script), *config.args))
+    gpus = f" --gpus-per-task={options.gpus_per_worker}" if options.gpus_per_worker else ""
+    lines = [
+        "#!/bin/bash",
+        f"# paratrain job: {config.num_workers} worker(s) and {config.num_servers} server(s) as one srun "
+        f"of {tasks} tasks",
+        *_directives(config, options),
+        "set -eu",
+        "",
+        "# Identity comes from srun (SLURM_PROCID, SLURM_NTASKS) and PARATRAIN_NUM_SERVERS; values",
+        "# inherited from the submitting shell would describe another process.",
+        f"unset {' '.join(_FOREIGN_IDENTITY)}",
+        *(f"export {key}={shlex.quote(value)}" for key, value in exports.items()),
+        "export PYTHONUNBUFFERED=1",
+        *_rendezvous(python),
+        f"echo {shlex.quote('paratrain: ' + describe_tasks(config.num_workers, config.num_servers))}",
+        "# Every line a task writes (stdout and stderr alike) starts with its role, rank and node.",
+        f"PREFIX_OUTPUT={shlex.quote(_prefix_output(config.num_workers, config.num_servers))}",
+        f"srun --kill-on-bad-exit=1 --ntasks={tasks} --cpus-per-task={cpus}{gpus} "
+        f'bash -c "$PREFIX_OUTPUT" {python} -u {command} && exit 0',
+        "status=$?",
+        'echo "paratrain: job failed: srun exited with code $status; its error line above names the'
+        ' failed task and node" >&2',
+        "exit $status",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _directives(config: LaunchConfig, options: SlurmOptions) -> list[str]:
+    values = {
+        "job-name": job_name(config, options),
+        "output": output_path(config, options),
+        "ntasks": str(config.num_workers + config.num_servers),
+        "cpus-per-task": str(options.cpus_per_task),
+        "nodes": None if options.nodes is None else str(options.nodes),
+        "partition": options.partition,
+        "time": options.time or _minutes(config.timeout_s),
+        "gpus-per-task": str(options.gpus_per_worker) if options.gpus_per_worker else None,
+    }
+    return [f"#SBATCH --{name}={value}" for name, value in values.items() if value is not None]
+
+
+def _rendezvous(python: str) -> list[str]:
+    """Lines that set MASTER_ADDR, MASTER_PORT and the secret, at run time, on the first node."""
+    return [
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        "# This script runs on that first node: a free port there, and the next one for the scheduler.",
+        f"MASTER_PORT=$({python} - <<'EOF'",
+        _FREE_PORT_PAIR,
+        "EOF",
+        ")",
+        "export MASTER_ADDR MASTER_PORT",
+        "# Made here, at run time: the secret is in no file, on no command line, not in this script.",
+        f"PARATRAIN_SECRET=$({python} -c 'import secrets; print(secrets.token_hex(32))')",
+        "export PARATRAIN_SECRET",
+        'echo "paratrain: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, scheduler at'
+        ' $MASTER_ADDR:$((MASTER_PORT + 1))"',
+    ]
+
+
+def _minutes(timeout_s: float | None) -> str | None:
+    return None if timeout_s is None else str(math.ceil(timeout_s / 60))
+
+
+def task_roles(num_workers: int, num_servers: int) -> list[tuple[str, int]]:
+    """(role, rank) of each srun task by global rank, as the cluster spec assigns them."""
+    servers = server_ranks(num_workers + num_servers, num_servers)
+    roles, worker = [], 0
+    for task in range(num_workers + num_servers):
+        if task in servers:
+            roles.append(("server", servers.index(task)))
+        else:
+            roles.append(("worker", worker))
+            worker += 1
+    return roles
+
+
+def _prefix_output(num_workers: int, num_servers: int) -> str:
+    """The bash command each task runs: "$0" "$@" with every output line prefixed, its exit status
+    kept. bash waits for the whole pipeline, so sed has flushed before the task ends."""
+    labels = " ".join(f'"{role} {rank}"' for role, rank in task_roles(num_workers, num_servers))
+    return (
+        f'labels=({labels}); "$0" "$@" 2>&1 | sed -u "s|^|[${{labels[$SLURM_PROCID]}} @$SLURMD_NODENAME] |"; '
+        'exit "${PIPESTATUS[0]}"'
+    )
+
+
+def describe_tasks(num_workers: int, num_servers: int) -> str:
+    roles = task_roles(num_workers, num_servers)
+    return "srun task " + ", ".join(f"{task}: {role} {rank}" for task, (role, rank) in enumerate(roles))
+
+
+def run_slurm_job(
+    config: LaunchConfig, options: SlurmOptions, out: IO[str] | None = None, err: IO[str] | None = None
+) -> int:
+    """Submits the job with sbatch (or prints its script); the exit status: 0 if submitted."""
+    out, err = out or sys.stdout, err or sys.stderr
+    try:
+        script = sbatch_script(config, options)
+    except ValueError as exc:
+        print(f"paratrain: {exc}", file=err)
+        return 2
+    _describe(config, options, err)
+    if options.dry_run:
+        out.write(script)
+        return 0
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        print(
+            "paratrain: sbatch is not on PATH: --backend slurm submits with sbatch from a Slurm login "
+            "node (--dry-run prints the script)",
+            file=err,
+        )
+        return 1
+    try:
+        done = subprocess.run(
+            [sbatch, "--parsable"],
+            input=script,
+            capture_output=True,
+            text=True,
+            timeout=SBATCH_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        print(f"paratrain: sbatch got no answer from slurmctld within {SBATCH_TIMEOUT_S} s", file=err)
+        return 1
+    if done.returncode != 0:
+        print(f"paratrain: sbatch refused the job (exit {done.returncode}): {done.stderr.strip()}", file=err)
+        return 1
+    job_id = done.stdout.strip().split(";")[0]
+    output = output_path(config, options).replace("%j", job_id)
+    print(f"paratrain: submitted Slurm job {job_id} ({job_name(config, options)})", file=out)
+    print(f"paratrain: output in {output}", file=out)
+    print(f"paratrain: follow it with squeue -j {job_id}; stop it with scancel {job_id}", file=out)
+    return 0
+
+
+def _describe(config: LaunchConfig, options: SlurmOptions, err: IO[str]) -> None:
+    cpus = options.cpus_per_task
+    lines = [
+        f"{config.num_workers} worker(s) and {config.num_servers} server(s) as one srun of "
+        f"{config.num_workers + config.num_servers} tasks, {cpus} CPU(s) each",
+    ]
+    if options.cpus_per_worker != options.cpus_per_server:
+        lines.append(
+            f"one srun gives every task the same CPUs: --cpus-per-task={cpus}, the larger of "
+            f"--cpus-per-worker={options.cpus_per_worker} and --cpus-per-server={options.cpus_per_server}"
+        )
+    if options.gpus_per_worker and config.num_servers:
+        lines.append(f"one srun gives every task the same GPUs: servers get {options.gpus_per_worker} too")
+    if thread_env(cpus, 1, {**os.environ, **config.env}):
+        lines.append(f"threads per process: OMP_NUM_THREADS={cpus} (--cpus-per-task; set it to choose)")
+    else:
+        lines.append("threads per process: as set by the user (OMP_NUM_THREADS/MKL_NUM_THREADS)")
+    for line in lines:
+        print(f"paratrain: {line}", file=err)
