@@ -26,6 +26,7 @@ from paratrain.launch.api import LaunchConfig
 from paratrain.launch.ray import RayOptions, role_threads, run_ray
 from paratrain.launch.ray_placement import NodeInfo, RayJobError, node_labels, plan_groups
 from paratrain.launch.ray_process import RoleProcess
+from paratrain.launch.ray_supervise import first_line
 from paratrain.testing import assert_all_gone
 
 pytestmark = pytest.mark.timeout(240)
@@ -122,6 +123,12 @@ def test_each_role_gets_its_cpus_as_threads_unless_the_user_chose():
 def test_options_reject_bad_values_naming_field_and_value(field, value):
     with pytest.raises(ValueError, match=f"{field}.*{value!r}"):
         RayOptions(**{field: value})
+
+
+def test_a_ray_error_is_told_in_one_line_with_the_remote_exception():
+    text = "The actor died in \x1b[36mray::A()\x1b[39m\n  Traceback\nModuleNotFoundError: No module named 'x'"
+    said = "RuntimeError: The actor died in ray::A() ... ModuleNotFoundError: No module named 'x'"
+    assert first_line(RuntimeError(text)) == said
 
 
 # -- the process keeper, without Ray

@@ -13,6 +13,7 @@ every wait checks at least every POLL_S. ray.py starts the processes and builds 
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import threading
 import time
@@ -28,6 +29,7 @@ STDERR_TAIL_LINES = 30
 POLL_S = 0.5
 """How long one ray.wait (and one actor poll) lasts: the driver notices an interrupt this fast."""
 _KILL_WAIT_S = 30.0
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class Interrupts:
@@ -326,8 +328,14 @@ def _lost_reason(child: RayChild, exc: Exception) -> str:
 
 
 def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    """An error of Ray's in one line: its first line and, when that is not all, its last (where
+    Ray puts the remote exception, e.g. "ModuleNotFoundError: No module named 'paratrain'")."""
+    lines = [_ANSI.sub("", line).strip() for line in str(exc).strip().splitlines()]
+    lines = [line for line in lines if line]
+    text = lines[0] if lines else ""
+    if len(lines) > 1:
+        text = f"{text} ... {lines[-1]}"
+    return f"{type(exc).__name__}: {text}"
 
 
 def _earliest(*deadlines: float | None) -> float | None:
