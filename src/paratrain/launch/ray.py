@@ -45,6 +45,7 @@ from paratrain.launch.report import JobResult, _failure_report, _interrupted_rep
 logger = logging.getLogger(__name__)
 
 EXIT_INTERRUPTED = 130
+_CLOSE_WAIT_S = 5.0
 _ACTOR_CONCURRENCY = 4
 """Calls one actor serves at once: a poll may be waiting while signal or close comes in."""
 
@@ -284,6 +285,13 @@ class _RayJob(Supervisor):
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        # A process still running here (its start was interrupted, or it could not be reaped) has
+        # its whole process group killed by its actor first: killing the actor alone would take
+        # only the process itself (PR_SET_PDEATHSIG), not what it started.
+        closing = [c.actor.close.remote() for c in self.children if c.running]
+        if closing:
+            with contextlib.suppress(Exception):
+                ray.wait(closing, num_returns=len(closing), timeout=_CLOSE_WAIT_S)
         for child in self.children:
             with contextlib.suppress(Exception):
                 ray.kill(child.actor, no_restart=True)
