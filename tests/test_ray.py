@@ -166,10 +166,13 @@ def test_the_keepers_child_gets_the_node_env_less_paratrain_variables_and_the_li
 
 def test_a_keepers_child_dies_with_the_thread_that_started_it():
     """What happens to a child when its actor dies: PR_SET_PDEATHSIG from the exec wrapper."""
-    script = (
+    script = (  # the child has become the target (it printed) before its starter is killed
         "import time\n"
         "from paratrain.launch.ray_process import RoleProcess\n"
-        "k = RoleProcess(); print(k.start([None, '-c', 'import time; time.sleep(60)'], {}), flush=True)\n"
+        "target = 'import time; print(1, flush=True); time.sleep(60)'\n"
+        "k = RoleProcess(); pid = k.start([None, '-c', target], {})\n"
+        "assert k.poll(30)['lines'] == [(1, '1')]\n"
+        "print(pid, flush=True)\n"
         "time.sleep(60)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
