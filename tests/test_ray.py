@@ -319,6 +319,19 @@ def test_a_killed_process_is_reported_and_every_process_is_gone(cluster):
     assert f"worker 1 (pid {pids[1]}, host {failure.host}) was killed by signal SIGKILL" in result.report
 
 
+def test_the_job_timeout_stops_every_process(cluster):
+    """Whatever the processes had reached when the timeout came, they are stopped and it is said."""
+    config = LaunchConfig(script=ROLES, args=("hang",), num_workers=1, num_servers=1, timeout_s=3.0)
+    out, err = _Output(), _Output()
+    result = run_ray(config, RayOptions(), out=out, err=err)
+    assert result.exit_code == 1
+    failure = result.failure
+    assert (failure.role, failure.rank) == ("worker", 0)
+    assert failure.reason == "was still running when the job timed out after 3.0 s"
+    assert_all_gone(result.pids, wait_s=15)
+    _assert_nothing_left_on_ray()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_the_cli_runs_on_ray_and_stopping_the_driver_stops_every_process_on_every_node(cluster, signum):
     """SIGINT (Ctrl-C): the driver stops every process itself. SIGKILL: Ray kills the actors of

@@ -69,7 +69,6 @@ class RoleProcess:
         return {
             "ip": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id(),
-            "hostname": socket.gethostname(),
             "pid": os.getpid(),
         }
 
