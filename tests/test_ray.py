@@ -206,8 +206,10 @@ def cluster():
         head_node_args={"num_cpus": NODE_CPUS, "num_gpus": 1, "include_dashboard": False},
     )
     try:
-        cluster.add_node(num_cpus=NODE_CPUS, num_gpus=1)  # GPUs as Ray counts them: no device needed
-        cluster.wait_for_nodes()
+        # GPUs as Ray counts them: no device needed. Not add_node's own 30 s wait: 2 busy cores
+        # have taken longer.
+        cluster.add_node(wait=False, num_cpus=NODE_CPUS, num_gpus=1)
+        cluster.wait_for_nodes(timeout=120)
         ray.init(address=cluster.address, log_to_driver=False)
         yield cluster
     finally:
@@ -419,9 +421,9 @@ def test_a_dead_node_stops_the_job_and_is_named(cluster):
             if ready == {0, 1}:
                 cluster.remove_node(other)
 
-    result, out, err = _run(
-        [ROLES, "hang"], workers=2, servers=2, on_line=remove_the_node_once_every_worker_is_ready
-    )
+    # stop_grace_s: the others exit aborted at once, Ray tells of the lost actors a little later
+    on_line = remove_the_node_once_every_worker_is_ready
+    result, out, err = _run([ROLES, "hang"], workers=2, servers=2, on_line=on_line, stop_grace_s=15)
     assert result.exit_code == 1, err.getvalue()
     failure = result.failure
     assert failure.host.endswith(f"/{victim}"), result.report
