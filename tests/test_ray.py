@@ -1,0 +1,430 @@
+"""The Ray engine: placement plans as data, the per-node process keeper without Ray, and real jobs
+on a 2-node Ray cluster simulated on this machine (`ray.cluster_utils.Cluster`).
+
+The cluster is started once for the module (Ray starts slowly on 2 cores) and the test process is
+its driver, so jobs run in process through `run_ray`; one job goes through the CLI in a
+subprocess driver and is stopped with SIGINT. After every job no child process, actor or
+placement group is left, and after the module no Ray process (raylet, gcs_server, workers) is.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from paratrain.launch.api import LaunchConfig
+from paratrain.launch.ray import RayOptions, role_threads, run_ray
+from paratrain.launch.ray_placement import NodeInfo, RayJobError, node_labels, plan_groups
+from paratrain.launch.ray_process import RoleProcess
+from paratrain.launch.ray_supervise import first_line
+from paratrain.testing import assert_all_gone
+
+pytestmark = pytest.mark.timeout(240)
+
+JOBS = Path(__file__).parent / "jobs"
+ROLES = str(JOBS / "ray_roles.py")
+PARATRAIN = str(Path(sys.executable).parent / "paratrain")
+NODE_CPUS = 3
+_LINE = re.compile(r"^\[(scheduler|server|worker) (\d+) @(\S+)\] (.*)$")
+_RAY_PROGRAMS = ("raylet", "gcs_server", "plasma_store")
+
+
+# -- plans and options, no cluster
+
+
+def _config(workers: int = 2, servers: int = 2) -> LaunchConfig:
+    return LaunchConfig(script="train.py", num_workers=workers, num_servers=servers)
+
+
+def test_servers_are_strictly_spread_when_enough_nodes_can_hold_one():
+    nodes = [{"CPU": 2.0}, {"CPU": 2.0}, {"CPU": 0.5}]
+    servers, main = plan_groups(_config(workers=2, servers=2), RayOptions(), nodes)
+    assert servers.strategy == "STRICT_SPREAD"
+    assert servers.members == (("server", 0), ("server", 1))
+    assert main.strategy == "SPREAD"
+    assert main.members == (("scheduler", 0), ("worker", 0), ("worker", 1))
+    assert main.bundles == ({"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 1.0})
+
+
+def test_more_servers_than_nodes_spread_as_best_ray_can():
+    [servers, _] = plan_groups(_config(workers=1, servers=3), RayOptions(), [{"CPU": 8.0}, {"CPU": 8.0}])
+    assert servers.strategy == "SPREAD" and len(servers.bundles) == 3
+
+
+def test_a_collective_job_has_one_group_and_workers_reserve_their_gpus():
+    options = RayOptions(cpus_per_worker=4, gpus_per_worker=1)
+    [main] = plan_groups(_config(workers=2, servers=0), options, [{"CPU": 16.0, "GPU": 2.0}])
+    assert main.bundles[1:] == ({"CPU": 4.0, "GPU": 1.0},) * 2
+
+
+@pytest.mark.parametrize(
+    "options, nodes, named",
+    [
+        (
+            RayOptions(gpus_per_worker=1),
+            [{"CPU": 8.0}],
+            "no node of the Ray cluster can hold a worker (CPU 1 GPU 1)",
+        ),
+        (RayOptions(cpus_per_server=4), [{"CPU": 3.0}, {"CPU": 3.0}], "can hold a server (CPU 4)"),
+        (RayOptions(), [{"CPU": 2.0}, {"CPU": 2.0}], "needs 4.5 CPU"),
+    ],
+)
+def test_a_job_the_cluster_cannot_hold_fails_at_once_naming_what(options, nodes, named):
+    with pytest.raises(RayJobError, match=re.escape(named)):
+        plan_groups(_config(workers=2, servers=2), options, nodes)
+
+
+def test_nodes_sharing_an_address_are_told_apart_by_their_id():
+    a, b, c = (
+        NodeInfo("10.0.0.1", "aaaaaaaa11"),
+        NodeInfo("10.0.0.1", "bbbbbbbb22"),
+        NodeInfo("10.0.0.2", "cc"),
+    )
+    assert node_labels([a, b, c, a]) == {
+        "aaaaaaaa11": "10.0.0.1/aaaaaa",
+        "bbbbbbbb22": "10.0.0.1/bbbbbb",
+        "cc": "10.0.0.2",
+    }
+
+
+def test_each_role_gets_its_cpus_as_threads_unless_the_user_chose():
+    options = RayOptions(cpus_per_worker=3, cpus_per_server=1.5)
+    threads, user_chose = role_threads(options, {})
+    assert not user_chose
+    assert {role: t["OMP_NUM_THREADS"] for role, t in threads.items()} == {
+        "scheduler": "1",
+        "server": "1",
+        "worker": "3",
+    }
+    threads, user_chose = role_threads(options, {"OMP_NUM_THREADS": "2"})
+    assert user_chose and all(t == {"OMP_NUM_THREADS": "2"} for t in threads.values())
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("address", ""),
+        ("cpus_per_worker", 0),
+        ("cpus_per_server", -1),
+        ("gpus_per_worker", -1),
+        ("stop_grace_s", -1),
+    ],
+)
+def test_options_reject_bad_values_naming_field_and_value(field, value):
+    with pytest.raises(ValueError, match=f"{field}.*{value!r}"):
+        RayOptions(**{field: value})
+
+
+def test_a_ray_error_is_told_in_one_line_with_the_remote_exception():
+    text = "The actor died in \x1b[36mray::A()\x1b[39m\n  Traceback\nModuleNotFoundError: No module named 'x'"
+    said = "RuntimeError: The actor died in ray::A() ... ModuleNotFoundError: No module named 'x'"
+    assert first_line(RuntimeError(text)) == said
+
+
+# -- the process keeper, without Ray
+
+
+def test_the_keeper_streams_output_then_the_exit_and_signals_the_group():
+    keeper = RoleProcess()
+    code = "import sys, time; print('out'); print('err', file=sys.stderr, flush=True); sys.exit(4)"
+    keeper.start([None, "-c", code], {"PYTHONUNBUFFERED": "1"})
+    lines, returncode = _drain_keeper(keeper)
+    assert sorted(lines) == [(1, "out"), (2, "err")] and returncode == 4
+
+    keeper = RoleProcess()
+    pid = keeper.start([None, "-c", "print('up', flush=True); import time; time.sleep(60)"], {})
+    assert keeper.poll(30)["lines"] == [(1, "up")]
+    keeper.signal(signal.SIGTERM)
+    assert _drain_keeper(keeper)[1] == -signal.SIGTERM
+    assert_all_gone([pid])
+
+
+def test_the_keepers_child_gets_the_node_env_less_paratrain_variables_and_the_listener(monkeypatch):
+    monkeypatch.setenv("PARATRAIN_ROLE", "stale")
+    keeper = RoleProcess()
+    port = keeper.listen("127.0.0.1")
+    code = (
+        "import os, socket; fd = int(os.environ['PARATRAIN_SCHEDULER_FD']);"
+        "launcher = os.environ['PARATRAIN_LAUNCHER_PID'] == str(os.getppid());"
+        "port = socket.socket(fileno=fd).getsockname()[1];"
+        "print(os.environ.get('PARATRAIN_ROLE'), os.environ['X'], launcher, port)"
+    )
+    keeper.start([None, "-c", code], {"X": "1"})
+    lines, returncode = _drain_keeper(keeper)
+    assert lines == [(1, f"None 1 True {port}")] and returncode == 0
+
+
+def test_a_keepers_child_dies_with_the_thread_that_started_it():
+    """What happens to a child when its actor dies: PR_SET_PDEATHSIG from the exec wrapper."""
+    script = (  # the child has become the target (it printed) before its starter is killed
+        "import time\n"
+        "from paratrain.launch.ray_process import RoleProcess\n"
+        "target = 'import time; print(1, flush=True); time.sleep(60)'\n"
+        "k = RoleProcess(); pid = k.start([None, '-c', target], {})\n"
+        "assert k.poll(30)['lines'] == [(1, '1')]\n"
+        "print(pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    proc.kill()
+    proc.wait()
+    assert_all_gone([child], wait_s=10)
+
+
+def _drain_keeper(keeper: RoleProcess) -> tuple[list[tuple[int, str]], int]:
+    lines = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        reply = keeper.poll(1.0)
+        lines += [tuple(line) for line in reply["lines"]]
+        if reply["returncode"] is not None:
+            return lines, reply["returncode"]
+    raise AssertionError(f"the keeper's child did not exit within 30 s; lines so far {lines}")
+
+
+# -- real jobs on a 2-node cluster
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no report to send from a test cluster
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": NODE_CPUS, "num_gpus": 1, "include_dashboard": False},
+    )
+    try:
+        # GPUs as Ray counts them: no device needed. Not add_node's own 30 s wait: 2 busy cores
+        # have taken longer.
+        cluster.add_node(wait=False, num_cpus=NODE_CPUS, num_gpus=1)
+        cluster.wait_for_nodes(timeout=120)
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ours = _descendants(os.getpid())
+        ray.shutdown()
+        cluster.shutdown()
+        assert_all_gone(ours, wait_s=30)
+        left = [pid for pid, name in _processes() if name in _RAY_PROGRAMS]
+        assert not left, f"Ray processes left after the cluster was shut down: pids {left}"
+
+
+class _Output(io.StringIO):
+    """A stream that files each prefixed line by (role, rank) and can act on a line as it comes."""
+
+    def __init__(self, on_line=None) -> None:
+        super().__init__()
+        self.by_child: dict[tuple[str, int], list[str]] = {}
+        self.nodes: dict[tuple[str, int], str] = {}
+        self._on_line = on_line
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            for line in text.splitlines():
+                match = _LINE.match(line)
+                if match:
+                    key = (match[1], int(match[2]))
+                    self.nodes[key] = match[3]
+                    self.by_child.setdefault(key, []).append(match[4])
+                    if self._on_line is not None:
+                        self._on_line(key, match[4])
+            return super().write(text)
+
+
+def _run(args, workers=2, servers=2, on_line=None, **options):
+    config = LaunchConfig(script=str(args[0]), args=tuple(args[1:]), num_workers=workers, num_servers=servers)
+    out, err = _Output(on_line), _Output()
+    result = run_ray(config, RayOptions(address="auto", **options), out=out, err=err)
+    assert_all_gone(result.pids, wait_s=15)
+    _assert_nothing_left_on_ray()
+    return result, out, err
+
+
+def _assert_nothing_left_on_ray(wait_s: float = 15.0) -> None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        actors = ray._private.state.actors(actor_state_name="ALIVE")
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        if not actors and not groups:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"left on Ray after the job: actors {list(actors)}, placement groups {groups}"
+            )
+        time.sleep(0.2)
+
+
+def test_an_exact_kvstore_job_runs_on_two_nodes_with_a_server_on_each(cluster):
+    result, out, err = _run([ROLES, "exact"], workers=2, servers=2)
+    assert result.exit_code == 0, err.getvalue()
+    for rank in range(2):
+        assert out.by_child[("worker", rank)][-2:] == ["all exact", "done"]
+    server_nodes = {result.nodes[f"server {rank}"] for rank in range(2)}
+    alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    assert len(server_nodes) == 2, result.nodes  # STRICT_SPREAD: one server on each node
+    assert {label.rsplit("/", 1)[-1] for label in server_nodes} == {node_id[:6] for node_id in alive}
+    assert "job finished: 2 worker(s) succeeded" in err.getvalue()
+
+
+def test_a_job_the_cluster_cannot_hold_starts_nothing_and_says_why(cluster):
+    result, _, err = _run([ROLES, "ok"], workers=2, servers=1, cpus_per_worker=NODE_CPUS + 1)  # 3 per node
+    assert result.exit_code == 1 and result.children == []
+    said = "could not start the job on Ray: no node of the Ray cluster can hold a worker (CPU 4)"
+    assert said in err.getvalue()
+
+
+def test_a_failing_worker_stops_the_job_and_is_named_with_its_node(cluster):
+    """Also: each process's threads are its CPUs, and each worker sees the GPU it reserved."""
+    result, out, err = _run([ROLES, "raise"], workers=2, servers=1, cpus_per_worker=2, gpus_per_worker=1)
+    assert result.exit_code == 1
+    failure = result.failure
+    assert (failure.role, failure.rank, failure.returncode) == ("worker", 1, 1), err.getvalue()
+    assert failure.host == out.nodes[("worker", 1)]
+    assert "RuntimeError: worker 1 fails on purpose" in failure.stderr_tail
+    first = err.getvalue().splitlines()[-len(result.report.splitlines())]
+    assert first.startswith(
+        f"paratrain: job failed: worker 1 (pid {failure.pid}, host {failure.host}) exited with code 1"
+    )
+    threads = {key: lines[0].split()[-1] for key, lines in out.by_child.items()}
+    assert threads == {("scheduler", 0): "1", ("server", 0): "1", ("worker", 0): "2", ("worker", 1): "2"}
+    # Each worker reserved a GPU and each node has one: one worker per node, each told its GPU.
+    assert [out.by_child[("worker", rank)][0].split()[5] for rank in range(2)] == ["'0'", "'0'"]
+    assert out.nodes[("worker", 0)] != out.nodes[("worker", 1)]
+
+
+def test_a_killed_process_is_reported_and_every_process_is_gone(cluster):
+    pids: dict[int, int] = {}
+
+    def kill_worker_1_once_it_is_ready(key, line):
+        if key == ("worker", 1) and line.startswith("ready"):
+            pids[1] = int(line.split()[1])
+            os.kill(pids[1], signal.SIGKILL)
+
+    result, out, err = _run([ROLES, "hang"], workers=2, servers=1, on_line=kill_worker_1_once_it_is_ready)
+    assert result.exit_code == 1, err.getvalue()
+    failure = result.failure
+    assert (failure.role, failure.rank, failure.signal) == ("worker", 1, "SIGKILL")
+    assert failure.host == out.nodes[("worker", 1)]
+    assert f"worker 1 (pid {pids[1]}, host {failure.host}) was killed by signal SIGKILL" in result.report
+
+
+def test_the_job_timeout_stops_every_process(cluster):
+    """Whatever the processes had reached when the timeout came, they are stopped and it is said."""
+    config = LaunchConfig(script=ROLES, args=("hang",), num_workers=1, num_servers=1, timeout_s=3.0)
+    out, err = _Output(), _Output()
+    result = run_ray(config, RayOptions(), out=out, err=err)
+    assert result.exit_code == 1
+    failure = result.failure
+    assert (failure.role, failure.rank) == ("worker", 0)
+    assert failure.reason == "was still running when the job timed out after 3.0 s"
+    assert_all_gone(result.pids, wait_s=15)
+    _assert_nothing_left_on_ray()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_the_cli_runs_on_ray_and_stopping_the_driver_stops_every_process_on_every_node(cluster, signum):
+    """SIGINT (Ctrl-C): the driver stops every process itself. SIGKILL: Ray kills the actors of
+    a driver that died, and each child dies with its actor."""
+    cmd = [PARATRAIN, "launch", "--backend", "ray", "--address", cluster.address, "-w", "2", "-s", "2"]
+    proc = subprocess.Popen(
+        [*cmd, ROLES, "hang"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+    # Ctrl-C comes once every worker is ready (every role serving); the driver dies as soon as
+    # every process has started (what Ray must clean up is there by then).
+    def started(ready, pids):
+        return ready == 2 if signum == signal.SIGINT else len(pids) == 5
+
+    pids, nodes, ready = [], set(), 0
+    try:
+        for line in proc.stdout:
+            match = _LINE.match(line.rstrip("\n"))
+            if not match:
+                continue
+            if match[4].startswith("pid "):
+                pids.append(int(match[4].split()[1]))
+                nodes.add(match[3])
+            ready += match[4].startswith("ready")
+            if started(ready, pids):
+                break
+        assert started(ready, pids), proc.stderr.read()
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert len(pids) == 5 and len(nodes) == 2, (pids, nodes)
+    assert "threads per process: OMP_NUM_THREADS = its CPUs" in stderr
+    if signum == signal.SIGINT:
+        assert proc.returncode == 130, stderr
+        assert "interrupted by SIGINT; stopped every process of the job" in stderr
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    assert_all_gone(pids, wait_s=30)
+    _assert_nothing_left_on_ray(wait_s=30)
+
+
+def _processes() -> list[tuple[int, str]]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                found.append((int(entry.name), (entry / "comm").read_text().strip()))
+            except OSError:
+                pass
+    return found
+
+
+def _descendants(root: int) -> list[int]:
+    parents = {}
+    for pid, _ in _processes():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def test_a_dead_node_stops_the_job_and_is_named(cluster):
+    """Last in the module: it takes the cluster's second node away for good."""
+    [other] = cluster.worker_nodes
+    victim = other.node_id[:6]
+    ready: set[int] = set()
+
+    def remove_the_node_once_every_worker_is_ready(key, line):
+        if line.startswith("ready"):
+            ready.add(key[1])
+            if ready == {0, 1}:
+                cluster.remove_node(other)
+
+    # stop_grace_s: the others exit aborted at once, Ray tells of the lost actors a little later
+    on_line = remove_the_node_once_every_worker_is_ready
+    result, out, err = _run([ROLES, "hang"], workers=2, servers=2, on_line=on_line, stop_grace_s=15)
+    assert result.exit_code == 1, err.getvalue()
+    failure = result.failure
+    assert failure.host.endswith(f"/{victim}"), result.report
+    assert f"was lost with its node {failure.host} (Ray node {victim}" in result.report
