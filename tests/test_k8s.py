@@ -286,6 +286,17 @@ def test_the_command_and_env_reach_the_pod_as_given():
         assert env["PARATRAIN_RANK"] == str(int(env["PARATRAIN_RANK"]))
 
 
+def test_identity_in_the_users_env_is_ignored():
+    env = {"PARATRAIN_ROLE": "server", "PARATRAIN_SECRET_FILE": "/s", "PARATRAIN_HOST": "1.2.3.4", "X": "1"}
+    config = LaunchConfig(script="train.py", num_workers=2, num_servers=1, env=env)
+    manifests = build_manifests(config, K8sOptions(image="i"), NAME, SECRET)
+    for _, container, env, pod_ip in job_pods(manifests):
+        names = [entry["name"] for entry in container["env"]]
+        assert len(names) == len(set(names)) and "PARATRAIN_SECRET_FILE" not in names
+        assert env["X"] == "1" and env["PARATRAIN_HOST"] == pod_ip
+        assert env["PARATRAIN_ROLE"] == container["name"]
+
+
 def test_the_rank_comes_from_the_completion_index():
     _, _, manifests = make(2, 2)
     for _, container, _, _ in job_pods(manifests):
@@ -326,7 +337,7 @@ def test_servers_and_workers_wait_for_the_scheduler_name(tmp_path):
         ("image", ""),
         ("namespace", "ML"),
         ("namespace", "a_b"),
-        ("name", "x" * 60),
+        ("name", "x" * 42),
         ("name", "9lives"),
         ("cpus_per_worker", 0.0),
         ("cpus_per_server", float("inf")),
@@ -348,6 +359,12 @@ def test_job_names_are_dns_labels_and_unique():
         K8sOptions(image="i", name=name)  # accepted as a name
     assert re.fullmatch(r"paratrain-[0-9a-f]{6}", job_name("___.py"))
     K8sOptions(image="i", name=job_name("a" * 200 + ".py"))
+    K8sOptions(image="i", name="x" * 41)
+    # the longest name still gives pod names and hostnames that are 63-character DNS labels
+    config = LaunchConfig(script="t.py", num_workers=99999, num_servers=1)
+    for job in of_kind(build_manifests(config, K8sOptions(image="i"), "x" * 41, SECRET), "Job"):
+        pod = f"{job['metadata']['name']}-{job['spec']['completions'] - 1}-abcde"
+        assert len(pod) <= 63 and re.fullmatch(r"[a-z][-a-z0-9]*[a-z0-9]", pod)
 
 
 # ---- running ------------------------------------------------------------------------------------

@@ -63,9 +63,26 @@ SCHEDULER_WAIT_S = 600
 
 # A DNS-1123 label (namespaces, Job and Secret names); a Service name must also start with a letter.
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-# The longest job name: "<name>-scheduler" must stay a 63-character label (a Job's pods carry their
-# Job's name as a label value, which is limited to 63 characters).
-MAX_NAME_LENGTH = 63 - len("-scheduler")
+# The longest job name: a pod of Job "<name>-scheduler" is named "<name>-scheduler-<index>-<5 random
+# characters>", its hostname "<name>-scheduler-<index>", and both must stay 63-character DNS labels
+# (room left for indexes up to 99999).
+MAX_NAME_LENGTH = 63 - len("-scheduler") - len("-99999") - len("-abcde")
+
+# Set by this engine alone: a value of the user's env for one of them would describe another job.
+_IDENTITY_VARS = frozenset(
+    {
+        "PARATRAIN_ROLE",
+        "PARATRAIN_RANK",
+        "PARATRAIN_NUM_WORKERS",
+        "PARATRAIN_NUM_SERVERS",
+        "PARATRAIN_SCHEDULER",
+        "PARATRAIN_SECRET",
+        "PARATRAIN_SECRET_FILE",
+        "PARATRAIN_HOST",
+        "PARATRAIN_LAUNCHER_PID",
+        "PARATRAIN_SCHEDULER_FD",
+    }
+)
 
 # The init container's program: resolve the scheduler's Service name until it resolves or time runs out.
 _WAIT_FOR_SCHEDULER = """\
@@ -200,7 +217,8 @@ def _user_env(config: LaunchConfig) -> dict[str, str]:
     thread count the user set where they launched (a pod inherits nothing from that shell, so a
     choice made there is carried over rather than silently overridden)."""
     chosen = {name: os.environ[name] for name in THREAD_VARS if os.environ.get(name)}
-    return {**chosen, **config.job_env()}
+    env = {**chosen, **config.job_env()}
+    return {key: value for key, value in env.items() if key not in _IDENTITY_VARS}
 
 
 def _labels(name: str, role: str | None = None) -> dict[str, str]:
