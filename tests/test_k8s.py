@@ -33,7 +33,7 @@ from paratrain.launch.k8s import (
     manifests_yaml,
     run_k8s_job,
 )
-from paratrain.testing import free_port
+from paratrain.testing import assert_all_gone, free_port
 
 # A version kubernetes-validate ships schemas for (and the kubectl installed here speaks).
 K8S_VERSION = "1.32"
@@ -41,6 +41,7 @@ SECRET = bytes(range(32))
 NAME = "paratrain-train-abc123"
 README = Path(__file__).resolve().parent.parent / "README.md"
 PARATRAIN = str(Path(sys.executable).parent / "paratrain")
+JOBS_DIR = Path(__file__).resolve().parent / "jobs"
 
 JOBS = [  # (workers, servers, options): the shapes a job takes
     (3, 2, {}),
@@ -112,8 +113,9 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(key) == value for key, value in selector.items())
 
 
-def job_pods(manifests: list[dict]) -> list[tuple[dict, dict, dict[str, str], str]]:
-    """(Job, container, env, pod IP) of every pod every Job starts, one per completion index."""
+def job_pods(manifests: list[dict], net: str = "10.0") -> list[tuple[dict, dict, dict[str, str], str]]:
+    """(Job, container, env, pod IP) of every pod every Job starts, one per completion index; pod
+    IPs are <net>.<the Job's position>.<index + 1>."""
     secrets = {m["metadata"]["name"]: m for m in of_kind(manifests, "Secret")}
     pods = []
     for j, job in enumerate(of_kind(manifests, "Job")):
@@ -122,7 +124,7 @@ def job_pods(manifests: list[dict]) -> list[tuple[dict, dict, dict[str, str], st
         assert spec["completions"] == spec["parallelism"]
         (container,) = spec["template"]["spec"]["containers"]
         for index in range(spec["completions"]):
-            pod_ip = f"10.0.{j}.{index + 1}"
+            pod_ip = f"{net}.{j}.{index + 1}"
             annotations = {"batch.kubernetes.io/job-completion-index": str(index)}
             pods.append((job, container, pod_env(container, annotations, pod_ip, secrets), pod_ip))
     return pods
@@ -326,6 +328,67 @@ def test_servers_and_workers_wait_for_the_scheduler_name(tmp_path):
         timeout=60,
     )
     assert done.returncode == 1 and "scheduler pod behind no-such-name.invalid" in done.stderr
+
+
+def mount_namespace_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root: each pod's process gets the Service's DNS name in a mount namespace of its own"
+    if shutil.which("unshare") is None:
+        return "needs unshare (util-linux)"
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"], capture_output=True)
+    if probe.returncode != 0:
+        return f"unshare --mount does not work here: {probe.stderr.decode().strip()}"
+    return None
+
+
+@pytest.mark.skipif(mount_namespace_unavailable() is not None, reason=str(mount_namespace_unavailable()))
+@pytest.mark.timeout(300)
+def test_the_pods_run_the_job(tmp_path):
+    """Every pod's process started with exactly the env and command Kubernetes would give it: the
+    job runs and its values are exact. Pods get addresses 127.77.<job>.<index + 1> (all on this
+    machine's loopback), and the Service's DNS name resolves to the scheduler pod's address through
+    an /etc/hosts of their own, as cluster DNS would resolve it."""
+    config = LaunchConfig(
+        script=str(JOBS_DIR / "kv_exact.py"), args=("dist_sync", "1", "tcp"), num_workers=2, num_servers=1
+    )
+    options = K8sOptions(image="i", python=sys.executable)
+    manifests = build_manifests(config, options, NAME, SECRET)
+    pods = job_pods(manifests, net="127.77")
+    (service,) = of_kind(manifests, "Service")
+    (scheduler_ip,) = [ip for job, _, _, ip in pods if job["metadata"]["labels"][ROLE_LABEL] == "scheduler"]
+    hosts = tmp_path / "hosts"
+    service_name = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+    hosts.write_text(Path("/etc/hosts").read_text() + f"\n{scheduler_ip} {service_name}\n")
+    # a process in a mount namespace of its own, /etc/hosts replaced there only
+    wrap = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]  # fmt: skip
+    # what the image would provide: the interpreter's paths (paratrain installed)
+    base = {name: os.environ[name] for name in ("PATH", "PYTHONPATH", "HOME") if name in os.environ}
+    procs = []
+    try:
+        for job, container, env, _ in pods:
+            for init in job["spec"]["template"]["spec"].get("initContainers", []):
+                command = [expand(part, env) for part in init["command"]]
+                done = subprocess.run(wrap + command, capture_output=True, text=True, timeout=60)
+                assert done.returncode == 0, done.stderr
+            command = [expand(part, env) for part in container["command"]]
+            log = open(tmp_path / f"{container['name']}-{env['PARATRAIN_RANK']}.log", "w")  # noqa: SIM115
+            procs.append(
+                subprocess.Popen(wrap + command, env={**base, **env}, stdout=log, stderr=subprocess.STDOUT)
+            )
+            log.close()
+        for proc in procs:
+            proc.wait(timeout=240)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    logs = {path.stem: path.read_text() for path in tmp_path.glob("*.log")}
+    assert [proc.returncode for proc in procs] == [0] * len(procs), logs
+    assert sorted(logs) == ["scheduler-0", "server-0", "worker-0", "worker-1"]
+    assert "all exact" in logs["worker-0"] and "all exact" in logs["worker-1"]
+    assert_all_gone([proc.pid for proc in procs])
 
 
 # ---- options and names ---------------------------------------------------------------------------
