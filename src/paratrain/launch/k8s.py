@@ -299,6 +299,7 @@ def _container(config: LaunchConfig, options: K8sOptions, name: str, role: str) 
     threads, _ = role_threads(config, options, role)
     env = [_literal(key, value) for key, value in {**threads, **_user_env(config)}.items()]
     env += _identity_env(config, options, name, role)
+    env.append(_literal("PYTHONUNBUFFERED", "1"))  # output reaches `kubectl logs` line by line
     container: dict[str, Any] = {
         "name": role,
         "image": options.image,
@@ -325,7 +326,6 @@ def _identity_env(config: LaunchConfig, options: K8sOptions, name: str, role: st
             "name": "PARATRAIN_SECRET",
             "valueFrom": {"secretKeyRef": {"name": f"{name}-secret", "key": SECRET_KEY}},
         },
-        _literal("PYTHONUNBUFFERED", "1"),
     ]
 
 
