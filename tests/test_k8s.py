@@ -341,54 +341,65 @@ def mount_namespace_unavailable() -> str | None:
     return None
 
 
-@pytest.mark.skipif(mount_namespace_unavailable() is not None, reason=str(mount_namespace_unavailable()))
-@pytest.mark.timeout(300)
-def test_the_pods_run_the_job(tmp_path):
-    """Every pod's process started with exactly the env and command Kubernetes would give it: the
-    job runs and its values are exact. Pods get addresses 127.77.<job>.<index + 1> (all on this
-    machine's loopback), and the Service's DNS name resolves to the scheduler pod's address through
-    an /etc/hosts of their own, as cluster DNS would resolve it."""
-    config = LaunchConfig(
-        script=str(JOBS_DIR / "kv_exact.py"), args=("dist_sync", "1", "tcp"), num_workers=2, num_servers=1
-    )
-    options = K8sOptions(image="i", python=sys.executable)
-    manifests = build_manifests(config, options, NAME, SECRET)
-    pods = job_pods(manifests, net="127.77")
-    (service,) = of_kind(manifests, "Service")
-    (scheduler_ip,) = [ip for job, _, _, ip in pods if job["metadata"]["labels"][ROLE_LABEL] == "scheduler"]
+def run_pods(tmp_path: Path, names: dict[str, str], pods: list[tuple[str, list, list, dict]]) -> dict:
+    """Runs each pod's init commands, then all their commands at once, each process in a mount
+    namespace of its own whose /etc/hosts maps `names` (DNS name -> address) as cluster DNS would.
+    pods: (label, init commands, command, env). Returns {label: output}; asserts every one exited 0."""
     hosts = tmp_path / "hosts"
-    service_name = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
-    hosts.write_text(Path("/etc/hosts").read_text() + f"\n{scheduler_ip} {service_name}\n")
-    # a process in a mount namespace of its own, /etc/hosts replaced there only
+    hosts.write_text(
+        Path("/etc/hosts").read_text() + "".join(f"\n{ip} {name}" for name, ip in names.items()) + "\n"
+    )
     wrap = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
             'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]  # fmt: skip
     # what the image would provide: the interpreter's paths (paratrain installed)
     base = {name: os.environ[name] for name in ("PATH", "PYTHONPATH", "HOME") if name in os.environ}
-    procs = []
+    procs = {}
     try:
-        for job, container, env, _ in pods:
-            for init in job["spec"]["template"]["spec"].get("initContainers", []):
-                command = [expand(part, env) for part in init["command"]]
-                done = subprocess.run(wrap + command, capture_output=True, text=True, timeout=60)
+        for label, inits, command, env in pods:
+            for init in inits:
+                done = subprocess.run(wrap + init, capture_output=True, text=True, timeout=60)
                 assert done.returncode == 0, done.stderr
-            command = [expand(part, env) for part in container["command"]]
-            log = open(tmp_path / f"{container['name']}-{env['PARATRAIN_RANK']}.log", "w")  # noqa: SIM115
-            procs.append(
-                subprocess.Popen(wrap + command, env={**base, **env}, stdout=log, stderr=subprocess.STDOUT)
-            )
-            log.close()
-        for proc in procs:
+            with open(tmp_path / f"{label}.log", "w") as log:
+                procs[label] = subprocess.Popen(wrap + command, env={**base, **env}, stdout=log, stderr=log)
+        for proc in procs.values():
             proc.wait(timeout=240)
     finally:
-        for proc in procs:
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    logs = {path.stem: path.read_text() for path in tmp_path.glob("*.log")}
-    assert [proc.returncode for proc in procs] == [0] * len(procs), logs
+    logs = {label: (tmp_path / f"{label}.log").read_text() for label in procs}
+    assert {label: proc.returncode for label, proc in procs.items()} == dict.fromkeys(procs, 0), logs
+    assert_all_gone([proc.pid for proc in procs.values()])
+    return logs
+
+
+KV_EXACT = [sys.executable, "-u", str(JOBS_DIR / "kv_exact.py"), "dist_sync", "1", "tcp"]
+needs_mount_namespace = pytest.mark.skipif(
+    mount_namespace_unavailable() is not None, reason=str(mount_namespace_unavailable())
+)
+
+
+@needs_mount_namespace
+@pytest.mark.timeout(300)
+def test_the_pods_run_the_job(tmp_path):
+    """Every pod's process started with exactly the env and command Kubernetes would give it: the
+    job runs and its values are exact. Pods get addresses 127.77.<job>.<index + 1> (all on this
+    machine's loopback), and the Service's DNS name resolves to the scheduler pod's address."""
+    config = LaunchConfig(script=KV_EXACT[2], args=KV_EXACT[3:], num_workers=2, num_servers=1)
+    manifests = build_manifests(config, K8sOptions(image="i", python=sys.executable), NAME, SECRET)
+    (service,) = of_kind(manifests, "Service")
+    pods, names = [], {}
+    for job, container, env, ip in job_pods(manifests, net="127.77"):
+        if job["metadata"]["labels"][ROLE_LABEL] == "scheduler":
+            names[f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"] = ip
+        inits = job["spec"]["template"]["spec"].get("initContainers", [])
+        init_commands = [[expand(part, env) for part in init["command"]] for init in inits]
+        command = [expand(part, env) for part in container["command"]]
+        pods.append((f"{container['name']}-{env['PARATRAIN_RANK']}", init_commands, command, env))
+    logs = run_pods(tmp_path, names, pods)
     assert sorted(logs) == ["scheduler-0", "server-0", "worker-0", "worker-1"]
     assert "all exact" in logs["worker-0"] and "all exact" in logs["worker-1"]
-    assert_all_gone([proc.pid for proc in procs])
 
 
 # ---- options and names ---------------------------------------------------------------------------
@@ -557,16 +568,17 @@ def tfjob_tf_config(name: str, namespace: str, replicas: dict[str, int], rtype: 
     return json.dumps({"cluster": cluster, "task": task, "environment": "cloud"})
 
 
-def tfjob_pods(tfjob: dict, secrets: dict[str, dict]):
+def tfjob_pods(tfjob: dict, secrets: dict[str, dict], net: str = "10.1"):
     """(replica type, index, env, pod IP) for every replica of a TFJob, with the env its pod gets:
-    the template's, resolved, plus the TF_CONFIG the operator adds to the `tensorflow` container."""
+    the template's, resolved, plus the TF_CONFIG the operator adds to the `tensorflow` container.
+    Pod IPs are <net>.<the replica type's position>.<index + 1>."""
     name, namespace = tfjob["metadata"]["name"], tfjob["metadata"].get("namespace", "default")
     specs = tfjob["spec"]["tfReplicaSpecs"]
     replicas = {kind: spec["replicas"] for kind, spec in specs.items()}
     for t, (kind, spec) in enumerate(specs.items()):
         (container,) = [c for c in spec["template"]["spec"]["containers"] if c["name"] == "tensorflow"]
         for index in range(spec["replicas"]):
-            pod_ip = f"10.1.{t}.{index + 1}"
+            pod_ip = f"{net}.{t}.{index + 1}"
             env = pod_env(container, {}, pod_ip, secrets)
             env["TF_CONFIG"] = tfjob_tf_config(name, namespace, replicas, kind, index)
             yield kind, index, env, pod_ip
@@ -675,3 +687,19 @@ def test_the_readme_tfjob_works():
     assert secrets, "the README's TFJob takes no secret from a Secret"
     check_tfjob_ranks(job, secrets)
     assert all(env["PARATRAIN_HOST"] == ip for _, _, env, ip in tfjob_pods(job, secrets))
+
+
+@needs_mount_namespace
+@pytest.mark.timeout(300)
+def test_tfjob_replicas_run_the_job(tmp_path):
+    """Each TFJob replica's process started with the env its pod would get (TF_CONFIG as the
+    operator writes it): the chief runs the scheduler, the ps replica serves, the values are exact.
+    Each replica's DNS name (the operator's headless Service per replica) resolves to its address."""
+    job = tfjob({"Chief": 1, "Worker": 1, "PS": 1})
+    secrets = {"s": secret_object("s", "ml")}
+    pods, names = [], {}
+    for kind, index, env, ip in tfjob_pods(job, secrets, net="127.78"):
+        names[f"tj-{kind.lower()}-{index}.ml.svc"] = ip
+        pods.append((f"{kind.lower()}-{index}", [], KV_EXACT, env))
+    logs = run_pods(tmp_path, names, pods)
+    assert "all exact" in logs["chief-0"] and "all exact" in logs["worker-0"]
