@@ -387,7 +387,9 @@ def test_the_pods_run_the_job(tmp_path):
     job runs and its values are exact. Pods get addresses 127.77.<job>.<index + 1> (all on this
     machine's loopback), and the Service's DNS name resolves to the scheduler pod's address."""
     config = LaunchConfig(script=KV_EXACT[2], args=KV_EXACT[3:], num_workers=2, num_servers=1)
-    manifests = build_manifests(config, K8sOptions(image="i", python=sys.executable), NAME, SECRET)
+    # a free port: these pods share this machine's network namespace, unlike real ones
+    options = K8sOptions(image="i", python=sys.executable, scheduler_port=free_port())
+    manifests = build_manifests(config, options, NAME, SECRET)
     (service,) = of_kind(manifests, "Service")
     pods, names = [], {}
     for job, container, env, ip in job_pods(manifests, net="127.77"):
@@ -555,12 +557,14 @@ def test_apply_without_a_cluster_says_so(tmp_path, caplog, monkeypatch):
 # ---- Kubeflow's TFJob -----------------------------------------------------------------------------
 
 
-def tfjob_tf_config(name: str, namespace: str, replicas: dict[str, int], rtype: str, index: int) -> str:
+def tfjob_tf_config(
+    name: str, namespace: str, replicas: dict[str, int], rtype: str, index: int, port: int = 2222
+) -> str:
     """TF_CONFIG as Kubeflow's training operator writes it for one replica (genTFConfigJSONStr):
     each replica type lower-cased, each replica at <job>-<type>-<i>.<namespace>.svc:2222 (its
     headless Service and the default port), evaluators left out of the cluster."""
     cluster = {
-        kind.lower(): [f"{name}-{kind.lower()}-{i}.{namespace}.svc:2222" for i in range(count)]
+        kind.lower(): [f"{name}-{kind.lower()}-{i}.{namespace}.svc:{port}" for i in range(count)]
         for kind, count in replicas.items()
         if kind != "Evaluator"
     }
@@ -568,7 +572,7 @@ def tfjob_tf_config(name: str, namespace: str, replicas: dict[str, int], rtype: 
     return json.dumps({"cluster": cluster, "task": task, "environment": "cloud"})
 
 
-def tfjob_pods(tfjob: dict, secrets: dict[str, dict], net: str = "10.1"):
+def tfjob_pods(tfjob: dict, secrets: dict[str, dict], net: str = "10.1", port: int = 2222):
     """(replica type, index, env, pod IP) for every replica of a TFJob, with the env its pod gets:
     the template's, resolved, plus the TF_CONFIG the operator adds to the `tensorflow` container.
     Pod IPs are <net>.<the replica type's position>.<index + 1>."""
@@ -580,7 +584,7 @@ def tfjob_pods(tfjob: dict, secrets: dict[str, dict], net: str = "10.1"):
         for index in range(spec["replicas"]):
             pod_ip = f"{net}.{t}.{index + 1}"
             env = pod_env(container, {}, pod_ip, secrets)
-            env["TF_CONFIG"] = tfjob_tf_config(name, namespace, replicas, kind, index)
+            env["TF_CONFIG"] = tfjob_tf_config(name, namespace, replicas, kind, index, port)
             yield kind, index, env, pod_ip
 
 
@@ -698,7 +702,8 @@ def test_tfjob_replicas_run_the_job(tmp_path):
     job = tfjob({"Chief": 1, "Worker": 1, "PS": 1})
     secrets = {"s": secret_object("s", "ml")}
     pods, names = [], {}
-    for kind, index, env, ip in tfjob_pods(job, secrets, net="127.78"):
+    # a free port where the operator's default is 2222: these pods share this machine's network
+    for kind, index, env, ip in tfjob_pods(job, secrets, net="127.78", port=free_port()):
         names[f"tj-{kind.lower()}-{index}.ml.svc"] = ip
         pods.append((f"{kind.lower()}-{index}", [], KV_EXACT, env))
     logs = run_pods(tmp_path, names, pods)
