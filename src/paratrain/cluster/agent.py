@@ -128,6 +128,11 @@ class SchedulerLink:
 
 def _exit_aborted(reason: str) -> None:
     role = os.environ.get("PARATRAIN_ROLE", "node")
-    print(f"paratrain: {role} stopping: {reason}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
+    try:
+        print(f"paratrain: {role} stopping: {reason}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    except BaseException:
+        # stderr may be a pipe to a launcher that is gone (BrokenPipeError): saying why is
+        # worth a try, exiting is not optional.
+        pass
     os._exit(EXIT_ABORTED)

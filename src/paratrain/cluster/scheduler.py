@@ -20,6 +20,7 @@ that sends no heartbeat for `heartbeat_timeout_s`, aborts the job with a message
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -84,7 +85,10 @@ class Scheduler(Handler):
         if self.outcome:
             # The node that failed is the cause the launcher should name; where it did not exit
             # (a frozen node), every node's stderr carries this reason.
-            print(f"paratrain: job aborted: {self.outcome}", file=sys.stderr, flush=True)
+            try:
+                print(f"paratrain: job aborted: {self.outcome}", file=sys.stderr, flush=True)
+            except OSError:
+                pass  # stderr is a pipe to a launcher that is gone: the exit status still says it
             return EXIT_ABORTED
         return 0
 
@@ -130,7 +134,11 @@ class Scheduler(Handler):
     def _monitor(self) -> None:
         start = time.monotonic()
         tick = min(0.5, self.config.heartbeat_interval_s / 2)
+        launcher = self.spec.launcher_pid
         while not self._done.wait(tick):
+            if launcher is not None and os.getppid() != launcher:
+                self.abort(f"the launcher (pid {launcher}) is gone")
+                continue
             now = time.monotonic()
             with self._lock:
                 late = [

@@ -1,0 +1,149 @@
+"""What a job does when one of its processes, or its launcher, is killed: every process of the job
+exits on its own, and the last good checkpoint resumes to the result of an uninterrupted run.
+
+Each kill test starts `paratrain launch` on the Trainer parity job (dist_sync, a checkpoint every
+step, a short sleep per step), waits for the first checkpoint, kills one process with SIGKILL at a
+moment drawn from the test's seed, and then checks that the launcher and every process of the job
+are gone within KILL_LIMIT_S; a second run on the same checkpoint folder must end where the
+single-process reference does ("parity ok", the check the parity tests use).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from paratrain import checkpoint
+from paratrain.testing import run_job
+
+JOBS = Path(__file__).resolve().parent / "jobs"
+PARATRAIN = str(Path(sys.executable).parent / "paratrain")
+KILL_LIMIT_S = 10.0
+STEPS = 20
+
+_PID_LINE = re.compile(r"^\[(scheduler|server|worker) (\d+)\] pid (\d+)$", re.M)
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts as gone: whoever adopted it may not reap it at once)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def wait_gone(pids: list[int], limit_s: float) -> float:
+    """Seconds until every pid exited; kills survivors and fails after `limit_s`."""
+    start = time.monotonic()
+    while not all(_gone(pid) for pid in pids):
+        if time.monotonic() - start > limit_s:
+            left = [pid for pid in pids if not _gone(pid)]
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"processes still alive {limit_s} s after the kill: {left}")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+class Launch:
+    """`paratrain launch` in its own process group, its output read by threads."""
+
+    def __init__(self, args: list[str], workers: int, servers: int) -> None:
+        cmd = [PARATRAIN, "launch", "-w", str(workers), "-s", str(servers), str(JOBS / "print_pid.py"), *args]
+        self.count = 1 + workers + servers
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._threads = [
+            threading.Thread(target=self._read, args=(pipe, lines), daemon=True)
+            for pipe, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @staticmethod
+    def _read(pipe, lines: list[str]) -> None:  # noqa: ANN001
+        for line in pipe:
+            lines.append(line)
+
+    def pids(self, limit_s: float = 60.0) -> dict[tuple[str, int], int]:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            found = {(r, int(k)): int(p) for r, k, p in _PID_LINE.findall("".join(self.out))}
+            if len(found) == self.count:
+                return found
+            time.sleep(0.02)
+        self.kill()
+        raise AssertionError(f"not every process started:\n{''.join(self.err)}")
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        for pid in {int(p) for *_, p in _PID_LINE.findall("".join(self.out))}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def stderr(self) -> str:
+        for thread in self._threads:
+            thread.join(timeout=5)
+        return "".join(self.err)
+
+
+def wait_for_checkpoint(folder: Path, launch: Launch, limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while checkpoint.latest(folder) is None:
+        assert launch.proc.poll() is None, f"the job ended before its first checkpoint:\n{launch.stderr()}"
+        assert time.monotonic() < deadline, "no checkpoint within {limit_s} s"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("target", "seed"),
+    [("launcher", 1), ("scheduler", 2), ("server", 3), ("worker", 4)],
+)
+def test_a_kill_ends_every_process_and_the_last_checkpoint_resumes(tmp_path, target, seed):
+    rng = random.Random(seed)
+    ckpt = tmp_path / "ckpt"
+    args = ["dist_sync", str(STEPS), f"ckpt={ckpt}"]
+    launch = Launch([str(JOBS / "train_parity.py"), *args, "delay=0.1"], workers=2, servers=1)
+    try:
+        pids = launch.pids()
+        wait_for_checkpoint(ckpt, launch)
+        time.sleep(rng.uniform(0.0, 1.0))  # somewhere in training: in a step, a barrier or a save
+        assert launch.proc.poll() is None, "the job ended before the kill"
+        if target == "launcher":
+            os.killpg(launch.proc.pid, signal.SIGKILL)
+        else:
+            os.kill(pids[target, rng.randrange(2) if target == "worker" else 0], signal.SIGKILL)
+        seconds = wait_gone([launch.proc.pid, *pids.values()], KILL_LIMIT_S)
+    except BaseException:
+        launch.kill()
+        raise
+    launch.proc.wait()
+    print(f"{target} killed: every process gone in {seconds:.2f} s")
+    if target != "launcher":
+        first = launch.stderr().split("paratrain: job failed: ", 1)[-1].splitlines()[0]
+        assert first.startswith(target) and "killed by signal SIGKILL" in first, first
+    saved = checkpoint.latest(ckpt)
+    assert saved is not None and 1 <= saved.step < STEPS, saved
+    resumed = run_job(JOBS / "train_parity.py", workers=2, servers=1, args=args, timeout_s=120)
+    for rank in range(2):
+        lines = resumed.lines("worker", rank)
+        assert f"trained steps {saved.step}..{STEPS}" in lines, lines
+        assert any(line.startswith("parity ok") for line in lines), resumed.stdout
