@@ -147,3 +147,141 @@ def test_a_kill_ends_every_process_and_the_last_checkpoint_resumes(tmp_path, tar
         lines = resumed.lines("worker", rank)
         assert f"trained steps {saved.step}..{STEPS}" in lines, lines
         assert any(line.startswith("parity ok") for line in lines), resumed.stdout
+
+
+# ---- the scheduler: who is named when something goes wrong --------------------------------------
+FAST = "paratrain.JobConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0)"
+
+
+def first_line(outcome) -> str:  # noqa: ANN001
+    return outcome.report.splitlines()[0]
+
+
+def test_a_refused_node_with_the_secret_does_not_abort_a_running_job():
+    # A stray process that holds the secret registers as a rank that is taken, then as one that
+    # does not exist: each is refused and named, and the job goes on.
+    outcome = run_job(
+        f"""
+        import paratrain
+        from paratrain.errors import RemoteError
+        from paratrain.transport.rpc import RpcClient
+        ctx = paratrain.init({FAST})
+        ctx.barrier(name="running")
+        if ctx.rank == 0:
+            spec = ctx.spec
+            stray = RpcClient(spec.scheduler_host, spec.scheduler_port, spec.secret)
+            for rank in (1, 7):
+                meta = {{"role": "worker", "rank": rank, "host": "127.0.0.1", "port": 0, "pid": 4242,
+                         "version": paratrain.__version__, "config": ctx.config.as_dict(),
+                         "config_digest": ctx.config.digest()}}
+                try:
+                    stray.call("register", meta, timeout_s=30)
+                    print("accepted", rank)
+                except RemoteError as exc:
+                    print("refused", rank)
+            stray.close()
+        ctx.barrier(name="after")
+        print("done")
+        """,
+        workers=2,
+        servers=1,
+    )
+    assert outcome.lines("worker", 0, "stdout") == ["refused 1", "refused 7", "done"]
+    assert outcome.lines("worker", 1, "stdout") == ["done"]
+    log = "\n".join(outcome.lines("scheduler", 0, "stderr"))
+    assert "refused a registration from 127.0.0.1:" in log
+    assert "worker 1 (host 127.0.0.1, pid 4242): worker 1 is already registered" in log
+    assert "rank 7 is outside 0..1 for 2 workers" in log
+
+
+def test_a_frozen_node_is_the_first_thing_the_report_names():
+    outcome = run_job(
+        f"""
+        import os, signal, time, paratrain
+        ctx = paratrain.init({FAST})
+        if ctx.rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        ctx.barrier()
+        time.sleep(120)
+        """,
+        workers=2,
+        servers=1,
+        expect="failure",
+        stop_grace_s=2.0,
+    )
+    assert first_line(outcome).startswith("paratrain: job failed: worker 1 (pid "), outcome.report
+    assert "sent no heartbeat for" in first_line(outcome), outcome.report
+
+
+def test_the_start_timeout_names_who_is_missing_and_what_was_refused():
+    # Worker 1 has the wrong secret (as a node of another job or a misconfigured host would): it is
+    # refused and never registers. The job ends at the start timeout naming it and the refusal.
+    outcome = run_job(
+        """
+        import os, time, paratrain
+        from paratrain.cluster.spec import spec_from_env
+        from paratrain.errors import AuthenticationError
+        from paratrain.transport.rpc import RpcClient
+        spec = spec_from_env()
+        if spec.role == "worker" and spec.rank == 1:
+            try:
+                RpcClient(spec.scheduler_host, spec.scheduler_port, b"w" * 32)
+            except AuthenticationError as exc:
+                print("refused:", exc)
+            time.sleep(120)
+        paratrain.init(paratrain.JobConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0,
+                                           start_timeout_s=3.0))
+        """,
+        workers=2,
+        servers=1,
+        expect="failure",
+        stop_grace_s=2.0,
+    )
+    line = first_line(outcome)
+    assert line.startswith("paratrain: job failed: worker 1 (pid "), outcome.report
+    assert "worker 1 did not register within 3.0 s; refused meanwhile: 127.0.0.1:" in line, line
+    assert "(client does not hold the job secret)" in line, line
+    reason = [s for s in outcome.lines("worker", 0, "stderr") if "aborted the job" in s]
+    assert reason and "worker 1 did not register" in reason[0], outcome.stderr
+
+
+def test_a_server_that_dies_under_dist_async_is_named_not_the_worker_that_lost_it(tmp_path):
+    # The server's serving side dies while its link to the scheduler lives on, so the workers see
+    # it gone before the scheduler could: the reason every process prints must still name it.
+    marker = tmp_path / "pushing"
+    outcome = run_job(
+        f"""
+        import gc, os, threading, time, torch, paratrain, paratrain.kvstore
+        from paratrain.errors import KVStoreError
+        from paratrain.transport.rpc import RpcServer
+        if os.environ["PARATRAIN_ROLE"] == "server":
+            def crash():
+                while not os.path.exists({str(marker)!r}):
+                    time.sleep(0.01)
+                for server in [o for o in gc.get_objects() if isinstance(o, RpcServer)]:
+                    server.close()
+            threading.Thread(target=crash, daemon=True).start()
+        ctx = paratrain.init({FAST})
+        kv = paratrain.kvstore.create("dist_async")
+        kv.init(["w"], [torch.zeros(100)])
+        kv.barrier()
+        if ctx.rank == 0:
+            open({str(marker)!r}, "w").close()
+        try:
+            while True:
+                kv.push(["w"], [torch.ones(100)]).wait()
+        except KVStoreError as exc:
+            print("lost the server")
+        time.sleep(120)  # the scheduler's abort ends us
+        """,
+        workers=2,
+        servers=1,
+        expect="failure",
+        stop_grace_s=2.0,
+    )
+    line = first_line(outcome)
+    assert line.startswith("paratrain: job failed: server 0 (pid "), outcome.report
+    assert "server 0 (host 127.0.0.1, pid" in line and "is unreachable: worker" in line, line
+    for rank in range(2):
+        reason = [s for s in outcome.lines("worker", rank, "stderr") if "aborted the job" in s]
+        assert reason and reason[0].split("aborted the job: ")[1].startswith("server 0"), outcome.stderr

@@ -501,9 +501,9 @@ class RpcClient:
             error = TransportError(f"connection to {self.name} broke: {exc!r}")
         finally:
             self._conn.close()
-            self._fail_pending(error or TransportError(f"connection to {self.name} closed"))
-            if self._on_close is not None:
+            if self._on_close is not None:  # first: it may tell someone before our callers react
                 self._on_close(error)
+            self._fail_pending(error or TransportError(f"connection to {self.name} closed"))
 
     def _dispatch(self, header: Header, tensors: list[torch.Tensor]) -> None:
         if header.id == 0:
