@@ -70,20 +70,21 @@ class RefusalLog:
         if not quiet:
             logger.warning("%s: refused connection from %s: %s", self.name, peer, reason)
 
-    def flush(self) -> None:
-        """Logs the count of refusals not logged one by one, once their interval is over."""
+    def flush(self, final: bool = False) -> None:
+        """Logs the count of refusals not logged one by one, once their interval is over (at
+        once if `final`: the server is closing)."""
         with self._lock:
-            self._roll(time.monotonic())
+            self._roll(time.monotonic(), final)
 
-    def _roll(self, now: float) -> None:
-        if now - self._window_start < LOG_INTERVAL_S:
+    def _roll(self, now: float, final: bool = False) -> None:
+        if now - self._window_start < LOG_INTERVAL_S and not final:
             return
         if self._unlogged:
             logger.warning(
-                "%s: refused %d more connection(s) in %.0f s (not logged one by one; last from %s: %s)",
+                "%s: refused %d more connection(s) since %s (not logged one by one; the last from %s: %s)",
                 self.name,
                 self._unlogged,
-                now - self._window_start,
+                time.strftime("%H:%M:%S", time.localtime(time.time() - (now - self._window_start))),
                 *self._recent[-1],
             )
         self._window_start, self._logged, self._unlogged = now, 0, 0

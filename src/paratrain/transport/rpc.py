@@ -208,7 +208,8 @@ class RpcServer:
                 raise TransportError(f"dropped: {entry.dropped}")
         except (OSError, TransportError) as exc:
             self._admission.finish(entry)
-            self._admission.refusals.note(entry.peer, entry.dropped or str(exc))
+            if not self._closing:  # a handshake cut short by close() is no refusal
+                self._admission.refusals.note(entry.peer, entry.dropped or str(exc))
             sock.close()
             return None
         return Connection(sock, recv_key, send_key, entry.peer, _limits(self.config))
@@ -301,6 +302,7 @@ class RpcServer:
             pass
         self._listener.close()
         self._admission.drop_all(f"{self.name} is closing")
+        self._admission.refusals.flush(final=True)
         for conn in conns:
             conn.close()
         if self._accept_thread.is_alive() and threading.current_thread() is not self._accept_thread:
