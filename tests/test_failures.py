@@ -1,11 +1,12 @@
 """What a job does when one of its processes, or its launcher, is killed: every process of the job
 exits on its own, and the last good checkpoint resumes to the result of an uninterrupted run.
 
-Each kill test starts `paratrain launch` on the Trainer parity job (dist_sync, a checkpoint every
-step, a short sleep per step), waits for the first checkpoint, kills one process with SIGKILL at a
-moment drawn from the test's seed, and then checks that the launcher and every process of the job
-are gone within KILL_LIMIT_S; a second run on the same checkpoint folder must end where the
-single-process reference does ("parity ok", the check the parity tests use).
+The kill test runs `paratrain launch` on the Trainer parity job (dist_sync, a checkpoint every step,
+a short sleep per step) four times on one checkpoint folder. Each run resumes from the last
+checkpoint of the one before, and once it saved a checkpoint of its own, one process (the launcher,
+the scheduler, a server, a worker) is killed with SIGKILL at a moment drawn from the seed; the
+launcher and every process of the job must be gone within KILL_LIMIT_S. A fifth run must end where
+the single-process reference does ("parity ok", the check the parity tests use).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from paratrain.testing import run_job
 JOBS = Path(__file__).resolve().parent / "jobs"
 PARATRAIN = str(Path(sys.executable).parent / "paratrain")
 KILL_LIMIT_S = 10.0
-STEPS = 20
+STEPS = 40
+SEEDS = [int(seed) for seed in os.environ.get("PARATRAIN_KILL_SEEDS", "1").split(",")]
+"""CI runs one chain of four kills; PARATRAIN_KILL_SEEDS=1,2,3 runs more."""
 
 _PID_LINE = re.compile(r"^\[(scheduler|server|worker) (\d+)\] pid (\d+)$", re.M)
 
@@ -104,28 +107,22 @@ class Launch:
         return "".join(self.err)
 
 
-def wait_for_checkpoint(folder: Path, launch: Launch, limit_s: float = 60.0) -> None:
+def wait_for_checkpoint(folder: Path, launch: Launch, past: int, limit_s: float = 60.0) -> None:
     deadline = time.monotonic() + limit_s
-    while checkpoint.latest(folder) is None:
+    while (found := checkpoint.latest(folder)) is None or found.step <= past:
         assert launch.proc.poll() is None, f"the job ended before its first checkpoint:\n{launch.stderr()}"
-        assert time.monotonic() < deadline, "no checkpoint within {limit_s} s"
+        assert time.monotonic() < deadline, f"no checkpoint past step {past} within {limit_s} s"
         time.sleep(0.02)
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize(
-    ("target", "seed"),
-    [("launcher", 1), ("scheduler", 2), ("server", 3), ("worker", 4)],
-)
-def test_a_kill_ends_every_process_and_the_last_checkpoint_resumes(tmp_path, target, seed):
-    rng = random.Random(seed)
-    ckpt = tmp_path / "ckpt"
-    args = ["dist_sync", str(STEPS), f"ckpt={ckpt}"]
+def kill_one(args: list[str], ckpt: Path, target: str, rng: random.Random, start: int) -> tuple[float, int]:
+    """Runs the job until it saved a checkpoint past `start`, kills `target` at a random moment,
+    and returns how long every process took to go and the step of the last checkpoint."""
     launch = Launch([str(JOBS / "train_parity.py"), *args, "delay=0.1"], workers=2, servers=1)
     try:
         pids = launch.pids()
-        wait_for_checkpoint(ckpt, launch)
-        time.sleep(rng.uniform(0.0, 1.0))  # somewhere in training: in a step, a barrier or a save
+        wait_for_checkpoint(ckpt, launch, past=start)
+        time.sleep(rng.uniform(0.0, 0.5))  # somewhere in training: in a step, a barrier or a save
         assert launch.proc.poll() is None, "the job ended before the kill"
         if target == "launcher":
             os.killpg(launch.proc.pid, signal.SIGKILL)
@@ -136,16 +133,36 @@ def test_a_kill_ends_every_process_and_the_last_checkpoint_resumes(tmp_path, tar
         launch.kill()
         raise
     launch.proc.wait()
-    print(f"{target} killed: every process gone in {seconds:.2f} s")
+    started = re.findall(r"^\[worker \d\] starting at step (\d+)$", "".join(launch.out), re.M)
+    assert started == [str(start)] * 2, f"the run did not resume from step {start}: {started}"
     if target != "launcher":
         first = launch.stderr().split("paratrain: job failed: ", 1)[-1].splitlines()[0]
         assert first.startswith(target) and "killed by signal SIGKILL" in first, first
     saved = checkpoint.latest(ckpt)
-    assert saved is not None and 1 <= saved.step < STEPS, saved
+    assert saved is not None and start < saved.step < STEPS, (start, saved)
+    return seconds, saved.step
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_kills_end_every_process_and_each_run_resumes_from_the_last_checkpoint(tmp_path, seed):
+    # One chain of runs on one checkpoint folder: each run resumes from the last checkpoint of the
+    # one before, is killed (the launcher, the scheduler, a server or a worker, in an order and at
+    # moments drawn from the seed), and the last run must end where an uninterrupted run does.
+    rng = random.Random(seed)
+    ckpt = tmp_path / "ckpt"
+    args = ["dist_sync", str(STEPS), f"ckpt={ckpt}"]
+    targets = ["launcher", "scheduler", "server", "worker"]
+    rng.shuffle(targets)
+    step = 0
+    for target in targets:
+        seconds, saved = kill_one(args, ckpt, target, rng, start=step)
+        print(f"{target} killed after step {saved}: every process gone in {seconds:.2f} s")
+        step = saved
     resumed = run_job(JOBS / "train_parity.py", workers=2, servers=1, args=args, timeout_s=120)
     for rank in range(2):
         lines = resumed.lines("worker", rank)
-        assert f"trained steps {saved.step}..{STEPS}" in lines, lines
+        assert f"trained steps {step}..{STEPS}" in lines, lines
         assert any(line.startswith("parity ok") for line in lines), resumed.stdout
 
 

@@ -66,6 +66,8 @@ trainer = Trainer(
     progress=False,
 )
 resumed_at = trainer.steps
+if "delay" in opts:  # a test that kills this run checks where it started
+    print(f"starting at step {resumed_at}", flush=True)
 for _ in trainer.epochs(100):
     for x, y in trainer.loader:
         if trainer.steps >= stop:
