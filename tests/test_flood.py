@@ -66,6 +66,13 @@ def closed_by_peer(sock: socket.socket, wait_s: float) -> bool:
     return False
 
 
+@pytest.mark.parametrize("field", ["max_handshakes", "max_handshakes_per_host"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_handshake_caps_must_be_positive_ints(field, value) -> None:
+    with pytest.raises(ValueError, match=f"TransportConfig.{field}={value!r} must be an int >= 1"):
+        TransportConfig(**{field: value})
+
+
 def test_a_peer_dripping_bytes_is_cut_off_at_the_handshake_deadline() -> None:
     # One byte every 0.2 s: every read sees a byte within the 1 s timeout, so only a deadline on
     # the whole handshake ends it before the 64 bytes are in (12.8 s).
