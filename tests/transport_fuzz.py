@@ -45,6 +45,26 @@ def signed(header: bytes, payload_len: int, key: bytes, seq: int) -> bytes:
     return frame.PREFIX.pack(len(header), payload_len, tag) + header
 
 
+def flip_bits(rng: random.Random, data: bytearray, count: int) -> None:
+    """Flips `count` distinct bits of `data`: a bit drawn twice would flip back (seed 7 once
+    flipped one bit twice, sent a valid frame and then blamed the server for answering it)."""
+    for bit in rng.sample(range(len(data) * 8), count):
+        data[bit // 8] ^= 1 << (bit % 8)
+
+
+def refused(key: bytes, seq: int, data: bytes) -> bool:
+    """Whether a receiver at sequence number `seq` must refuse the frame at the start of `data`
+    (`data` is all we send before closing our side: a header cut short is refused too)."""
+    try:
+        header_len = frame.PREFIX.unpack(data[: frame.PREFIX.size])[0]
+        if len(data) < frame.PREFIX.size + header_len:
+            return True
+        receive(key, seq, data)
+    except (frame.FrameError, struct.error):
+        return True
+    return False
+
+
 IO_TIMEOUT_S = 30.0
 # Ops no server serves ("ping" is added where wanted): every server must answer them with an error.
 _OPS = ["fuzz", "fuzz.push", "reply", "error", "\u00e9t\u00e9", "op" * 50]
@@ -190,9 +210,7 @@ def _mutated_header(rng: random.Random) -> tuple[bytes, int]:
     data = bytearray(msgpack.packb(fields))
     kind = rng.randrange(4)
     if kind == 0:
-        for _ in range(rng.randint(1, 3)):
-            bit = rng.randrange(len(data) * 8)
-            data[bit // 8] ^= 1 << (bit % 8)
+        flip_bits(rng, data, rng.randint(1, 3))
     elif kind == 1:
         data[rng.randrange(len(data))] = rng.randrange(256)
     elif kind == 2:
@@ -276,10 +294,10 @@ def _closing_frame(rng: random.Random, session: Session, stats: Counter) -> None
         fields, payload_len = _valid_header(rng)
         header = msgpack.packb(fields)
         flipped = bytearray(signed(header, payload_len, session.key, session.seq))
-        for _ in range(rng.randint(1, 3)):
-            bit = rng.randrange(len(flipped) * 8)
-            flipped[bit // 8] ^= 1 << (bit % 8)
+        flip_bits(rng, flipped, rng.randint(1, 3))
         data = bytes(flipped) + rng.randbytes(payload_len)
+    # The oracle: whatever we built, the codec must refuse it, or the server is right to answer.
+    assert refused(session.key, session.seq, data), "a closing frame that the codec accepts"
     session.drain()
     try:
         session.send(data)

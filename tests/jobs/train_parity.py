@@ -1,7 +1,8 @@
 """Trainer parity job: a strategy's parameters against a reference computed in this process.
 
 argv: strategy steps [options]   options: compile, tol=X, ckpt=DIR, stop=N (checkpoint every step,
-stop after step N: the next run with the same ckpt resumes), loss=mse|ce
+stop after step N: the next run with the same ckpt resumes), loss=mse|ce, delay=S (sleep S seconds
+after each step, so that a test can kill a process in the middle of training)
 
 The reference simulates the workers in one process: W replicas of the same model, each computing the
 gradient of its own ShardedLoader batches (split into the strategy's micro-batches), then: averaged
@@ -10,6 +11,7 @@ H steps (local SGD), or never averaged (architecture "local").
 """
 
 import sys
+import time
 
 import torch
 from torch import nn
@@ -64,6 +66,8 @@ trainer = Trainer(
     progress=False,
 )
 resumed_at = trainer.steps
+if "delay" in opts:  # a test that kills this run checks where it started
+    print(f"starting at step {resumed_at}", flush=True)
 for _ in trainer.epochs(100):
     for x, y in trainer.loader:
         if trainer.steps >= stop:
@@ -72,6 +76,7 @@ for _ in trainer.epochs(100):
             trainer.train_step(x, y)  # the pipeline cuts the batch into micro-batches itself
         else:
             train_micro(trainer.model, x, y, trainer.step)
+        time.sleep(float(opts.get("delay", 0)))
     if trainer.steps >= stop:
         break
 print(f"trained steps {resumed_at}..{trainer.steps}")

@@ -64,13 +64,16 @@ class SchedulerLink:
             "config": self.config.as_dict(),
             "config_digest": self.config.digest(),
         }
+        # Longer than the scheduler's own start timeout: its abort, which names who is missing and
+        # what it refused meanwhile, arrives first.
+        wait_s = self.config.start_timeout_s + self.config.heartbeat_timeout_s
         try:
-            reply = self.client.call("register", meta, timeout_s=self.config.start_timeout_s)
+            reply = self.client.call("register", meta, timeout_s=wait_s)
         except RemoteError as exc:
             raise RendezvousError(f"the scheduler refused {role} registration: {exc}") from None
         except TimeoutError:
             raise RendezvousError(
-                f"the job did not start within {self.config.start_timeout_s} s: "
+                f"the job did not start within {wait_s} s: "
                 f"not every node registered with the scheduler at {self.spec.scheduler_address}"
             ) from None
         m = reply.meta
@@ -97,6 +100,16 @@ class SchedulerLink:
         except (TransportError, RemoteError, TimeoutError) as exc:
             logger.warning("could not tell the scheduler we finished: %s", exc)
         self.close()
+
+    def peer_lost(self, role: str, rank: int, error: Exception | None) -> None:
+        """Tell the scheduler this node lost its connection to another, so that the job's end
+        names that one (its disconnect may reach the scheduler after ours)."""
+        if self._leaving:
+            return
+        try:
+            self.client.send("peer_lost", {"role": role, "rank": rank, "error": str(error or "closed")})
+        except TransportError:
+            pass  # the link is down too: _closed reports that
 
     def close(self) -> None:
         self._leaving = True
@@ -128,6 +141,11 @@ class SchedulerLink:
 
 def _exit_aborted(reason: str) -> None:
     role = os.environ.get("PARATRAIN_ROLE", "node")
-    print(f"paratrain: {role} stopping: {reason}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
+    try:
+        print(f"paratrain: {role} stopping: {reason}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    except BaseException:
+        # stderr may be a pipe to a launcher that is gone (BrokenPipeError): saying why is
+        # worth a try, exiting is not optional.
+        pass
     os._exit(EXIT_ABORTED)

@@ -5,6 +5,8 @@ Protocol (requests carry an id and get a reply; heartbeats are one-way):
     register  {role, rank?, host, port, pid, version, config}  -> replied once every node has
               registered: {rank, servers: [[host, port]...], workers: [[host, pid]...]}
     heartbeat {}                                               (one-way, every interval)
+    peer_lost {role, rank, error}                              (one-way) this node lost its
+              connection to that one: the job is aborted naming that one
     barrier   {group: "workers" | "all", name, data?}          -> replied when the group arrived,
               with every worker's data: {data: [[rank, data], ...]} (a small all-gather)
     finish    {}                                               a worker is done; replied at once
@@ -20,9 +22,11 @@ that sends no heartbeat for `heartbeat_timeout_s`, aborts the job with a message
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -67,6 +71,8 @@ class Scheduler(Handler):
         self._barriers: dict[tuple[str, str], list[tuple[Request, Node]]] = {}
         self._barrier_data: dict[tuple[str, str], list[list]] = {}
         self._done = threading.Event()
+        self._refused: deque[tuple[str, str]] = deque(maxlen=16)
+        """(address, reason) of the last refused registrations."""
         self.outcome: str | None = None  # None while running; "" on success, else the reason
         sock = listen_socket(spec)
         self.server = RpcServer(spec.secret, self, sock=sock, config=config.transport, name="scheduler")
@@ -84,7 +90,10 @@ class Scheduler(Handler):
         if self.outcome:
             # The node that failed is the cause the launcher should name; where it did not exit
             # (a frozen node), every node's stderr carries this reason.
-            print(f"paratrain: job aborted: {self.outcome}", file=sys.stderr, flush=True)
+            try:
+                print(f"paratrain: job aborted: {self.outcome}", file=sys.stderr, flush=True)
+            except OSError:
+                pass  # stderr is a pipe to a launcher that is gone: the exit status still says it
             return EXIT_ABORTED
         return 0
 
@@ -130,7 +139,11 @@ class Scheduler(Handler):
     def _monitor(self) -> None:
         start = time.monotonic()
         tick = min(0.5, self.config.heartbeat_interval_s / 2)
+        launcher = self.spec.launcher_pid
         while not self._done.wait(tick):
+            if launcher is not None and os.getppid() != launcher:
+                self.abort(f"the launcher (pid {launcher}) is gone")
+                continue
             now = time.monotonic()
             with self._lock:
                 late = [
@@ -147,7 +160,19 @@ class Scheduler(Handler):
                     f"(last heard at {heard}; timeout {self.config.heartbeat_timeout_s} s)"
                 )
             elif missing and now - start > self.config.start_timeout_s:
-                self.abort(f"{', '.join(missing)} did not register within {self.config.start_timeout_s} s")
+                self.abort(
+                    f"{', '.join(missing)} did not register within {self.config.start_timeout_s} s"
+                    f"{self._refusals()}"
+                )
+
+    def _refusals(self) -> str:
+        """What was refused meanwhile: connections without the secret, refused registrations."""
+        refused = self.server.refused() + list(self._refused)
+        if not refused:
+            return "; no connection was refused meanwhile"
+        shown = "; ".join(f"{peer} ({reason})" for peer, reason in refused[-8:])
+        more = f" (the last 8 of {len(refused)})" if len(refused) > 8 else ""
+        return f"; refused meanwhile{more}: {shown}"
 
     def _missing(self) -> list[str]:
         wanted = [("server", r) for r in range(self.spec.num_servers)]
@@ -165,6 +190,8 @@ class Scheduler(Handler):
             self._barrier(request)
         elif op == "finish":
             self._finish(request)
+        elif op == "peer_lost":
+            self._peer_lost(request)
         else:
             request.fail(f"unknown op {op!r}")
 
@@ -183,8 +210,12 @@ class Scheduler(Handler):
                     self._started = True
                     waiting, self._waiting = self._waiting, []
         except Refused as exc:
+            # Refuse that node, not the job: a stray process with the secret (a duplicate rank, a
+            # leftover of another run) must not end a healthy job. A refused member of this job
+            # fails on its own (its init raises), and the launcher, or the start timeout, ends it.
             request.fail(str(exc))
-            self.abort(f"registration refused: {exc}")
+            logger.warning("refused a registration from %s: %s", request.conn.peer, exc)
+            self._refused.append((request.conn.peer, str(exc)))
             return
         logger.info("registered %s", node.describe())
         if ready:
@@ -278,6 +309,19 @@ class Scheduler(Handler):
         logger.info("%s finished", node.describe())
         if done:
             self._finish_job()
+
+    def _peer_lost(self, request: Request) -> None:
+        """A node lost its connection to another (a worker to a server): the other is the cause
+        of what follows, whichever disconnect reaches the scheduler first."""
+        reporter = self._by_conn.get(request.conn)
+        meta = request.meta
+        lost = self._nodes.get((meta.get("role"), meta.get("rank")))  # type: ignore[arg-type]
+        if reporter is None or lost is None or self.outcome is not None:
+            return
+        self.abort(
+            f"{lost.describe()} is unreachable: {reporter.describe()} lost its connection to it "
+            f"({meta.get('error')})"
+        )
 
     def disconnected(self, conn: Connection, error: Exception | None) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ Not thread-safe: one thread drives one KVStore (the per-key clocks are the calle
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import time
@@ -198,6 +199,7 @@ class DistKVStore(SparseAPI):
                 config=ctx.config.transport,
                 name=f"server {i} ({host}:{port})",
                 same_host=same_host(host, ctx.spec.host),
+                on_close=functools.partial(self._server_lost, i),
             )
             for i, (host, port) in enumerate(ctx.servers)
         ]
@@ -214,6 +216,11 @@ class DistKVStore(SparseAPI):
             self._all_servers("configure", meta)
         self._barrier("kvstore-create")
         atexit.register(self.close)
+
+    def _server_lost(self, rank: int, error: Exception | None) -> None:
+        """The scheduler hears it from us first: the job's end then names the server, not us."""
+        if not getattr(self, "_closed", False) and self._ctx.link is not None:
+            self._ctx.link.peer_lost("server", rank, error)
 
     @property
     def tables(self) -> Any:

@@ -40,6 +40,7 @@ from paratrain.launch.report import (
     _failure_report,
     _first_failure,
     _interrupted_report,
+    _named_by_scheduler,
     _signal_name,
 )
 
@@ -469,6 +470,9 @@ class _Job:
     def _failure(self, outcome: str) -> ChildFailure:
         if outcome == "failed":
             child = _first_failure(self.failed)
+            named = _named_by_scheduler(self.children) if child.returncode == EXIT_ABORTED else None
+            if named is not None:  # every exit was a consequence: the scheduler knows the cause
+                return named[0].failure(named[1])
             assert child.failure_reason is not None
             return child.failure(child.failure_reason)
         left = self.still_running or self.children

@@ -8,6 +8,7 @@ It starts, waits for and stops nothing.
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,6 +86,26 @@ def _first_failure(failed: Sequence[Any]) -> Any:
     """The earliest failed exit that is a cause (not EXIT_ABORTED); else the earliest of all."""
     causes = [child for child in failed if child.returncode != EXIT_ABORTED]
     return min(causes or failed, key=lambda child: child.exit_time)
+
+
+_ABORT_REASON = re.compile(r"paratrain: (?:job aborted|\w+ stopping: the scheduler aborted the job): (.+)$")
+_NAMED = re.compile(r"^(scheduler|server|worker) (\d+)\b")
+
+
+def _named_by_scheduler(children: Sequence[Any]) -> tuple[Any, str] | None:
+    """When every failed exit was EXIT_ABORTED, the cause may not have exited at all (a frozen
+    node) or exited later: the scheduler's abort reason, which it and every aborted node print,
+    names it. Returns that child and the reason, or None."""
+    for child in children:
+        for line in child.stderr_tail:
+            found = _ABORT_REASON.search(line)
+            named = _NAMED.match(found[1]) if found else None
+            if named is None:
+                continue
+            for cause in children:
+                if (cause.role, cause.rank) == (named[1], int(named[2])):
+                    return cause, f"was named by the scheduler: {found[1]}"
+    return None
 
 
 def _interrupted_report(signum: int | None) -> str:

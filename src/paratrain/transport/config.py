@@ -23,7 +23,14 @@ class TransportConfig:
     connect_timeout_s: float = 60.0
     """How long a client keeps retrying a connection to a peer that is not listening yet."""
     handshake_timeout_s: float = 10.0
-    """How long an accepted connection may take to authenticate before it is dropped."""
+    """How long an accepted connection may take to authenticate before it is dropped: a deadline
+    for the whole handshake, however the peer spreads its bytes."""
+    max_handshakes: int = 128
+    """Connections a server holds in their handshake at once (each costs a thread and a
+    descriptor); past it, the oldest is dropped to make room."""
+    max_handshakes_per_host: int = 32
+    """The same, per peer address: one host cannot take every handshake slot of a server (on
+    one machine every peer is 127.0.0.1, so there it is max_handshakes or less)."""
     request_timeout_s: float = 600.0
     """The default limit on waiting for one reply."""
     max_header_bytes: int = 64 * 1024
@@ -42,6 +49,10 @@ class TransportConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"TransportConfig.{name}={value!r} must be > 0")
+        for name in ("max_handshakes", "max_handshakes_per_host"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TransportConfig.{name}={value!r} must be an int >= 1")
         if not 64 <= self.max_header_bytes <= 128 * 1024:
             raise ValueError(
                 f"TransportConfig.max_header_bytes={self.max_header_bytes!r} must be in 64..131072"

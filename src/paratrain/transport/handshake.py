@@ -22,6 +22,11 @@ MAGIC = b"PTRAIN01"
 NONCE_BYTES = 32
 
 
+class HandshakeClosed(TransportError):
+    """The peer closed the connection in the middle of the handshake (a server under a flood
+    drops handshakes: trying again may succeed)."""
+
+
 def _hmac(key: bytes, *parts: bytes) -> bytes:
     return hmac.digest(key, b"".join(parts), hashlib.sha256)
 
@@ -33,7 +38,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
-            raise TransportError(f"peer closed the connection during the handshake ({got}/{n} B)")
+            raise HandshakeClosed(f"peer closed the connection during the handshake ({got}/{n} B)")
         got += k
     return bytes(buf)
 

@@ -14,6 +14,7 @@ per frame; an event loop adds a task switch per message, and ZeroMQ copies into 
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -29,6 +30,7 @@ import torch
 
 from paratrain.errors import RemoteError, TransportError
 from paratrain.transport import handshake
+from paratrain.transport.admission import Admission, Handshake
 from paratrain.transport.config import TransportConfig
 from paratrain.transport.connection import Connection, ConnectionClosed, tune
 from paratrain.transport.frame import FrameError, Header, Limits
@@ -99,6 +101,11 @@ class Handler:
         pass
 
 
+_TICK_S = 0.25
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_LISTENER_GONE = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})
+
+
 def listen(host: str, port: int = 0) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -131,45 +138,85 @@ class RpcServer:
         self._conns: set[Connection] = set()
         self._threads: list[threading.Thread] = []
         self._closing = False
+        self._admission = Admission(name, self.config)
+        self._listener.settimeout(_TICK_S)  # accept wakes up to enforce handshake deadlines
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
 
     def start(self) -> RpcServer:
         self._accept_thread.start()
         return self
 
+    def refused(self) -> list[tuple[str, str]]:
+        """(peer address, reason) of the last connections refused before authenticating."""
+        return self._admission.refusals.recent()
+
     def _accept_loop(self) -> None:
-        while True:
+        """Accepts until close(). Nothing a peer does ends it: running out of descriptors drops
+        the oldest handshakes and backs off; other accept errors are the peer's, and logged."""
+        backoff = 0.0
+        next_tick = time.monotonic() + _TICK_S
+        while not self._closing:
+            if time.monotonic() >= next_tick:  # also while a flood keeps accept busy
+                self._admission.expire()
+                next_tick = time.monotonic() + _TICK_S
             try:
                 sock, addr = self._listener.accept()
-            except OSError:
-                return  # listener closed
-            thread = threading.Thread(
-                target=self._serve, args=(sock, addr), name=f"{self.name}-conn", daemon=True
-            )
-            with self._lock:
-                if self._closing:
-                    sock.close()
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if self._closing or exc.errno in _LISTENER_GONE:
                     return
-                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-            thread.start()
+                backoff = min(max(2 * backoff, 0.01), 1.0)
+                if exc.errno in _OUT_OF_DESCRIPTORS:
+                    shed = self._admission.shed(f"{self.name} ran out of descriptors")
+                    self._admission.refusals.note("(accept)", f"{exc}; dropped {shed} handshake(s)")
+                else:
+                    self._admission.refusals.note("(accept)", str(exc))
+                time.sleep(backoff)
+                continue
+            backoff = 0.0
+            self._start_serving(sock, addr)
 
-    def _authenticate(self, sock: socket.socket, peer: str) -> Connection | None:
+    def _start_serving(self, sock: socket.socket, addr: Any) -> None:
+        entry = self._admission.admit(sock, addr)
+        thread = threading.Thread(target=self._serve, args=(entry,), name=f"{self.name}-conn", daemon=True)
+        with self._lock:
+            if self._closing:
+                self._admission.finish(entry)
+                sock.close()
+                return
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        try:
+            thread.start()
+        except RuntimeError as exc:  # no more threads in this process
+            self._admission.finish(entry)
+            self._admission.refusals.note(entry.peer, f"no thread to serve it: {exc}")
+            sock.close()
+
+    def _authenticate(self, entry: Handshake) -> Connection | None:
+        sock = entry.sock
         try:
             tune(sock)
-            sock.settimeout(self.config.handshake_timeout_s)
+            sock.settimeout(self.config.handshake_timeout_s)  # per read; admission has the deadline
             if self._tls is not None:
-                sock = self._tls.wrap_socket(sock, server_side=True)
+                sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                self._admission.replace_socket(entry, sock)
+                sock.do_handshake()
             recv_key, send_key = handshake.accept(sock, self._secret)
             sock.settimeout(None)
+            if not self._admission.finish(entry):
+                raise TransportError(f"dropped: {entry.dropped}")
         except (OSError, TransportError) as exc:
-            logger.warning("%s: refused connection from %s: %s", self.name, peer, exc)
+            self._admission.finish(entry)
+            if not self._closing:  # a handshake cut short by close() is no refusal
+                self._admission.refusals.note(entry.peer, entry.dropped or str(exc))
             sock.close()
             return None
-        return Connection(sock, recv_key, send_key, peer, _limits(self.config))
+        return Connection(sock, recv_key, send_key, entry.peer, _limits(self.config))
 
-    def _serve(self, sock: socket.socket, addr: Any) -> None:
-        peer = f"{addr[0]}:{addr[1]}"
-        conn = self._authenticate(sock, peer)
+    def _serve(self, entry: Handshake) -> None:
+        peer = entry.peer
+        conn = self._authenticate(entry)
         if conn is None:
             return
         with self._lock:
@@ -254,6 +301,8 @@ class RpcServer:
         except OSError:
             pass
         self._listener.close()
+        self._admission.drop_all(f"{self.name} is closing")
+        self._admission.refusals.flush(final=True)
         for conn in conns:
             conn.close()
         if self._accept_thread.is_alive() and threading.current_thread() is not self._accept_thread:
@@ -357,20 +406,29 @@ class RpcClient:
         return True
 
     def _connect(self, host: str, port: int, secret: bytes) -> Connection:
+        """Connects and authenticates, retrying until connect_timeout_s while the peer is not
+        listening yet or drops the handshake (a server under a connection flood drops the oldest
+        handshakes); a peer that refuses our secret is final."""
         deadline = time.monotonic() + self.config.connect_timeout_s
         delay = 0.01
         while True:
+            sock = None
             try:
                 sock = socket.create_connection((host, port), timeout=self.config.handshake_timeout_s)
-                break
-            except OSError as exc:
+                return self._authenticate(sock, secret)
+            except (OSError, handshake.HandshakeClosed) as exc:
+                if sock is not None:
+                    sock.close()
                 if time.monotonic() + delay > deadline:
+                    what = "connect to" if sock is None else "authenticate with"
                     raise TransportError(
-                        f"could not connect to {self.name} at {host}:{port} within "
+                        f"could not {what} {self.name} at {host}:{port} within "
                         f"{self.config.connect_timeout_s} s: {exc}"
                     ) from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+
+    def _authenticate(self, sock: socket.socket, secret: bytes) -> Connection:
         try:
             tune(sock)
             tls = _tls_context(self.config, server=False)
@@ -378,11 +436,9 @@ class RpcClient:
                 sock = tls.wrap_socket(sock)
             recv_key, send_key = handshake.connect(sock, secret)
             sock.settimeout(None)
-        except (OSError, TransportError) as exc:
+        except BaseException:
             sock.close()
-            if isinstance(exc, TransportError):
-                raise
-            raise TransportError(f"handshake with {self.name} failed: {exc}") from exc
+            raise
         return Connection(sock, recv_key, send_key, self.name, _limits(self.config))
 
     def request(
@@ -447,9 +503,9 @@ class RpcClient:
             error = TransportError(f"connection to {self.name} broke: {exc!r}")
         finally:
             self._conn.close()
-            self._fail_pending(error or TransportError(f"connection to {self.name} closed"))
-            if self._on_close is not None:
+            if self._on_close is not None:  # first: it may tell someone before our callers react
                 self._on_close(error)
+            self._fail_pending(error or TransportError(f"connection to {self.name} closed"))
 
     def _dispatch(self, header: Header, tensors: list[torch.Tensor]) -> None:
         if header.id == 0:

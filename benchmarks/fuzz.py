@@ -1,0 +1,81 @@
+"""The transport fuzzer (tests/transport_fuzz.py) for a long run, outside CI.
+
+    python benchmarks/fuzz.py [--frames 100000] [--seeds 7,8]
+
+For each seed, a server with the ping handler runs in a child process and the fuzzer sends it at
+least `--frames` random and mutated frames (bad handshakes, bad MACs, wrong and mutated headers,
+valid frames), checking that each bad one closes its connection unanswered and each good one is
+answered in order. Afterwards a legitimate client must still get its ping echoed, and the server
+must have raised nothing uncaught. CI runs the same fuzzer for 10,000 frames (tests/test_transport.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+from transport_fuzz import PingHandler, fuzz_server  # noqa: E402
+
+from paratrain.transport.rpc import RpcClient, RpcServer  # noqa: E402
+
+SECRET = bytes(range(32))
+
+
+def serve(ready: mp.Queue, stop: mp.Event) -> None:
+    errors: list[str] = []
+    threading.excepthook = lambda args: errors.append(repr(args.exc_value))
+    server = RpcServer(SECRET, PingHandler()).start()
+    ready.put(server.port)
+    stop.wait()
+    server.close()
+    ready.put(errors)
+
+
+def run(seed: int, frames: int) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=serve, args=(ready, stop), daemon=True)
+    proc.start()
+    try:
+        port = ready.get(timeout=60)
+        start = time.monotonic()
+        stats = fuzz_server("127.0.0.1", port, SECRET, frames=frames, seed=seed)
+        elapsed = time.monotonic() - start
+        client = RpcClient("127.0.0.1", port, SECRET)
+        value = torch.arange(10.0)
+        reply = client.call("ping", {"after": "fuzz"}, [value], timeout_s=30)
+        assert reply.meta == {"after": "fuzz"} and torch.equal(reply.tensors[0], value), reply
+        client.close()
+        stop.set()
+        errors = ready.get(timeout=60)
+        assert errors == [], f"the server raised in a thread: {errors}"
+    finally:
+        stop.set()
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    return {**stats, "seconds": round(elapsed, 1), "frames_per_s": round(stats["frames"] / elapsed)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--frames", type=int, default=100_000)
+    parser.add_argument("--seeds", default="7")
+    args = parser.parse_args()
+    for seed in (int(s) for s in args.seeds.split(",")):
+        stats = run(seed, args.frames)
+        print(f"seed {seed}: " + " ".join(f"{k}={v}" for k, v in sorted(stats.items())), flush=True)
+    print("every bad frame was refused and every good one answered; the server still serves")
+
+
+if __name__ == "__main__":
+    main()
