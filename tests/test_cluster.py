@@ -323,3 +323,18 @@ def test_torchrun_with_servers_runs_an_exact_parameter_server_job_and_a_world_of
         else:
             lines = sorted(line for line in done.stdout.splitlines() if line.startswith("world"))
             assert lines == [f"world {r} {r} 3 6.0" for r in range(3)], done.stdout
+
+
+def test_a_worker_that_exits_with_an_error_code_is_named_not_the_scheduler_it_let_go():
+    """sys.exit(3) runs the exit hooks, which tell the scheduler this worker finished; the scheduler
+    may then end the job cleanly before the worker's exit is seen. The report names the worker."""
+    script = f"""
+import sys, paratrain
+ctx = paratrain.init({FAST})
+ctx.barrier()
+if ctx.rank == 1:
+    sys.exit(3)
+"""
+    outcome = run_job(script, workers=2, servers=1, expect="failure", timeout_s=60)
+    assert outcome.failure is not None, outcome.report
+    assert (outcome.failure.role, outcome.failure.rank, outcome.failure.returncode) == ("worker", 1, 3)

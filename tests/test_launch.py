@@ -355,6 +355,9 @@ def test_first_failure_prefers_the_earliest_cause_over_aborted_exits():
     second_abort = exit_("b", EXIT_ABORTED, 0.5)
     assert _first_failure([aborted, second_abort]) is second_abort
     assert _first_failure([cause]) is cause
+    early_clean = exit_("s", 0, 0.1)  # a scheduler that left once a failing worker said it finished
+    assert _first_failure([early_clean, cause, aborted]) is cause
+    assert _first_failure([aborted, early_clean]) is early_clean
 
 
 SCHEDULER_LEAVES_EARLY = job(

@@ -83,9 +83,13 @@ def _exit_reason(returncode: int) -> str:
 
 
 def _first_failure(failed: Sequence[Any]) -> Any:
-    """The earliest failed exit that is a cause (not EXIT_ABORTED); else the earliest of all."""
-    causes = [child for child in failed if child.returncode != EXIT_ABORTED]
-    return min(causes or failed, key=lambda child: child.exit_time)
+    """The earliest failed exit that is a cause. An exit with an error comes before an early clean
+    exit (code 0), which comes before EXIT_ABORTED (a consequence of another node's failure). A
+    worker that ends with `sys.exit(3)` has already told the scheduler it finished (exit hooks cannot
+    see the status), so the scheduler may exit 0, early, before that worker's exit is seen."""
+    return min(
+        failed, key=lambda child: (child.returncode == EXIT_ABORTED, child.returncode == 0, child.exit_time)
+    )
 
 
 _ABORT_REASON = re.compile(r"paratrain: (?:job aborted|\w+ stopping: the scheduler aborted the job): (.+)$")
