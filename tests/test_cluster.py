@@ -282,13 +282,14 @@ def test_heartbeat_timeout_must_exceed_the_interval():
 
 
 WORLD_OF_WORKERS = """
-import torch, torch.distributed as dist, paratrain
+import os, torch, torch.distributed as dist, paratrain
 from paratrain.cluster.rendezvous import init_torch_distributed
 ctx = paratrain.init()
 init_torch_distributed(ctx)
 total = torch.tensor([float(ctx.rank + 1)])
 dist.all_reduce(total)
-print("world", ctx.rank, dist.get_rank(), dist.get_world_size(), total.item())
+# One write per line: torchrun's processes share its stdout, and print() writes piece by piece.
+os.write(1, f"world {ctx.rank} {dist.get_rank()} {dist.get_world_size()} {total.item()}\\n".encode())
 dist.destroy_process_group()
 """
 
