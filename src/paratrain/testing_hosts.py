@@ -13,8 +13,8 @@ these namespaces (and each one's own loopback, which is up).
 Shaping: with `rate`, a `tbf` qdisc sits on both ends of each veth: on `eth0` it limits what host i
 sends, on `h<i>` what it receives (netem is missing from this kernel, and tbf on both ends is what a
 switched full-duplex link looks like). `burst` is one TSO/GSO super-packet (64 KiB) plus headroom,
-so tbf never has to split one; `limit` is the queue a switch port would hold before dropping
-(1 MiB, 8 ms at 1 Gbit/s). Both are arguments.
+so tbf never has to split one; `limit` is the queue held before dropping (4 MiB, 32 ms at
+1 Gbit/s; see LinkShape). Both are arguments.
 
 Everything is removed when the block ends, and namespaces left by an earlier run whose process is
 gone (a crashed or killed test) are removed when the next one starts: every name starts with
@@ -67,8 +67,11 @@ class LinkShape:
     """tc's rate syntax, e.g. "1gbit" or "100mbit"."""
     burst_bytes: int = 128 * 1024
     """Bytes sent at once above the rate; at least one 64 KiB GSO packet, so tbf never splits one."""
-    limit_bytes: int = 1 << 20
-    """Bytes queued before packets drop (a switch port's buffer)."""
+    limit_bytes: int = 4 << 20
+    """Bytes queued before packets drop: a deep-buffered switch port on the bridge side; on the
+    host side, the NIC queue (1,000 packets by default, each up to a 64 KiB GSO packet) that
+    TCP's small-queue limits keep from overflowing. With 1 MiB the host side dropped its own
+    packets (several TCP flows at once)."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"\d+(\.\d+)?[kmg]?(bit|bps)", self.rate):

@@ -25,6 +25,10 @@ class KVStoreConfig:
     """Keys with more elements than this are sliced across all servers."""
     local: bool = False
     """Keep everything in this process (MXNet's `local` / `device`): no servers."""
+    frame_bytes: int = 1 << 20
+    """A push or pull sends each server its slices in frames of about this many bytes (whole
+    slices), interleaved across servers, so that a server applies and sends back the first slices
+    while the rest still arrive (benchmarks/hosts.py)."""
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCY:
@@ -40,6 +44,8 @@ class KVStoreConfig:
             raise ValueError(f"KVStoreConfig.aggregation={self.aggregation!r} is not one of {AGGREGATION}")
         if not isinstance(self.slice_elements, int) or self.slice_elements < 1:
             raise ValueError(f"KVStoreConfig.slice_elements={self.slice_elements!r} must be an int >= 1")
+        if not isinstance(self.frame_bytes, int) or self.frame_bytes < 1:
+            raise ValueError(f"KVStoreConfig.frame_bytes={self.frame_bytes!r} must be an int >= 1")
 
 
 KINDS = {
