@@ -6,10 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_examples import accuracy
 
 from paratrain.testing import SimulatedHosts, hosts_unavailable, run_job
 
 JOBS = Path(__file__).parent / "jobs"
+EXAMPLES = Path(__file__).parent.parent / "examples"
 
 pytestmark = pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
 
@@ -54,6 +56,33 @@ def test_hybrid_all_reduces_across_hosts_and_matches_single_process_training(fou
     )
     for rank in range(2):
         assert any(line.startswith("parity ok") for line in outcome.lines("worker", rank)), outcome.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_main_job_on_three_hosts_reaches_the_accuracy_it_reaches_on_one():
+    # The scheduler and the server on host 0, a worker on each of hosts 1 and 2; the same job on
+    # this machine alone is the reference (sums may be added in another order: within 1 point).
+    # One torch thread per process: three processes share this machine's cores either way.
+    args, env = ("--strategy", "dist_sync", "--epochs", "6"), {"OMP_NUM_THREADS": "1"}
+    alone = run_job(EXAMPLES / "digits.py", workers=2, servers=1, args=args, env=env, timeout_s=200)
+    with SimulatedHosts(3) as hosts:
+        place = {"scheduler": [0], "server": [0], "worker": [1, 2]}
+        spread = run_job(
+            EXAMPLES / "digits.py",
+            workers=2,
+            servers=1,
+            args=args,
+            env=env,
+            hosts=hosts,
+            place=place,
+            timeout_s=200,
+        )
+    for rank in (0, 1):
+        one, three = (
+            accuracy(alone.lines("worker", rank, "stdout")),
+            accuracy(spread.lines("worker", rank, "stdout")),
+        )
+        assert three >= 0.9 and abs(three - one) <= 0.01, (one, three)
 
 
 # Every process gives up on a peer after 2 s; servers advertise loopback where the test says so
