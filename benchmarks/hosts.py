@@ -144,11 +144,15 @@ def print_table(args: argparse.Namespace, rows: dict[int, dict]) -> None:
             + [cell(ps_bound), cell(gloo), cell(ring_bound)]
             + [ratio(ours, ps_bound), ratio(ours, gloo), ratio(gloo, ring_bound)]
         )
+    from paratrain.testing_hosts import LinkShape
+
+    shape = LinkShape(args.rate)
     widths = [max(len(line[i]) for line in table) for i in range(len(head))]
     print(
         f"{args.mb} MB in {args.tensors} float32 tensors, dist_sync pushpull, one process per simulated "
-        f"host, links {args.rate} each way (tbf burst 128 KiB, limit 4 MiB), {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, median of {args.iters} iterations"
+        f"host, links {args.rate} each way (tbf burst {shape.burst_bytes >> 10} KiB, limit "
+        f"{shape.limit_bytes >> 20} MiB), {os.cpu_count()} cores, torch {torch.__version__}, median of "
+        f"{args.iters} iterations"
     )
     for line in table:
         print(" | ".join(text.rjust(width) for text, width in zip(line, widths, strict=True)))
