@@ -3,21 +3,78 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 from test_examples import accuracy
 
-from paratrain.testing import SimulatedHosts, hosts_unavailable, run_job
+from paratrain.launch.local import LocalJobConfig, Placement
+from paratrain.testing import LinkShape, SimulatedHosts, hosts_unavailable, place_on_hosts, run_job
 
 JOBS = Path(__file__).parent / "jobs"
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
-pytestmark = pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
+needs_hosts = pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
+
+
+# -- without namespaces ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: LinkShape("fast"), "LinkShape.rate='fast'"),
+        (lambda: LinkShape("1gbit", burst_bytes=1500), "LinkShape.burst_bytes=1500"),
+        (lambda: LinkShape("1gbit", limit_bytes=70000), "LinkShape.limit_bytes=70000"),
+        (lambda: SimulatedHosts(0), "count must be an int in 1..250, got 0"),
+        (lambda: SimulatedHosts(2, subnet="10.77"), "subnet must be the first three octets"),
+        (lambda: SimulatedHosts(2, rate="1gbit", shape=LinkShape("1gbit")), "rate or shape, not both"),
+        (
+            lambda: LocalJobConfig(
+                "x.py", num_workers=1, placements={"worker": [Placement("a"), Placement("b")]}
+            ),
+            r"placements\['worker'\] names 2 places for 1",
+        ),
+    ],
+)
+def test_bad_host_settings_name_the_field_and_value(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_processes_spread_over_the_hosts_and_each_host_has_its_address_and_prefix():
+    assert place_on_hosts(4, servers=2, workers=3) == {
+        "scheduler": [0],
+        "server": [0, 1],
+        "worker": [2, 3, 0],
+    }
+    hosts = SimulatedHosts(3, rate="100mbit")
+    assert [hosts.address(i) for i in range(3)] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
+    assert hosts.prefix(2) == ["ip", "netns", "exec", hosts.names[2]]
+    assert hosts.env(1) == {"PARATRAIN_HOST": "10.77.0.2", "GLOO_SOCKET_IFNAME": "eth0"}
+    assert hosts.shape.tc_args()[:3] == ["tbf", "rate", "100mbit"]
+
+
+# -- on simulated hosts ----------------------------------------------------------------------------
+@needs_hosts
+def test_namespaces_left_by_a_run_whose_process_is_gone_are_removed_and_ours_are_not():
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid no process has now
+    stale = f"ptsim{dead.pid}-0-br"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        with SimulatedHosts(1) as hosts:
+            listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            assert stale not in listed and hosts.names[0] in listed
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert hosts.names[0] not in listed and hosts.bridge not in listed
+    finally:
+        subprocess.run(["ip", "netns", "delete", stale], capture_output=True)
 
 
 @pytest.fixture
 def four_hosts():
+    if hosts_unavailable() is not None:
+        pytest.skip(str(hosts_unavailable()))
     with SimulatedHosts(4) as hosts:
         yield hosts
 
@@ -58,6 +115,7 @@ def test_hybrid_all_reduces_across_hosts_and_matches_single_process_training(fou
         assert any(line.startswith("parity ok") for line in outcome.lines("worker", rank)), outcome.stdout
 
 
+@needs_hosts
 @pytest.mark.timeout(300)
 def test_the_main_job_on_three_hosts_reaches_the_accuracy_it_reaches_on_one():
     # The scheduler and the server on host 0, a worker on each of hosts 1 and 2; the same job on
