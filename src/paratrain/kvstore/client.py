@@ -207,7 +207,7 @@ class DistKVStore(SparseAPI):
         frames: dict[int, list[dict]] = {}
         for key in keys:
             info = self._info(key)
-            itemsize = torch.empty((), dtype=info.dtype).element_size()
+            itemsize = info.dtype.itemsize
             for piece in info.slices:
                 chunks = frames.setdefault(piece.server, [])
                 if not chunks or (max_bytes is not None and chunks[-1]["bytes"] >= max_bytes):
