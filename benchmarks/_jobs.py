@@ -6,14 +6,22 @@ from __future__ import annotations
 import io
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def run_role_job(
-    script: str, role_args: Sequence[str], workers: int, servers: int, timeout_s: float, result: re.Pattern
+    script: str,
+    role_args: Sequence[str],
+    workers: int,
+    servers: int,
+    timeout_s: float,
+    result: re.Pattern,
+    placements: Mapping[str, Sequence[Any]] | None = None,
 ) -> list[tuple[str, ...]] | None:
     """The groups of `result` matched in the job's output, one per worker; None (after printing the
-    job's last stderr lines) when the job failed or a worker printed no result."""
+    job's last stderr lines) when the job failed or a worker printed no result. `placements`: where
+    each process runs (LocalJobConfig.placements; default all here)."""
     from paratrain.launch.local import LocalJobConfig, run_local_job
 
     config = LocalJobConfig(
@@ -22,6 +30,7 @@ def run_role_job(
         num_workers=workers,
         num_servers=servers,
         timeout_s=timeout_s,
+        placements=placements or {},
     )
     out, err = io.StringIO(), io.StringIO()
     outcome = run_local_job(config, out=out, err=err)

@@ -20,12 +20,27 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from paratrain.launch.local import ChildFailure, LocalJobConfig, run_local_job
+from paratrain.launch.local import ChildFailure, LocalJobConfig, Placement, run_local_job
+from paratrain.testing_hosts import LinkShape, SimulatedHosts, hosts_unavailable, shaping_unavailable
+
+__all__ = [
+    "JobOutcome",
+    "LinkShape",
+    "SimulatedHosts",
+    "assert_all_gone",
+    "assert_port_closed",
+    "free_port",
+    "hosts_unavailable",
+    "listening_ports",
+    "place_on_hosts",
+    "run_job",
+    "shaping_unavailable",
+]
 
 _LINE = re.compile(r"^\[(scheduler|server|worker) (\d+)\] (.*)$")
 _GONE_WAIT_S = 5.0
@@ -82,9 +97,15 @@ def run_job(
     expect: Literal["success", "failure"] | None = "success",
     stop_grace_s: float = 5.0,
     exit_grace_s: float = 30.0,
+    hosts: SimulatedHosts | None = None,
+    place: Mapping[str, Sequence[int]] | None = None,
 ) -> JobOutcome:
     """Runs `script` (a path, or Python source if it contains a newline) as a job of `workers`
     workers, `servers` servers and a scheduler on 127.0.0.1, and checks what it left behind.
+
+    With `hosts`, the processes run on those simulated hosts instead: `place` names the host index
+    of each rank per role ({"scheduler": [0], "server": [0, 1], "worker": [1, 2, 3]}); by default
+    `place_on_hosts` spreads them.
 
     Raises AssertionError if a child process survived the job, if the scheduler's port is still
     listening, or if the job's success does not match `expect` (None: either is fine).
@@ -100,6 +121,9 @@ def run_job(
             timeout_s=timeout_s,
             stop_grace_s=stop_grace_s,
             exit_grace_s=exit_grace_s,
+            placements=_placements(hosts, place or place_on_hosts(hosts.count, servers, workers))
+            if hosts is not None
+            else {},
         )
         by_child: dict[tuple[str, int], list[tuple[str, str]]] = {}
         out, err = _Capture("stdout", by_child), _Capture("stderr", by_child)
@@ -115,9 +139,30 @@ def run_job(
         _lines=by_child,
     )
     assert_all_gone(result.pids)
-    assert_port_closed(result.scheduler_address)
+    if hosts is None:
+        assert_port_closed(result.scheduler_address)
+    else:
+        scheduler_host = (place or {}).get("scheduler", [0])[0]
+        assert_port_closed(result.scheduler_address, ports=lambda: hosts.listening_ports(scheduler_host))
     _check_expectation(outcome, expect)
     return outcome
+
+
+def place_on_hosts(count: int, servers: int, workers: int) -> dict[str, list[int]]:
+    """Host indices per role: the scheduler on host 0, servers from host 0 on, workers after the
+    servers, wrapping around the `count` hosts."""
+    return {
+        "scheduler": [0],
+        "server": [i % count for i in range(servers)],
+        "worker": [(servers + i) % count for i in range(workers)],
+    }
+
+
+def _placements(hosts: SimulatedHosts, place: Mapping[str, Sequence[int]]) -> dict[str, list[Placement]]:
+    return {
+        role: [Placement(hosts.address(i), tuple(hosts.prefix(i)), hosts.env(i)) for i in indices]
+        for role, indices in place.items()
+    }
 
 
 def _script_path(script: str | os.PathLike[str], tmp: Path) -> Path:
@@ -169,13 +214,16 @@ def assert_all_gone(pids: Iterable[int], wait_s: float = _GONE_WAIT_S) -> None:
         raise AssertionError(f"child processes still alive after the job: pids {survivors}")
 
 
-def assert_port_closed(address: str, wait_s: float = _GONE_WAIT_S) -> None:
-    """Asserts that the port of `address` (host:port) is not listening, polling up to `wait_s`."""
+def assert_port_closed(
+    address: str, wait_s: float = _GONE_WAIT_S, ports: Callable[[], set[int]] | None = None
+) -> None:
+    """Asserts that the port of `address` (host:port) is not listening, polling up to `wait_s`;
+    `ports` lists the listening ports where that host is (default: this machine's)."""
     if not address:
         return
     port = int(address.rsplit(":", 1)[1])
     deadline = time.monotonic() + wait_s
-    while port in listening_ports():
+    while port in (ports or listening_ports)():
         if time.monotonic() >= deadline:
             raise AssertionError(f"port {port} ({address}) is still listening after the job")
         time.sleep(0.05)

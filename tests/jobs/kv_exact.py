@@ -4,8 +4,9 @@ Every worker pushes known rank-dependent values to small keys (int and str), to 
 every server, and to lists of keys, for several rounds; after each round it checks the pulled value
 exactly, also after pushing further ahead than the servers' shared round buffers reach. Then it sets
 a server-side optimizer and checks each round against a local torch reference.
-argv: kind [rounds] [shm | tcp | mixed]  (tcp: the same-host path off, every byte over TCP; mixed:
-only worker 1 over TCP, so the servers add its payloads into the others' shared round buffers)
+argv: kind [rounds] [shm | tcp | mixed] [frame_bytes]  (tcp: the same-host path off, every byte over
+TCP; mixed: only worker 1 over TCP, so the servers add its payloads into the others' shared round
+buffers; frame_bytes: small values cut each server's share of a call into many frames)
 """
 
 import sys
@@ -26,7 +27,10 @@ if over_tcp:  # worker 1 of a mixed job plays one on another host: no server sha
     paratrain.kvstore.client.same_host = lambda peer, mine: False
 kind = resolve_kind(sys.argv[1])
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-config = KVStoreConfig(consistency=kind.consistency, aggregation=kind.aggregation, slice_elements=1000)
+frame_bytes = int(sys.argv[4]) if len(sys.argv) > 4 else KVStoreConfig().frame_bytes
+config = KVStoreConfig(
+    consistency=kind.consistency, aggregation=kind.aggregation, slice_elements=1000, frame_bytes=frame_bytes
+)
 kv = paratrain.kvstore.create(config)
 if kind.aggregation == "process":  # the path under test is the one in use
     assert all(c.same_host_path is not over_tcp for c in kv._clients)

@@ -49,6 +49,7 @@ class SchedulerLink:
             name=f"the scheduler ({spec.scheduler_address})",
             on_message=self._notice,
             on_close=self._closed,
+            origin=f"{spec.role}{'' if spec.rank is None else f' {spec.rank}'} at {spec.host}",
         )
         self._heartbeats = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self._heartbeats.start()

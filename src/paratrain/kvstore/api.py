@@ -33,6 +33,10 @@ class KVStoreConfig:
     """Refuse a push holding NaN or infinite values (ValueError naming the key and the worker)
     before anything is sent, instead of letting it poison every worker's copy. Costs one pass
     over each pushed tensor."""
+    frame_bytes: int = 1 << 20
+    """A push or pull sends each server its slices in frames of about this many bytes (whole
+    slices), interleaved across servers, so that a server applies and sends back the first slices
+    while the rest still arrive (benchmarks/hosts.py)."""
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCY:
@@ -52,6 +56,8 @@ class KVStoreConfig:
             raise ValueError(f"KVStoreConfig.wait_warning_s={self.wait_warning_s!r} must be a number > 0")
         if not isinstance(self.refuse_non_finite, bool):
             raise ValueError(f"KVStoreConfig.refuse_non_finite={self.refuse_non_finite!r} must be a bool")
+        if not isinstance(self.frame_bytes, int) or self.frame_bytes < 1:
+            raise ValueError(f"KVStoreConfig.frame_bytes={self.frame_bytes!r} must be an int >= 1")
 
 
 MAX_KEY_BYTES = 1024

@@ -200,6 +200,7 @@ class DistKVStore(SparseAPI):
                 name=f"server {i} ({host}:{port})",
                 same_host=same_host(host, ctx.spec.host),
                 on_close=functools.partial(self._server_lost, i),
+                origin=f"worker {ctx.rank} at {ctx.spec.host}",
             )
             for i, (host, port) in enumerate(ctx.servers)
         ]
@@ -250,21 +251,41 @@ class DistKVStore(SparseAPI):
         except KeyError:
             raise KVStoreError(f"key {key!r} was never initialized (call kv.init first)") from None
 
-    def _frames(self, keys: list, extra: Callable[[Any, KeyInfo, Slice], dict]) -> dict[int, dict]:
-        """Per server: parallel lists of the slices `keys` have there, plus per-slice extras."""
-        frames: dict[int, dict] = {}
+    def _frames(
+        self, keys: list, extra: Callable[[Any, KeyInfo, Slice], dict], max_bytes: int | None = None
+    ) -> list[tuple[int, dict]]:
+        """(server, meta) per frame: parallel lists of the slices `keys` have on that server, plus
+        per-slice extras. With `max_bytes`, a server's slices are cut into frames of about that
+        many bytes (whole slices), sent in the order `_interleaved` gives."""
+        frames: dict[int, list[dict]] = {}
         for key in keys:
             info = self._info(key)
+            itemsize = info.dtype.itemsize
             for piece in info.slices:
-                meta = frames.setdefault(
-                    piece.server, {"keys": [], "starts": [], "stops": [], "rank": self.rank}
-                )
+                chunks = frames.setdefault(piece.server, [])
+                if not chunks or (max_bytes is not None and chunks[-1]["bytes"] >= max_bytes):
+                    chunks.append({"keys": [], "starts": [], "stops": [], "rank": self.rank, "bytes": 0})
+                meta = chunks[-1]
                 meta["keys"].append(key)
                 meta["starts"].append(piece.start)
                 meta["stops"].append(piece.stop)
+                meta["bytes"] += piece.numel * itemsize
                 for name, value in extra(key, info, piece).items():
                     meta.setdefault(name, []).append(value)
-        return frames
+        for chunks in frames.values():
+            for meta in chunks:
+                del meta["bytes"]
+        return self._interleaved(frames)
+
+    def _interleaved(self, frames: dict[int, list[dict]]) -> list[tuple[int, dict]]:
+        """Every server's first frame, then every server's second, and so on; each worker starts
+        from server `rank`. Workers that push at once then load every server's link from the start
+        (not all queueing at server 0), and each server's early frames complete their rounds (and
+        go back as pulls) while later frames are still arriving: both directions of a link work."""
+        count = len(self._clients)
+        order = sorted(frames, key=lambda s: (s - self.rank) % count)
+        depth = max((len(chunks) for chunks in frames.values()), default=0)
+        return [(s, frames[s][j]) for j in range(depth) for s in order if j < len(frames[s])]
 
     def _min_version(self, info: KeyInfo) -> int:
         if self.config.consistency == "async":
@@ -314,9 +335,9 @@ class DistKVStore(SparseAPI):
                     if with_values
                     else (),
                 )
-                for s, meta in frames.items()
+                for s, meta in frames
             ]
-            for (s, meta), reply in zip(frames.items(), self._wait(futures), strict=True):
+            for (s, meta), reply in zip(frames, self._wait(futures), strict=True):
                 self._map_regions(s, meta, reply.meta)
 
         if self.rank == 0:
@@ -350,9 +371,11 @@ class DistKVStore(SparseAPI):
         keys, outs = as_lists(keys, out)
         futures, after = [], []
         views = self._out_views(keys, outs, after)
-        frames = self._frames(keys, lambda key, info, piece: {"min_versions": self._min_version(info)})
+        frames = self._frames(
+            keys, lambda key, info, piece: {"min_versions": self._min_version(info)}, self.config.frame_bytes
+        )
         reads: list[tuple[Region, torch.Tensor]] = []
-        for s, meta in frames.items():
+        for s, meta in frames:
             out = self._dests(s, meta, views, reads)
             futures.append(self._clients[s].request("pull", meta, (), out=out))
         return self._handle("pull", keys, frames, futures, after, reads)
@@ -419,10 +442,11 @@ class DistKVStore(SparseAPI):
         frames = self._frames(
             keys,
             lambda key, info, piece: {"clocks": clocks[key], "min_versions": self._min_version(info)},
+            self.config.frame_bytes,
         )
         futures, reads = [], []
         rounds = self.config.consistency != "async"  # async pushes are applied by the server
-        for s, meta in frames.items():
+        for s, meta in frames:
             tensors, added = [], []
             slices = zip(meta["keys"], meta["starts"], meta["stops"], meta["clocks"], strict=True)
             for k, a, b, clock in slices:

@@ -70,6 +70,18 @@ _IDENTITY_VARS = frozenset(
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where one process of a job runs, when not on this machine's `LocalJobConfig.host`: the
+    address it binds and advertises, a command prefix that puts it there (such as
+    `ip netns exec ns3`: the prefix must exec the command, so that its pid is the process's), and
+    extra environment variables for it alone."""
+
+    host: str
+    prefix: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class LocalJobConfig:
     """One job to run as processes of this machine."""
 
@@ -95,6 +107,12 @@ class LocalJobConfig:
     workers to exit after the scheduler or a server exited 0 before them)."""
     python: str = sys.executable
     """The interpreter that runs the script."""
+    placements: Mapping[str, Sequence[Placement]] = field(default_factory=dict)
+    """Per role ("scheduler", "server", "worker"), where each rank runs (simulated hosts in tests);
+    a role or rank not listed runs here at `host`. A placed scheduler binds `scheduler_port`
+    itself, where the launcher cannot bind for it."""
+    scheduler_port: int = 29400
+    """The scheduler's port when it is placed (unused otherwise: the launcher picks a free one)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "script", os.fspath(self.script))
@@ -116,6 +134,15 @@ class LocalJobConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.python:
             raise ValueError(f"python must be an interpreter path, got {self.python!r}")
+        counts = {"scheduler": 1, "server": self.num_servers, "worker": self.num_workers}
+        for role, places in self.placements.items():
+            if role not in counts or len(places) > counts[role]:
+                raise ValueError(f"placements[{role!r}] names {len(places)} places for {counts.get(role)}")
+
+    def place(self, role: str, rank: int) -> Placement:
+        """Where that process runs."""
+        places = self.placements.get(role, ())
+        return places[rank] if rank < len(places) else Placement(self.host)
 
     def _strings(self) -> Iterator[tuple[str, Any]]:
         for i, arg in enumerate(self.args):
@@ -294,14 +321,19 @@ class _Job:
     def start(self) -> None:
         cfg = self.config
         secret = secrets.token_bytes(32)
-        listener = _listen(cfg.host)
-        port = listener.getsockname()[1]
-        self.scheduler_address = f"{cfg.host}:{port}"
+        where = cfg.place("scheduler", 0)
+        if where.prefix:  # on another host: it binds its port there itself
+            port, listener = cfg.scheduler_port, None
+        else:
+            listener = _listen(where.host)
+            port = listener.getsockname()[1]
+        self.scheduler_address = f"{where.host}:{port}"
         logger.info("%s\n  %s", _describe(cfg, self.scheduler_address), self.threads_line)
         try:
             self._spawn("scheduler", 0, secret, port, listener)
         finally:
-            listener.close()  # the scheduler holds it now; nothing of ours keeps the port
+            if listener is not None:
+                listener.close()  # the scheduler holds it now; nothing of ours keeps the port
         for rank in range(cfg.num_servers):
             self._spawn("server", rank, secret, port)
         for rank in range(cfg.num_workers):
@@ -311,22 +343,24 @@ class _Job:
         self, role: str, rank: int, secret: bytes, port: int, listener: socket.socket | None = None
     ) -> None:
         cfg = self.config
+        where = cfg.place(role, rank)
         spec = ClusterSpec(
             role=role,
             rank=rank,
             num_workers=cfg.num_workers,
             num_servers=cfg.num_servers,
-            scheduler_host=cfg.host,
+            scheduler_host=cfg.place("scheduler", 0).host,
             scheduler_port=port,
             secret=secret,
-            host=cfg.host,
+            host=where.host,
             launcher_pid=os.getpid(),
             scheduler_fd=None if listener is None else listener.fileno(),
         )
-        child = _Child(role, rank, cfg.host)
+        child = _Child(role, rank, where.host)
         pass_fds = () if listener is None else (listener.fileno(),)
-        cmd = [cfg.python, "-u", cfg.script, *cfg.args]
+        cmd = [*where.prefix, cfg.python, "-u", cfg.script, *cfg.args]
         env = {**self.threads, **_child_env(cfg, spec)}
+        env.update(where.env)
         child.start(cmd, env, pass_fds, self.printer, self.events)
         self.children.append(child)
 

@@ -362,10 +362,14 @@ class RpcClient:
         on_message: Callable[[Header, list[torch.Tensor]], None] | None = None,
         on_close: Callable[[Exception | None], None] | None = None,
         same_host: bool = False,
+        origin: str | None = None,
     ) -> None:
-        """`same_host`: the server runs on this machine; offer it the shared-memory path."""
+        """`same_host`: the server runs on this machine; offer it the shared-memory path.
+        `origin`: who connects, from where ("worker 2 at 10.0.0.3"), for the error that says a
+        peer could not be reached."""
         self.config = config or TransportConfig()
         self.name = name or f"{host}:{port}"
+        self.origin = origin
         self._on_message = on_message
         self._on_close = on_close
         self._ids = itertools.count(1)
@@ -421,8 +425,9 @@ class RpcClient:
                     sock.close()
                 if time.monotonic() + delay > deadline:
                     what = "connect to" if sock is None else "authenticate with"
+                    who = f"{self.origin} " if self.origin else ""
                     raise TransportError(
-                        f"could not {what} {self.name} at {host}:{port} within "
+                        f"{who}could not {what} {self.name} at {host}:{port} within "
                         f"{self.config.connect_timeout_s} s: {exc}"
                     ) from exc
                 time.sleep(delay)

@@ -1,0 +1,225 @@
+"""paratrain's parameter server across simulated hosts with 1 Gbit/s links, against Gloo and the bound.
+
+    sudo python benchmarks/hosts.py [--iters 5] [--warmup 2] [--workers 2,4] [--plot hosts.png]
+
+Setup: W workers and W servers, each process on a host of its own (2W network namespaces on one
+bridge, paratrain.testing_hosts), every link shaped to --rate in each direction by tbf on both ends
+of its veth (burst 128 KiB, queue limit 4 MiB: see LinkShape). The scheduler shares worker 0's host.
+One iteration is `kv.pushpull(keys, grads, out=outs)` of the 64 MB model of benchmarks/kvstore.py
+(50 float32 tensors) on a "dist_sync" store with every setting at its default; the anchor is a Gloo
+all-reduce of the same tensors among the W worker hosts (all 50 at once, then wait). Figures are the
+median over the timed iterations, of the slowest worker. "push" and "pull" time the two halves
+apart (push all 50 and wait, then pull all 50), in the same job after the pushpull figure.
+
+The bounds are what the link rate allows: every worker sends and receives the whole model through
+its own link, and so does every server (W workers x model / W servers), so a push+pull takes at
+least model / rate; a ring all-reduce sends 2 (W - 1) / W x model from each host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import _anchors  # noqa: E402
+import _jobs  # noqa: E402
+import kvstore as kv_bench  # noqa: E402
+
+RESULT = re.compile(
+    r"HOSTBENCH rank=(\d+) per_iter_s=([0-9.eE+-]+) push_s=([0-9.eE+-]+) pull_s=([0-9.eE+-]+)"
+)
+GLOO_RESULT = re.compile(r"GLOOBENCH rank=(\d+) per_iter_s=([0-9.eE+-]+)")
+GLOO_PORT = 29500
+
+
+# ------------------------------------------------------------------------------- roles
+def paratrain_role(args: argparse.Namespace) -> None:
+    """Every process of the parameter-server job; servers and the scheduler never return from
+    init(). Each worker prints one HOSTBENCH line."""
+    import paratrain
+    import paratrain.kvstore
+
+    paratrain.init()
+    kv = paratrain.kvstore.create("dist_sync")
+    sizes = kv_bench.model_sizes(args.mb << 20, args.tensors)
+    keys = list(range(len(sizes)))
+    kv.init(keys, [torch.zeros(n) for n in sizes])
+    grads = [torch.full((n,), kv.rank + 1.0) for n in sizes]
+    outs = [torch.empty(n) for n in sizes]
+    per_iter = _anchors.time_steps(
+        lambda: kv.pushpull(keys, grads, out=outs), args.warmup, args.iters, kv.barrier
+    )
+    expected = kv.num_workers * (kv.num_workers + 1) / 2  # worker r pushes r + 1
+    if not all(bool((out == expected).all()) for out in outs):
+        raise SystemExit("pushpull pulled wrong sums")
+    push_s = _anchors.time_steps(lambda: kv.push(keys, grads).wait(), 0, args.iters, kv.barrier)
+    pull_s = _anchors.time_steps(lambda: kv.pull(keys, out=outs), 0, args.iters, kv.barrier)
+    print(
+        f"HOSTBENCH rank={kv.rank} per_iter_s={per_iter:.6f} push_s={push_s:.6f} pull_s={pull_s:.6f}",
+        flush=True,
+    )
+
+
+def gloo_role(args: argparse.Namespace) -> None:
+    """Every process of the Gloo job: workers only (the scheduler just gives them ranks); they
+    meet at worker 0's host, and Gloo uses the interface GLOO_SOCKET_IFNAME names."""
+    import torch.distributed as dist
+
+    import paratrain
+
+    ctx = paratrain.init()
+    torch.set_num_threads(1)
+    init = f"tcp://{args.gloo_master}:{GLOO_PORT}"
+    dist.init_process_group("gloo", init_method=init, rank=ctx.rank, world_size=ctx.num_workers)
+    tensors = [torch.zeros(n) for n in kv_bench.model_sizes(args.mb << 20, args.tensors)]
+
+    def step() -> None:
+        for work in [dist.all_reduce(t, async_op=True) for t in tensors]:
+            work.wait()
+
+    per_iter = _anchors.time_steps(step, args.warmup, args.iters, dist.barrier)
+    dist.destroy_process_group()
+    print(f"GLOOBENCH rank={ctx.rank} per_iter_s={per_iter:.6f}", flush=True)
+
+
+# ------------------------------------------------------------------------------- driver
+def measure(args: argparse.Namespace, workers: int) -> dict[str, float | str]:
+    """One row: the paratrain job and the Gloo job on 2 x `workers` fresh hosts."""
+    from paratrain.launch.local import Placement
+    from paratrain.testing_hosts import LinkShape, SimulatedHosts
+
+    def placed(hosts: SimulatedHosts, indices: range | list[int]) -> list[Placement]:
+        return [Placement(hosts.address(i), tuple(hosts.prefix(i)), hosts.env(i)) for i in indices]
+
+    script = os.path.abspath(__file__)
+    common = ["--mb", str(args.mb), "--tensors", str(args.tensors)]
+    common += ["--warmup", str(args.warmup), "--iters", str(args.iters)]
+    row: dict[str, float | str] = {}
+    with SimulatedHosts(2 * workers, shape=LinkShape(args.rate)) as hosts:
+        places = {
+            "scheduler": placed(hosts, [0]),
+            "worker": placed(hosts, range(workers)),
+            "server": placed(hosts, range(workers, 2 * workers)),
+        }
+        found = _jobs.run_role_job(
+            script, ["--paratrain-role", *common], workers, workers, args.timeout, RESULT, places
+        )
+        for i, name in enumerate(("paratrain", "push", "pull")):
+            row[name] = "failed" if found is None else max(float(f[i + 1]) for f in found)
+        gloo_args = ["--gloo-role", "--gloo-master", hosts.address(0), *common]
+        del places["server"]
+        found = _jobs.run_role_job(script, gloo_args, workers, 0, args.timeout, GLOO_RESULT, places)
+        row["gloo"] = "failed" if found is None else max(float(f[1]) for f in found)
+    return row
+
+
+def rate_bits(rate: str) -> float:
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate).groups()  # type: ignore[union-attr]
+    return float(number) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[unit]
+
+
+def bounds(args: argparse.Namespace, workers: int) -> tuple[float, float]:
+    """Seconds per iteration the links allow: (parameter server, ring all-reduce)."""
+    model_bits = (args.mb << 20) * 8
+    per_s = rate_bits(args.rate)
+    return model_bits / per_s, 2 * (workers - 1) / workers * model_bits / per_s
+
+
+def print_table(args: argparse.Namespace, rows: dict[int, dict]) -> None:
+    cell, ratio = kv_bench.cell, kv_bench.ratio
+    head = ["workers", "servers", "hosts", "paratrain", "push", "pull", "PS bound", "gloo", "ring bound"]
+    head += ["paratrain/bound", "paratrain/gloo", "gloo/ring bound"]
+    table = [head]
+    for workers, row in rows.items():
+        ps_bound, ring_bound = bounds(args, workers)
+        ours, gloo = row["paratrain"], row["gloo"]
+        table.append(
+            [str(workers), str(workers), str(2 * workers), cell(ours), cell(row["push"]), cell(row["pull"])]
+            + [cell(ps_bound), cell(gloo), cell(ring_bound)]
+            + [ratio(ours, ps_bound), ratio(ours, gloo), ratio(gloo, ring_bound)]
+        )
+    from paratrain.testing_hosts import LinkShape
+
+    shape = LinkShape(args.rate)
+    widths = [max(len(line[i]) for line in table) for i in range(len(head))]
+    print(
+        f"{args.mb} MB in {args.tensors} float32 tensors, dist_sync pushpull, one process per simulated "
+        f"host, links {args.rate} each way (tbf burst {shape.burst_bytes >> 10} KiB, limit "
+        f"{shape.limit_bytes >> 20} MiB), {os.cpu_count()} cores, torch {torch.__version__}, median of "
+        f"{args.iters} iterations"
+    )
+    for line in table:
+        print(" | ".join(text.rjust(width) for text, width in zip(line, widths, strict=True)))
+
+
+def plot(path: str, args: argparse.Namespace, rows: dict[int, dict]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}")
+        return
+    xs = list(rows)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label, style in (
+        ("paratrain", "paratrain PS (W servers)", "o-"),
+        ("gloo", "Gloo all-reduce", "s-"),
+    ):
+        points = [(x, rows[x][key]) for x in xs if isinstance(rows[x][key], float)]
+        ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
+    ax.plot(xs, [bounds(args, x)[0] for x in xs], "k--", label="PS link bound")
+    ax.plot(xs, [bounds(args, x)[1] for x in xs], "k:", label="ring link bound")
+    ax.set_xticks(xs)
+    ax.set_xlabel("workers (one host each; as many servers, one host each)")
+    ax.set_ylabel("seconds per iteration (lower is better)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"push + pull of {args.mb} MB in {args.tensors} tensors, {args.rate} links")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"plot written to {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
+    parser.add_argument("--workers", default="2,4", help="worker counts (as many servers), a row each")
+    parser.add_argument("--rate", default="1gbit", help="every link's rate each way (tc syntax, in bit)")
+    parser.add_argument("--mb", type=int, default=64, help="model size in MiB")
+    parser.add_argument("--tensors", type=int, default=50, help="number of tensors")
+    parser.add_argument("--timeout", type=float, default=180.0, help="limit per job (s)")
+    parser.add_argument("--plot", metavar="PATH", help="also save a plot (needs matplotlib)")
+    parser.add_argument("--paratrain-role", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-role", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-master", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.iters < 1 or args.warmup < 0:
+        parser.error("--iters must be >= 1 and --warmup >= 0")
+    if args.paratrain_role:
+        paratrain_role(args)
+        return
+    if args.gloo_role:
+        gloo_role(args)
+        return
+    from paratrain.testing_hosts import hosts_unavailable
+
+    why = hosts_unavailable()
+    if why is not None:
+        parser.exit(1, f"cannot run: {why}\n")
+    rows = {int(w): measure(args, int(w)) for w in args.workers.split(",")}
+    print_table(args, rows)
+    if args.plot:
+        plot(args.plot, args, rows)
+
+
+if __name__ == "__main__":
+    main()
