@@ -381,11 +381,12 @@ class DistKVStore(SparseAPI):
         return self._handle("pull", keys, frames, futures, after, reads)
 
     def _handle(
-        self, op: str, keys: list, frames: dict[int, dict], futures: list, after: list, reads: list
+        self, op: str, keys: list, frames: list[tuple[int, dict]], futures: list, after: list, reads: list
     ) -> Handle:
-        """A Handle whose long waits say what they wait for: the servers are asked (`_diagnose`)."""
+        """A Handle whose long waits say what they wait for: the servers are asked (`_diagnose`).
+        frames: (server, meta) of each request sent, in the order of futures."""
         what = f"{op} of key {keys[0]!r}" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
-        sent = list(frames.items())
+        sent = list(frames)
         return Handle(
             futures,
             after,
