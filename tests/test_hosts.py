@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -192,3 +194,40 @@ def test_servers_that_advertise_an_address_workers_cannot_reach_are_reported_not
     said = f"worker {rank} at {where} could not connect to server 0 (127.0.0.1:"
     assert said in outcome.report, outcome.report
     assert "within 2.0 s" in outcome.report, outcome.report
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_on_two_hosts_with_one_server_is_exact(four_hosts):
+    """`torchrun --nnodes 2 --nproc_per_node 2` on hosts 0 and 1 with PARATRAIN_NUM_SERVERS=1: global
+    rank 3 (on host 1) serves, ranks 0-2 are workers; nothing names a process's address, so each
+    finds it from the route to MASTER_ADDR (10.77.0.x, not 127.0.0.1)."""
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARATRAIN_")}
+    env.update(PARATRAIN_NUM_SERVERS="1", PARATRAIN_SECRET="ef" * 32, GLOO_SOCKET_IFNAME="eth0")
+    nodes = [
+        subprocess.Popen(
+            [
+                *four_hosts.prefix(node),
+                *(torchrun, "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(node)),
+                *("--master_addr", four_hosts.address(0), "--master_port", "29500"),
+                *(str(JOBS / "kv_exact.py"), "dist_sync", "2", "tcp"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in range(2)
+    ]
+    try:
+        outputs = [node.communicate(timeout=200) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait()
+    for node, (out, err) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, f"{out}\n{err}"
+    # node 0 runs workers 0 and 1; node 1 runs worker 2 and the server
+    assert [out.count("all exact") for out, _ in outputs] == [2, 1], outputs
+    for i in range(2):
+        assert four_hosts.listening_ports(i) == set(), "a port is still bound"
