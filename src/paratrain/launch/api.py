@@ -19,6 +19,23 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("local", "ray", "slurm", "k8s")
 
+# paratrain's identity variables: an engine sets them for each process, and a value inherited from
+# the launching shell, or given in a job's env, would describe some other job's process.
+IDENTITY_VARS = frozenset(
+    {
+        "PARATRAIN_ROLE",
+        "PARATRAIN_RANK",
+        "PARATRAIN_NUM_WORKERS",
+        "PARATRAIN_NUM_SERVERS",
+        "PARATRAIN_SCHEDULER",
+        "PARATRAIN_SECRET",
+        "PARATRAIN_SECRET_FILE",
+        "PARATRAIN_HOST",
+        "PARATRAIN_LAUNCHER_PID",
+        "PARATRAIN_SCHEDULER_FD",
+    }
+)
+
 # The variables that set a process's intra-op threads; a user who set any of them chose for us.
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 

@@ -42,7 +42,7 @@ from typing import IO, Any
 
 import yaml
 
-from paratrain.launch.api import THREAD_VARS, LaunchConfig, describe_threads, thread_env
+from paratrain.launch.api import IDENTITY_VARS, THREAD_VARS, LaunchConfig, describe_threads, thread_env
 
 logger = logging.getLogger(__name__)
 
@@ -68,21 +68,6 @@ _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # (room left for indexes up to 99999).
 MAX_NAME_LENGTH = 63 - len("-scheduler") - len("-99999") - len("-abcde")
 
-# Set by this engine alone: a value of the user's env for one of them would describe another job.
-_IDENTITY_VARS = frozenset(
-    {
-        "PARATRAIN_ROLE",
-        "PARATRAIN_RANK",
-        "PARATRAIN_NUM_WORKERS",
-        "PARATRAIN_NUM_SERVERS",
-        "PARATRAIN_SCHEDULER",
-        "PARATRAIN_SECRET",
-        "PARATRAIN_SECRET_FILE",
-        "PARATRAIN_HOST",
-        "PARATRAIN_LAUNCHER_PID",
-        "PARATRAIN_SCHEDULER_FD",
-    }
-)
 
 # The init container's program: resolve the scheduler's Service name until it resolves or time runs out.
 _WAIT_FOR_SCHEDULER = """\
@@ -218,7 +203,7 @@ def _user_env(config: LaunchConfig) -> dict[str, str]:
     choice made there is carried over rather than silently overridden)."""
     chosen = {name: os.environ[name] for name in THREAD_VARS if os.environ.get(name)}
     env = {**chosen, **config.job_env()}
-    return {key: value for key, value in env.items() if key not in _IDENTITY_VARS}
+    return {key: value for key, value in env.items() if key not in IDENTITY_VARS}
 
 
 def _labels(name: str, role: str | None = None) -> dict[str, str]:

@@ -31,17 +31,19 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec, spec_to_env
-from paratrain.launch.api import LaunchConfig, describe_threads, host_cores, thread_env
+from paratrain.launch.api import IDENTITY_VARS, LaunchConfig, describe_threads, host_cores, thread_env
 from paratrain.launch.report import (
     ChildFailure,
     ChildRecord,
     JobResult,
+    Printer,
     _exit_reason,
     _failure_report,
     _first_failure,
     _interrupted_report,
     _named_by_scheduler,
     _signal_name,
+    write_outcome,
 )
 
 logger = logging.getLogger(__name__)
@@ -51,22 +53,6 @@ EXIT_INTERRUPTED = 130
 _POLL_S = 0.5
 _KILL_WAIT_S = 30.0
 _OUTPUT_JOIN_S = 5.0
-
-# Inherited values of these would describe some other job's process, never one of ours.
-_IDENTITY_VARS = frozenset(
-    {
-        "PARATRAIN_ROLE",
-        "PARATRAIN_RANK",
-        "PARATRAIN_NUM_WORKERS",
-        "PARATRAIN_NUM_SERVERS",
-        "PARATRAIN_SCHEDULER",
-        "PARATRAIN_SECRET",
-        "PARATRAIN_SECRET_FILE",
-        "PARATRAIN_HOST",
-        "PARATRAIN_LAUNCHER_PID",
-        "PARATRAIN_SCHEDULER_FD",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -171,23 +157,6 @@ class _Interrupt:
     signum: int
 
 
-class _Printer:
-    """Writes whole lines to the launcher's streams; one lock so lines never interleave."""
-
-    def __init__(self, out: IO[str], err: IO[str]) -> None:
-        self.out = out
-        self.err = err
-        self._lock = threading.Lock()
-
-    def write(self, stream: IO[str], text: str) -> None:
-        with self._lock:
-            try:
-                stream.write(text)
-                stream.flush()
-            except (OSError, ValueError):
-                pass  # a closed or broken stream must not stop us draining the child's pipe
-
-
 class _Child:
     """One process of the job: its Popen, its output threads and its exit."""
 
@@ -218,7 +187,7 @@ class _Child:
         cmd: list[str],
         env: dict[str, str],
         pass_fds: Sequence[int],
-        printer: _Printer,
+        printer: Printer,
         events: queue.SimpleQueue[Any],
     ) -> None:
         self.proc = subprocess.Popen(
@@ -280,7 +249,7 @@ def _join_all(threads: list[threading.Thread], timeout_s: float) -> bool:
     return not any(thread.is_alive() for thread in threads)
 
 
-def _pump(pipe: IO[bytes], prefix: str, stream: IO[str], printer: _Printer, tail: deque[str] | None) -> None:
+def _pump(pipe: IO[bytes], prefix: str, stream: IO[str], printer: Printer, tail: deque[str] | None) -> None:
     with pipe:
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\r\n")
@@ -296,7 +265,7 @@ def _earliest(*deadlines: float | None) -> float | None:
 class _Job:
     """The children of one job and the main loop that reacts to their exits."""
 
-    def __init__(self, config: LocalJobConfig, printer: _Printer) -> None:
+    def __init__(self, config: LocalJobConfig, printer: Printer) -> None:
         self.config = config
         self.printer = printer
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -535,7 +504,7 @@ def _listen(host: str) -> socket.socket:
 
 
 def _child_env(config: LocalJobConfig, spec: ClusterSpec) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _IDENTITY_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in IDENTITY_VARS}
     env.update(config.env)
     env.update(spec_to_env(spec))
     env["PYTHONUNBUFFERED"] = "1"
@@ -583,7 +552,7 @@ def run_local_job(
     Child output goes to `out` and `err` (default: sys.stdout and sys.stderr at call time), each
     line prefixed with `[role rank] `; a failure or interruption report is written to `err`.
     """
-    printer = _Printer(out or sys.stdout, err or sys.stderr)
+    printer = Printer(out or sys.stdout, err or sys.stderr)
     job = _Job(config, printer)
     started = time.monotonic()
     with _interrupt_handlers(job.events):
@@ -594,12 +563,5 @@ def run_local_job(
             job.stop()
             job.join_output()
     result = job.result(outcome)
-    if result.report:
-        printer.write(printer.err, result.report)
-    elif result.exit_code == 0:
-        elapsed = time.monotonic() - started
-        printer.write(
-            printer.err,
-            f"paratrain: job finished: {config.num_workers} worker(s) succeeded in {elapsed:.1f} s\n",
-        )
+    write_outcome(printer, result, config.num_workers, started)
     return result

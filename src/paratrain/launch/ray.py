@@ -39,8 +39,8 @@ from paratrain.cluster.spec import ClusterSpec, spec_to_env
 from paratrain.launch.api import THREAD_VARS, LaunchConfig, thread_env
 from paratrain.launch.ray_placement import GroupPlan, NodeInfo, RayJobError, node_labels, plan_groups
 from paratrain.launch.ray_process import RoleProcess
-from paratrain.launch.ray_supervise import POLL_S, Interrupts, Printer, RayChild, Supervisor, first_line
-from paratrain.launch.report import JobResult, _failure_report, _interrupted_report
+from paratrain.launch.ray_supervise import POLL_S, Interrupts, RayChild, Supervisor, first_line
+from paratrain.launch.report import JobResult, Printer, _failure_report, _interrupted_report, write_outcome
 
 logger = logging.getLogger(__name__)
 
@@ -147,14 +147,7 @@ def run_ray(
         if connected_here:
             ray.shutdown()
     result = job.result(outcome)
-    if result.report:
-        printer.write(printer.err, result.report)
-    elif result.exit_code == 0:
-        elapsed = time.monotonic() - started
-        printer.write(
-            printer.err,
-            f"paratrain: job finished: {config.num_workers} worker(s) succeeded in {elapsed:.1f} s\n",
-        )
+    write_outcome(printer, result, config.num_workers, started)
     return result
 
 

@@ -19,11 +19,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import Any
 
 from paratrain.cluster.spec import EXIT_ABORTED
 from paratrain.launch.ray_placement import NodeInfo
-from paratrain.launch.report import ChildFailure, ChildRecord, _exit_reason, _first_failure, _signal_name
+from paratrain.launch.report import (
+    ChildFailure,
+    ChildRecord,
+    Printer,
+    _exit_reason,
+    _first_failure,
+    _signal_name,
+)
 
 STDERR_TAIL_LINES = 30
 POLL_S = 0.5
@@ -66,23 +73,6 @@ class Interrupts:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-
-
-class Printer:
-    """Writes whole lines to the driver's streams; one lock so lines never interleave."""
-
-    def __init__(self, out: IO[str], err: IO[str]) -> None:
-        self.out = out
-        self.err = err
-        self._lock = threading.Lock()
-
-    def write(self, stream: IO[str], text: str) -> None:
-        with self._lock:
-            try:
-                stream.write(text)
-                stream.flush()
-            except (OSError, ValueError):
-                pass  # a closed or broken stream must not stop the job's supervision
 
 
 class RayChild:

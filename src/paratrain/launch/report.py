@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from paratrain.cluster.spec import EXIT_ABORTED
 
@@ -135,3 +137,31 @@ def _failure_report(failure: ChildFailure, failed: Sequence[Any], still_running:
     else:
         lines.append(f"  {label} wrote nothing to stderr")
     return "\n".join(lines) + "\n"
+
+
+class Printer:
+    """Writes whole lines to a launcher's streams; one lock so lines never interleave."""
+
+    def __init__(self, out: IO[str], err: IO[str]) -> None:
+        self.out = out
+        self.err = err
+        self._lock = threading.Lock()
+
+    def write(self, stream: IO[str], text: str) -> None:
+        with self._lock:
+            try:
+                stream.write(text)
+                stream.flush()
+            except (OSError, ValueError):
+                pass  # a closed or broken stream must not stop the job's supervision
+
+
+def write_outcome(printer: Printer, result: JobResult, num_workers: int, started: float) -> None:
+    """The launcher's last words: the report of a failure or interruption, else how long it took."""
+    if result.report:
+        printer.write(printer.err, result.report)
+    elif result.exit_code == 0:
+        elapsed = time.monotonic() - started
+        printer.write(
+            printer.err, f"paratrain: job finished: {num_workers} worker(s) succeeded in {elapsed:.1f} s\n"
+        )
