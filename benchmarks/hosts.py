@@ -1,6 +1,7 @@
 """paratrain's parameter server across simulated hosts with 1 Gbit/s links, against Gloo and the bound.
 
     sudo python benchmarks/hosts.py [--iters 5] [--warmup 2] [--workers 2,4] [--plot hosts.png]
+                                    [--timeline 1.0]
 
 Setup: W workers and W servers, each process on a host of its own (2W network namespaces on one
 bridge, paratrain.testing_hosts), every link shaped to --rate in each direction by tbf on both ends
@@ -11,6 +12,10 @@ all-reduce of the same tensors among the W worker hosts (all 50 at once, then wa
 median over the timed iterations, of the slowest worker. "push" and "pull" time the two halves
 apart (push all 50 and wait, then pull all 50), in the same job after the pushpull figure.
 
+`--timeline S` also samples every link's byte counters (at the bridge's ports, as fast as `ip`
+answers: every 10-60 ms) while the paratrain job runs and prints each host's rate in each direction
+over its last S seconds of traffic: where a link idles, and which one finishes last.
+
 The bounds are what the link rate allows: every worker sends and receives the whole model through
 its own link, and so does every server (W workers x model / W servers), so a push+pull takes at
 least model / rate; a ring all-reduce sends 2 (W - 1) / W x model from each host.
@@ -19,9 +24,14 @@ least model / rate; a ring all-reduce sends 2 (W - 1) / W x model from each host
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import re
+import subprocess
 import sys
+import threading
+import time
 
 import torch
 
@@ -33,6 +43,7 @@ import kvstore as kv_bench  # noqa: E402
 
 RESULT = re.compile(
     r"HOSTBENCH rank=(\d+) per_iter_s=([0-9.eE+-]+) push_s=([0-9.eE+-]+) pull_s=([0-9.eE+-]+)"
+    r" pushpull_end=([0-9.eE+-]+)"
 )
 GLOO_RESULT = re.compile(r"GLOOBENCH rank=(\d+) per_iter_s=([0-9.eE+-]+)")
 GLOO_PORT = 29500
@@ -55,13 +66,15 @@ def paratrain_role(args: argparse.Namespace) -> None:
     per_iter = _anchors.time_steps(
         lambda: kv.pushpull(keys, grads, out=outs), args.warmup, args.iters, kv.barrier
     )
+    pushpull_end = time.monotonic()  # one clock for every namespace: --timeline's window ends here
     expected = kv.num_workers * (kv.num_workers + 1) / 2  # worker r pushes r + 1
     if not all(bool((out == expected).all()) for out in outs):
         raise SystemExit("pushpull pulled wrong sums")
     push_s = _anchors.time_steps(lambda: kv.push(keys, grads).wait(), 0, args.iters, kv.barrier)
     pull_s = _anchors.time_steps(lambda: kv.pull(keys, out=outs), 0, args.iters, kv.barrier)
     print(
-        f"HOSTBENCH rank={kv.rank} per_iter_s={per_iter:.6f} push_s={push_s:.6f} pull_s={pull_s:.6f}",
+        f"HOSTBENCH rank={kv.rank} per_iter_s={per_iter:.6f} push_s={push_s:.6f} pull_s={pull_s:.6f} "
+        f"pushpull_end={pushpull_end:.6f}",
         flush=True,
     )
 
@@ -89,6 +102,55 @@ def gloo_role(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------- driver
+class LinkSampler:
+    """--timeline: byte counters of every bridge port, sampled on a thread while a job runs. Port
+    h<i> receives what host i sends (its uplink) and sends what host i receives (its downlink)."""
+
+    def __init__(self, bridge: str, count: int) -> None:
+        self.bridge, self.count = bridge, count
+        self.samples: list[tuple[float, dict[str, dict]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="link-sampler", daemon=True)
+
+    def __enter__(self) -> LinkSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10.0)
+
+    def _run(self) -> None:
+        cmd = ["ip", "-n", self.bridge, "-s", "-j", "link", "show"]
+        while not self._stop.is_set():
+            before = time.monotonic()
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=10.0).stdout
+            ports = {p["ifname"]: p["stats64"] for p in json.loads(out or "[]") if "stats64" in p}
+            self.samples.append(((before + time.monotonic()) / 2, ports))
+
+    def report(self, seconds: float, until: float) -> str:
+        """Gbit/s per host and direction, sample by sample, over the `seconds` before `until`."""
+        cols = [(f"h{i}", key) for i in range(self.count) for key in ("rx", "tx")]
+
+        def moved(a: int, b: int) -> int:
+            return sum(self.samples[b][1][p][k]["bytes"] - self.samples[a][1][p][k]["bytes"] for p, k in cols)
+
+        rows = self.samples
+        busy = [i for i in range(1, len(rows)) if moved(i - 1, i) > 1 << 20 and rows[i][0] <= until]
+        if not busy:
+            return "timeline: no traffic sampled"
+        end = busy[-1]
+        start = next(i for i in range(end + 1) if rows[i][0] >= rows[end][0] - seconds)
+        names = [f"{i}{'up' if k == 'rx' else 'dn'}" for i in range(self.count) for k in ("rx", "tx")]
+        lines = ["timeline, Gbit/s per host i (up: what it sends, dn: what it receives); t in s"]
+        lines.append("     t " + " ".join(n.rjust(4) for n in names))
+        for i in range(max(start, 1), end + 1):
+            dt = rows[i][0] - rows[i - 1][0]
+            rates = [(rows[i][1][p][k]["bytes"] - rows[i - 1][1][p][k]["bytes"]) * 8e-9 / dt for p, k in cols]
+            lines.append(f"{rows[i][0] - rows[start][0]:6.3f} " + " ".join(f"{r:4.2f}" for r in rates))
+        return "\n".join(lines)
+
+
 def measure(args: argparse.Namespace, workers: int) -> dict[str, float | str]:
     """One row: the paratrain job and the Gloo job on 2 x `workers` fresh hosts."""
     from paratrain.launch.local import Placement
@@ -107,9 +169,15 @@ def measure(args: argparse.Namespace, workers: int) -> dict[str, float | str]:
             "worker": placed(hosts, range(workers)),
             "server": placed(hosts, range(workers, 2 * workers)),
         }
-        found = _jobs.run_role_job(
-            script, ["--paratrain-role", *common], workers, workers, args.timeout, RESULT, places
-        )
+        sampler = LinkSampler(hosts.bridge, hosts.count)
+        with sampler if args.timeline else contextlib.nullcontext():
+            found = _jobs.run_role_job(
+                script, ["--paratrain-role", *common], workers, workers, args.timeout, RESULT, places
+            )
+        if args.timeline and found is not None:
+            until = max(float(f[4]) for f in found)
+            print(f"{workers} workers (hosts 0-{workers - 1}), {workers} servers (hosts {workers}-", end="")
+            print(f"{2 * workers - 1}), the timed pushpulls' end: {sampler.report(args.timeline, until)}")
         for i, name in enumerate(("paratrain", "push", "pull")):
             row[name] = "failed" if found is None else max(float(f[i + 1]) for f in found)
         gloo_args = ["--gloo-role", "--gloo-master", hosts.address(0), *common]
@@ -198,6 +266,9 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=50, help="number of tensors")
     parser.add_argument("--timeout", type=float, default=180.0, help="limit per job (s)")
     parser.add_argument("--plot", metavar="PATH", help="also save a plot (needs matplotlib)")
+    parser.add_argument(
+        "--timeline", type=float, metavar="S", help="also print every link's rate over the last S s"
+    )
     parser.add_argument("--paratrain-role", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-role", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-master", help=argparse.SUPPRESS)
