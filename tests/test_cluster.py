@@ -99,27 +99,6 @@ def test_a_failing_worker_ends_the_job_with_a_report_naming_it(action, expected)
     assert_ports_released(servers_of(outcome, 3))
 
 
-def test_a_frozen_worker_is_declared_dead_by_heartbeat():
-    # SIGSTOP keeps the process and its sockets alive: only missing heartbeats can reveal it.
-    outcome = run_job(
-        f"""
-        import os, signal, time, paratrain
-        ctx = paratrain.init({FAST})
-        if ctx.rank == 1:
-            os.kill(os.getpid(), signal.SIGSTOP)
-        ctx.barrier()
-        time.sleep(120)
-        """,
-        workers=2,
-        servers=1,
-        expect="failure",
-        timeout_s=120,
-    )
-    assert "worker 1 (host 127.0.0.1" in outcome.report
-    assert "sent no heartbeat for" in outcome.report
-    assert "last heard at" in outcome.report
-
-
 def test_a_server_that_dies_aborts_the_job():
     # Code before init() runs on every role: on the server it arms a SIGKILL of itself.
     outcome = run_job(

@@ -212,6 +212,8 @@ def test_a_refused_node_with_the_secret_does_not_abort_a_running_job():
 
 
 def test_a_frozen_node_is_the_first_thing_the_report_names():
+    # SIGSTOP keeps the process and its sockets alive: only missing heartbeats can reveal it, and
+    # the others exit 75 (aborted) while it never exits, yet the report's first line names it.
     outcome = run_job(
         f"""
         import os, signal, time, paratrain
@@ -228,6 +230,7 @@ def test_a_frozen_node_is_the_first_thing_the_report_names():
     )
     assert first_line(outcome).startswith("paratrain: job failed: worker 1 (pid "), outcome.report
     assert "sent no heartbeat for" in first_line(outcome), outcome.report
+    assert "worker 1 (host 127.0.0.1" in outcome.report and "last heard at" in outcome.report
 
 
 def test_the_start_timeout_names_who_is_missing_and_what_was_refused():
