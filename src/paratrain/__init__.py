@@ -3,19 +3,47 @@
 import paratrain
 ctx = paratrain.init()      # serves and exits on the scheduler and servers; returns on workers
 model, optimizer, loader = paratrain.prepare(model, optimizer, loader)   # strategy from the launch
+kv = paratrain.kvstore.create("dist_sync")   # the subpackages work after `import paratrain`
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from paratrain.cluster import context as _context
+from paratrain.version import __version__
+
 __all__ = ["Context", "JobConfig", "Strategy", "Trainer", "init", "prepare", "__version__"]
+
+SUBPACKAGES = (
+    "checkpoint",
+    "cluster",
+    "collective",
+    "data",
+    "kvstore",
+    "launch",
+    "metrics",
+    "pipeline",
+    "train",
+    "transport",
+)
 
 if TYPE_CHECKING:
     from paratrain.cluster.config import JobConfig
     from paratrain.node import Context, init
     from paratrain.train import Strategy, Trainer, prepare
+
+
+def _init() -> Any:
+    from paratrain.node import init
+
+    return init()
+
+
+# The layers below take a context; where a caller passes none, it is the one init() makes (here, at
+# the top: no lower layer starts the job).
+_context.provide(_init)
 
 
 def __getattr__(name: str) -> Any:
@@ -32,4 +60,6 @@ def __getattr__(name: str) -> Any:
         from paratrain.cluster.config import JobConfig
 
         return JobConfig
+    if name in SUBPACKAGES:  # `import paratrain` then `paratrain.kvstore.create(...)`, as mx.kv.create
+        return importlib.import_module(f"paratrain.{name}")
     raise AttributeError(f"module 'paratrain' has no attribute {name!r}")

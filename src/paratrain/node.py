@@ -11,44 +11,17 @@ import atexit
 import logging
 import sys
 import threading
-from dataclasses import dataclass, field
-from typing import Any
 
 from paratrain.cluster.agent import SchedulerLink
 from paratrain.cluster.config import JobConfig
+from paratrain.cluster.context import Context
 from paratrain.cluster.scheduler import Scheduler
 from paratrain.cluster.spec import ClusterSpec, spec_from_env
 from paratrain.transport.rpc import RpcServer
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class Context:
-    """What a worker knows about its job."""
-
-    role: str
-    rank: int
-    num_workers: int
-    num_servers: int
-    servers: list[tuple[str, int]] = field(default_factory=list)
-    """(host, port) of each server, by rank."""
-    config: JobConfig = field(default_factory=JobConfig)
-    spec: ClusterSpec | None = None
-    link: SchedulerLink | None = field(default=None, repr=False)
-
-    @property
-    def distributed(self) -> bool:
-        return self.link is not None
-
-    def barrier(
-        self, group: str = "workers", name: str = "", timeout_s: float | None = None, data: Any = None
-    ) -> dict[int, Any]:
-        """Wait until every live worker (group "workers"), and every server too ("all"), is here.
-        Returns what each worker passed as `data` (small, msgpack-able), by rank."""
-        if self.link is None:
-            return {0: data}
-        return self.link.barrier(group, name, timeout_s, data)
+__all__ = ["Context", "init"]
 
 
 _context: Context | None = None

@@ -30,11 +30,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime
 
-import paratrain
 from paratrain.cluster.config import JobConfig, config_differences
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec
 from paratrain.transport.connection import Connection
 from paratrain.transport.rpc import Handler, Request, RpcServer, listen
+from paratrain.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -228,10 +228,9 @@ class Scheduler(Handler):
         meta = request.meta
         role, pid, host = meta.get("role"), meta.get("pid"), meta.get("host")
         who = f"{role} {meta.get('rank', '?')} (host {host}, pid {pid})"
-        if meta.get("version") != paratrain.__version__:
+        if meta.get("version") != __version__:
             raise Refused(
-                f"{who} runs paratrain {meta.get('version')!r} but the scheduler runs "
-                f"{paratrain.__version__!r}"
+                f"{who} runs paratrain {meta.get('version')!r} but the scheduler runs {__version__!r}"
             )
         if meta.get("config_digest") != self.config.digest():
             diffs = config_differences(self.config.as_dict(), meta.get("config") or {})

@@ -31,10 +31,10 @@ def create(kind: str | KVStoreConfig = "local", ctx: Any = None) -> Any:
         from paratrain.kvstore.embedding import LocalSparseKVStore
 
         return LocalSparseKVStore(config)  # LocalKVStore with sparse tables
-    import paratrain
+    from paratrain.cluster.context import current
     from paratrain.kvstore.client import DistKVStore
 
-    ctx = ctx or paratrain.init()
+    ctx = current(ctx)
     if not ctx.distributed:
         from paratrain.kvstore.embedding import LocalSparseKVStore
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from paratrain.cluster.context import Context
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVStoreConfig, SparseAPI, check_key
@@ -33,7 +34,6 @@ from paratrain.kvstore.checks import check_finite, check_init_value, check_tenso
 from paratrain.kvstore.placement import Placement, Slice
 from paratrain.kvstore.shared import ArenaMap, Region
 from paratrain.kvstore.state import Entry, read_state, read_tables, write_state
-from paratrain.node import Context
 from paratrain.transport.rpc import Future, RpcClient
 from paratrain.transport.tensors import dtype_name
 

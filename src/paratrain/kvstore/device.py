@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paratrain.cluster.context import Context
 from paratrain.cluster.rendezvous import init_torch_distributed
 from paratrain.errors import KVStoreError
 from paratrain.kvstore.api import KVStoreConfig
@@ -25,7 +26,6 @@ from paratrain.kvstore.client import (
     Keys,
     as_lists,
 )
-from paratrain.node import Context
 
 
 def host_groups(hosts: list[str]) -> list[list[int]]:

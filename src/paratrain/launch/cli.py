@@ -18,8 +18,8 @@ import os
 
 import click
 
-from paratrain import __version__
 from paratrain.launch.api import BACKENDS, LaunchConfig
+from paratrain.version import __version__
 
 
 @click.group()

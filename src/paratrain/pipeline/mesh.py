@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.cluster.context import current
 from paratrain.collective import broadcast_parameters
 from paratrain.pipeline.api import PipelineConfig, StagePipeline
 from paratrain.pipeline.local import LocalPipeline, local_devices, place_on_devices
@@ -94,9 +95,7 @@ def pipeline_for(
     micro-batch, to balance the split when config.split_points is None. `ctx`: what paratrain.init()
     returned (default: that). `device`: where this process's stage runs (multi-process jobs).
     """
-    import paratrain
-
-    ctx = ctx or paratrain.init()
+    ctx = current(ctx)
     blocks = as_blocks(model)
     if ctx.num_workers == 1:
         return _local_pipeline(blocks, config, loss_fn, sample_input)

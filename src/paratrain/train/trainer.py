@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from paratrain import checkpoint
+from paratrain.cluster.context import current
 from paratrain.data import ShardedLoader
 from paratrain.metrics import NullMetrics, Progress, open_metrics
 from paratrain.train.strategy import Strategy, resolve_strategy
@@ -174,9 +175,7 @@ class Trainer:
         seed: int = 0,
         ctx: Any = None,
     ) -> None:
-        import paratrain
-
-        self.ctx = ctx or paratrain.init()
+        self.ctx = current(ctx)
         self.strategy = resolve_strategy(strategy, self.ctx.num_servers, self.ctx.distributed)
         self.loss_fn = loss_fn
         self.pipelined = self.strategy.pipeline_stages > 1
