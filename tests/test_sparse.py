@@ -14,8 +14,8 @@ from torch import nn
 from paratrain.data.criteo import category_id, read_criteo, write_synthetic_criteo, zipf_ranks
 from paratrain.errors import KVStoreError
 from paratrain.kvstore import TableConfig, create
-from paratrain.kvstore.embedding import DistributedEmbedding, ServingEmbedding
-from paratrain.kvstore.sparse import IdIndex, SparseTable, build_optimizer, initial_rows, shard_of
+from paratrain.kvstore.server.sparse import IdIndex, SparseTable, build_optimizer, initial_rows, shard_of
+from paratrain.kvstore.worker.embedding import DistributedEmbedding, ServingEmbedding
 from paratrain.testing import run_job
 
 JOBS = Path(__file__).parent / "jobs"
@@ -49,7 +49,7 @@ def test_id_index_agrees_with_a_dict_through_inserts_removals_and_rebuilds():
 
 @pytest.mark.parametrize("servers", [1, 3])
 def test_dedup_groups_each_unique_id_once_on_its_server(servers):
-    from paratrain.kvstore.embedding import TableClient
+    from paratrain.kvstore.worker.embedding import TableClient
 
     rng = np.random.default_rng(1)
     ids = torch.from_numpy(rng.integers(-(2**63), 2**63 - 1, 300, dtype=np.int64))

@@ -72,7 +72,7 @@ def _start_embedded_scheduler(spec: ClusterSpec, config: JobConfig) -> threading
 
 
 def _serve(spec: ClusterSpec, config: JobConfig) -> int:
-    from paratrain.kvstore.server import KVServer  # servers serve the kvstore (and "ping")
+    from paratrain.kvstore.server.server import KVServer  # servers serve the kvstore (and "ping")
 
     scheduler_thread = _start_embedded_scheduler(spec, config)
     server = RpcServer(

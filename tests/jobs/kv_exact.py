@@ -15,7 +15,7 @@ import torch
 
 import paratrain
 import paratrain.kvstore
-import paratrain.kvstore.client
+import paratrain.kvstore.worker.client
 from paratrain.kvstore import KVStoreConfig, resolve_kind
 from paratrain.transport.config import TransportConfig
 
@@ -24,7 +24,7 @@ tcp_only = paratrain.JobConfig(transport=TransportConfig(shm_ring_bytes=0))
 ctx = paratrain.init(tcp_only if path == "tcp" else None)
 over_tcp = path == "tcp" or (path == "mixed" and ctx.rank == 1)
 if over_tcp:  # worker 1 of a mixed job plays one on another host: no server shares its machine
-    paratrain.kvstore.client.same_host = lambda peer, mine: False
+    paratrain.kvstore.worker.client.same_host = lambda peer, mine: False
 kind = resolve_kind(sys.argv[1])
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 frame_bytes = int(sys.argv[4]) if len(sys.argv) > 4 else KVStoreConfig().frame_bytes

@@ -18,7 +18,7 @@ import torch
 import paratrain
 import paratrain.kvstore
 from paratrain.kvstore import KVStoreConfig, TableConfig
-from paratrain.kvstore.embedding import DistributedEmbedding, modules
+from paratrain.kvstore.worker.embedding import DistributedEmbedding, modules
 
 kind, loss_kind, out = sys.argv[1], sys.argv[2], sys.argv[3]
 state = sys.argv[4] if len(sys.argv) > 4 else None

@@ -16,7 +16,7 @@ import torch
 import paratrain
 import paratrain.kvstore
 from paratrain.kvstore import TableConfig
-from paratrain.kvstore.embedding import DistributedEmbedding
+from paratrain.kvstore.worker.embedding import DistributedEmbedding
 
 state, out = sys.argv[1], sys.argv[2]
 DIM, POOL = 6, 48

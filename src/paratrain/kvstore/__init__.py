@@ -8,19 +8,42 @@ emb = paratrain.kvstore.DistributedEmbedding("ads", 16, mode="sum")            #
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from paratrain.kvstore.api import KINDS, KVStoreConfig, TableConfig, resolve_kind
 
-__all__ = ["KINDS", "DistributedEmbedding", "KVStoreConfig", "ServingEmbedding", "TableConfig", "create"]
+__all__ = [
+    "KINDS",
+    "DistKVStore",
+    "DistributedEmbedding",
+    "Handle",
+    "HostKVStore",
+    "KVStoreConfig",
+    "LocalKVStore",
+    "LocalSparseKVStore",
+    "ServingEmbedding",
+    "TableConfig",
+    "create",
+]
+
+# Lazy: the stores import torch, the client, the server's table code and torch.nn.
+_LAZY = {
+    "DistKVStore": "paratrain.kvstore.worker.client",
+    "Handle": "paratrain.kvstore.worker.client",
+    "HostKVStore": "paratrain.kvstore.worker.device",
+    "LocalKVStore": "paratrain.kvstore.worker.local",
+    "LocalSparseKVStore": "paratrain.kvstore.worker.embedding",
+    "DistributedEmbedding": "paratrain.kvstore.worker.embedding",
+    "ServingEmbedding": "paratrain.kvstore.worker.embedding",
+    "TableClient": "paratrain.kvstore.worker.embedding",
+    "KVServer": "paratrain.kvstore.server.server",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: the embedding module imports the client, the server's table code and torch.nn.
-    if name in ("DistributedEmbedding", "ServingEmbedding"):
-        from paratrain.kvstore import embedding
-
-        return getattr(embedding, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'paratrain.kvstore' has no attribute {name!r}")
 
 
@@ -28,19 +51,19 @@ def create(kind: str | KVStoreConfig = "local", ctx: Any = None) -> Any:
     """A kvstore for this worker. `ctx` defaults to the one `paratrain.init()` returned."""
     config = resolve_kind(kind)
     if config.local:
-        from paratrain.kvstore.embedding import LocalSparseKVStore
+        from paratrain.kvstore.worker.embedding import LocalSparseKVStore
 
         return LocalSparseKVStore(config)  # LocalKVStore with sparse tables
     from paratrain.cluster.context import current
-    from paratrain.kvstore.client import DistKVStore
+    from paratrain.kvstore.worker.client import DistKVStore
 
     ctx = current(ctx)
     if not ctx.distributed:
-        from paratrain.kvstore.embedding import LocalSparseKVStore
+        from paratrain.kvstore.worker.embedding import LocalSparseKVStore
 
         return LocalSparseKVStore(config)  # a script run alone: same semantics, one worker
     if config.aggregation == "host":
-        from paratrain.kvstore.device import HostKVStore
+        from paratrain.kvstore.worker.device import HostKVStore
 
         return HostKVStore(ctx, config)
     return DistKVStore(ctx, config)

@@ -73,7 +73,7 @@ class ServerSync:
         group,  # noqa: ANN001
     ) -> None:
         from paratrain.kvstore.api import KVStoreConfig
-        from paratrain.kvstore.client import DistKVStore
+        from paratrain.kvstore.worker.client import DistKVStore
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]

@@ -15,9 +15,9 @@ import torch
 from paratrain.errors import KVStoreError
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVStoreConfig
-from paratrain.kvstore.checks import check_finite, check_init_value, check_tensors
-from paratrain.kvstore.client import Handle, Keys, as_lists
-from paratrain.kvstore.state import read_state, write_state
+from paratrain.kvstore.worker.checks import check_finite, check_init_value, check_tensors
+from paratrain.kvstore.worker.client import Handle, Keys, as_lists
+from paratrain.kvstore.worker.state import read_state, write_state
 
 
 class LocalKVStore:

@@ -36,12 +36,12 @@ from paratrain.checkpoint import save_file
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import kernels, optim
 from paratrain.kvstore.api import KVStoreConfig, SparseAPI, TableConfig, check_key
-from paratrain.kvstore.checks import check_finite, explain_wait
-from paratrain.kvstore.client import Handle
-from paratrain.kvstore.local import LocalKVStore
-from paratrain.kvstore.rowstore import SHARD_SALT
-from paratrain.kvstore.sparse import SparseTables, shard_of
-from paratrain.kvstore.state import TableEntry, read_tables, write_tables
+from paratrain.kvstore.server.rowstore import SHARD_SALT
+from paratrain.kvstore.server.sparse import SparseTables, shard_of
+from paratrain.kvstore.worker.checks import check_finite, explain_wait
+from paratrain.kvstore.worker.client import Handle
+from paratrain.kvstore.worker.local import LocalKVStore
+from paratrain.kvstore.worker.state import TableEntry, read_tables, write_tables
 
 logger = logging.getLogger(__name__)
 

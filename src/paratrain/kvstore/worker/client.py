@@ -30,10 +30,10 @@ from paratrain.cluster.context import Context
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVStoreConfig, SparseAPI, check_key
-from paratrain.kvstore.checks import check_finite, check_init_value, check_tensors, explain_wait
 from paratrain.kvstore.placement import Placement, Slice
 from paratrain.kvstore.shared import ArenaMap, Region
-from paratrain.kvstore.state import Entry, read_state, read_tables, write_state
+from paratrain.kvstore.worker.checks import check_finite, check_init_value, check_tensors, explain_wait
+from paratrain.kvstore.worker.state import Entry, read_state, read_tables, write_state
 from paratrain.transport.rpc import Future, RpcClient
 from paratrain.transport.tensors import dtype_name
 
@@ -227,7 +227,7 @@ class DistKVStore(SparseAPI):
     def tables(self) -> Any:
         """The sparse tables' half of the API (SparseAPI; kvstore/embedding.py does the work)."""
         if self._tables is None:
-            from paratrain.kvstore.embedding import TableClient
+            from paratrain.kvstore.worker.embedding import TableClient
 
             self._tables = TableClient(self._clients, self.rank, self.config, self._barrier, self._timeout_s)
         return self._tables

@@ -49,8 +49,8 @@ from typing import Any
 import torch
 
 from paratrain.kvstore import optim
+from paratrain.kvstore.server.sparse import SparseTables
 from paratrain.kvstore.shared import Arena, Region
-from paratrain.kvstore.sparse import SparseTables
 from paratrain.transport.connection import Connection
 from paratrain.transport.frame import Header
 from paratrain.transport.rpc import Handler, Request

@@ -43,7 +43,7 @@ import torch
 
 from paratrain.kvstore import kernels
 from paratrain.kvstore.api import TableConfig, TableError
-from paratrain.kvstore.rowstore import (
+from paratrain.kvstore.server.rowstore import (
     ADMIT_SALT,
     GOLDEN,
     Columns,
@@ -53,7 +53,7 @@ from paratrain.kvstore.rowstore import (
     shard_of,
     unit_hash,
 )
-from paratrain.kvstore.sparse_optim import SparseOptimizer, add_rows, build_optimizer
+from paratrain.kvstore.server.sparse_optim import SparseOptimizer, add_rows, build_optimizer
 
 logger = logging.getLogger(__name__)
 

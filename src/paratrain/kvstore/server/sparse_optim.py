@@ -12,7 +12,7 @@ import torch
 
 from paratrain.kvstore import kernels, optim
 from paratrain.kvstore.api import TableError
-from paratrain.kvstore.rowstore import Columns
+from paratrain.kvstore.server.rowstore import Columns
 
 
 class SparseOptimizer:

@@ -19,8 +19,8 @@ from paratrain.cluster.context import Context
 from paratrain.cluster.rendezvous import init_torch_distributed
 from paratrain.errors import KVStoreError
 from paratrain.kvstore.api import KVStoreConfig
-from paratrain.kvstore.checks import check_finite, check_init_value, check_tensors
-from paratrain.kvstore.client import (
+from paratrain.kvstore.worker.checks import check_finite, check_init_value, check_tensors
+from paratrain.kvstore.worker.client import (
     DistKVStore,
     Handle,
     Keys,
