@@ -263,7 +263,7 @@ def test_the_host_store_checks_every_argument_before_the_hosts_collectives():
 
 def test_a_long_wait_warns_and_then_fails_with_a_kvstore_error_naming_the_cause(caplog):
     from paratrain.errors import KVStoreError
-    from paratrain.kvstore.worker.client import Handle
+    from paratrain.kvstore.api import Handle
     from paratrain.transport.rpc import Future
 
     never = Future("'pull' (id 1) from server 0 (127.0.0.1:1)", None)  # its reply never comes
@@ -277,7 +277,7 @@ def test_a_long_wait_warns_and_then_fails_with_a_kvstore_error_naming_the_cause(
         [never], timeout_s=2.0, what="worker 0's pull of key 'w'", diagnose=diagnose, warn_after_s=0.1
     )
     with (
-        caplog.at_level("WARNING", logger="paratrain.kvstore.worker.client"),
+        caplog.at_level("WARNING", logger="paratrain.kvstore.api"),
         pytest.raises(
             KVStoreError, match=r"pull of key 'w' got no reply within 2 s: round 1 .* worker\(s\) 1"
         ),

@@ -109,6 +109,7 @@ def test_subpackages_work_after_a_bare_import() -> None:
     code = (
         "import paratrain\n"
         "kv = paratrain.kvstore.create('local')\n"
+        "assert isinstance(kv, paratrain.kvstore.KVStore), type(kv)\n"
         "paratrain.pipeline.PipelineConfig(stages=2)\n"
         "paratrain.train.Strategy.parse('dist_async')\n"
         "print(paratrain.__version__)\n"

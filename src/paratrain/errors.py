@@ -31,6 +31,11 @@ class RendezvousError(ClusterError):
     """This node could not join the job (version or config mismatch, duplicate rank, timeout)."""
 
 
+class RegistrationError(RendezvousError):
+    """The scheduler refused a node's registration (version, config, role or rank); the message
+    says why."""
+
+
 class JobAbortedError(ClusterError):
     """The scheduler ended the job because some node failed; the message names it."""
 

@@ -32,15 +32,12 @@ from datetime import datetime
 
 from paratrain.cluster.config import JobConfig, config_differences
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec
+from paratrain.errors import RegistrationError
 from paratrain.transport.connection import Connection
 from paratrain.transport.rpc import Handler, Request, RpcServer, listen
 from paratrain.version import __version__
 
 logger = logging.getLogger(__name__)
-
-
-class Refused(Exception):
-    """A registration that cannot be accepted; the message says why."""
 
 
 @dataclass
@@ -209,7 +206,7 @@ class Scheduler(Handler):
                 if ready:
                     self._started = True
                     waiting, self._waiting = self._waiting, []
-        except Refused as exc:
+        except RegistrationError as exc:
             # Refuse that node, not the job: a stray process with the secret (a duplicate rank, a
             # leftover of another run) must not end a healthy job. A refused member of this job
             # fails on its own (its init raises), and the launcher, or the start timeout, ends it.
@@ -229,23 +226,23 @@ class Scheduler(Handler):
         role, pid, host = meta.get("role"), meta.get("pid"), meta.get("host")
         who = f"{role} {meta.get('rank', '?')} (host {host}, pid {pid})"
         if meta.get("version") != __version__:
-            raise Refused(
+            raise RegistrationError(
                 f"{who} runs paratrain {meta.get('version')!r} but the scheduler runs {__version__!r}"
             )
         if meta.get("config_digest") != self.config.digest():
             diffs = config_differences(self.config.as_dict(), meta.get("config") or {})
-            raise Refused(f"{who} has a different JobConfig: {'; '.join(diffs) or 'digest only'}")
+            raise RegistrationError(f"{who} has a different JobConfig: {'; '.join(diffs) or 'digest only'}")
         if role not in ("server", "worker"):
-            raise Refused(f"{who}: role {role!r} cannot register")
+            raise RegistrationError(f"{who}: role {role!r} cannot register")
         count = self.spec.num_servers if role == "server" else self.spec.num_workers
         rank = meta.get("rank")
         if rank is None:
             taken = {r for (ro, r) in self._nodes if ro == role}
             rank = min((r for r in range(count) if r not in taken), default=count)
         if not isinstance(rank, int) or not 0 <= rank < count:
-            raise Refused(f"{who}: rank {rank!r} is outside 0..{count - 1} for {count} {role}s")
+            raise RegistrationError(f"{who}: rank {rank!r} is outside 0..{count - 1} for {count} {role}s")
         if (role, rank) in self._nodes:
-            raise Refused(f"{who}: {role} {rank} is already registered")
+            raise RegistrationError(f"{who}: {role} {rank} is already registered")
         port = meta.get("port") or 0
         node = Node(role, rank, str(host), int(port), int(pid or 0), request.conn)
         self._nodes[role, rank] = node

@@ -9,12 +9,29 @@ emb = paratrain.kvstore.DistributedEmbedding("ads", 16, mode="sum")            #
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from paratrain.kvstore.api import KINDS, KVStoreConfig, TableConfig, resolve_kind
+from paratrain.kvstore.api import (
+    KINDS,
+    Handle,
+    KVError,
+    KVStore,
+    KVStoreConfig,
+    KVStoreTimeoutError,
+    TableConfig,
+    TableError,
+    resolve_kind,
+)
+
+if TYPE_CHECKING:
+    from paratrain.cluster.context import Context
 
 __all__ = [
     "KINDS",
+    "KVError",
+    "KVStore",
+    "KVStoreTimeoutError",
+    "TableError",
     "DistKVStore",
     "DistributedEmbedding",
     "Handle",
@@ -30,7 +47,6 @@ __all__ = [
 # Lazy: the stores import torch, the client, the server's table code and torch.nn.
 _LAZY = {
     "DistKVStore": "paratrain.kvstore.worker.client",
-    "Handle": "paratrain.kvstore.worker.client",
     "HostKVStore": "paratrain.kvstore.worker.device",
     "LocalKVStore": "paratrain.kvstore.worker.local",
     "LocalSparseKVStore": "paratrain.kvstore.worker.embedding",
@@ -47,7 +63,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'paratrain.kvstore' has no attribute {name!r}")
 
 
-def create(kind: str | KVStoreConfig = "local", ctx: Any = None) -> Any:
+def create(kind: str | KVStoreConfig = "local", ctx: Context | None = None) -> KVStore:
     """A kvstore for this worker. `ctx` defaults to the one `paratrain.init()` returned."""
     config = resolve_kind(kind)
     if config.local:

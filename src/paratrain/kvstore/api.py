@@ -1,11 +1,51 @@
-"""The kvstore's interface, its configuration and the MXNet kind names."""
+"""The kvstore's contract: the `KVStore` protocol every store implements (`create()` returns one),
+its `Handle`, key types, configuration, the MXNet kind names, and the kvstore's errors (all under
+errors.KVStoreError, below the package's root ParatrainError).
+
+Implementations: worker/client.py (DistKVStore: the job's servers), worker/device.py (HostKVStore:
+a host's workers reduce first), worker/local.py and worker/embedding.py (LocalKVStore and
+LocalSparseKVStore: one process). The server side is server/.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore.placement import DEFAULT_SLICE_ELEMENTS
+
+if TYPE_CHECKING:
+    import torch
+
+    from paratrain.kvstore.shared import Region
+    from paratrain.transport.rpc import Future
+
+logger = logging.getLogger(__name__)
+
+
+class KVStoreTimeoutError(KVStoreError, TimeoutError):
+    """A kvstore call got no reply in time; the message says what it waited for and on whom."""
+
+
+class KVError(KVStoreError):
+    """A request a server refuses (unknown key, shape mismatch, a round pushed twice); the worker
+    gets the message."""
+
+
+class TableError(KVStoreError, ValueError):
+    """A sparse-table request a server refuses; the worker gets the message."""
+
+
+Key = int | str
+"""A key: an int64 or a str of at most MAX_KEY_BYTES UTF-8 bytes."""
+Keys = Any | Sequence[Any]
+"""One key, or a list of keys (with matching lists of values and outs)."""
+
 
 CONSISTENCY = ("sync", "async", "bounded")
 AGGREGATION = ("process", "host")
@@ -102,6 +142,125 @@ def resolve_kind(kind: str | KVStoreConfig) -> KVStoreConfig:
     return KINDS[kind]
 
 
+@dataclass
+class Handle:
+    """Completion of one push / pull / pushpull. `wait()` raises the servers' errors, and a
+    KVStoreError naming what it still waits for and on whom when `timeout_s` runs out; pulled
+    slices that a same-host server keeps in shared memory are copied into `out` there."""
+
+    futures: list[Future]
+    after: list[Callable[[], None]] = field(default_factory=list)
+    timeout_s: float | None = None
+    reads: list[tuple[Region, torch.Tensor]] = field(default_factory=list)
+    """Slices to copy out of a server's shared memory once its reply came."""
+    version: int | None = None
+    """After wait(): the oldest version among the pulled slices (rounds applied, in sync and
+    bounded modes; pushes applied, in async mode)."""
+    what: str = "request"
+    """What the caller waits for ("pushpull of key 'w'"), for the messages of a long wait."""
+    diagnose: Callable[[list[int]], str] | None = None
+    """Given the indices of the futures not yet answered: what they wait for and on whom."""
+    warn_after_s: float | None = None
+    """Log what the wait is for after this long, and again every warn_after_s (None: never)."""
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            replies = self._replies(timeout)
+        except (RemoteError, TransportError) as exc:
+            raise KVStoreError(str(exc)) from None
+        except TimeoutError as exc:  # never the builtin: every kvstore wait fails as a KVStoreError
+            raise KVStoreTimeoutError(f"{self.what}: {exc}") from None
+        versions = [v for r in replies for v in r.meta.get("versions", ())]
+        versions += [region.read(dest) for region, dest in self.reads]
+        self.version = min(versions) if versions else self.version
+        self.reads = []
+        for fn in self.after:
+            fn()
+        self.after = []
+
+    def done(self) -> bool:
+        """Whether every server replied (wait() then only copies shared-memory slices)."""
+        return all(f.done() for f in self.futures)
+
+    def _replies(self, timeout_s: float | None) -> list:
+        """Every future's reply; a wait is never silent: past warn_after_s it logs what it waits
+        for, and past timeout_s it raises a KVStoreError that says the same."""
+        start = time.monotonic()
+        deadline = None if timeout_s is None else start + timeout_s
+        warn_at = None if self.warn_after_s is None else start + self.warn_after_s
+        replies = []
+        for future in self.futures:
+            while True:
+                ends = [t for t in (deadline, warn_at) if t is not None]
+                try:
+                    replies.append(future.wait(max(0.0, min(ends) - time.monotonic()) if ends else None))
+                    break
+                except TimeoutError:
+                    pass
+                waited = time.monotonic() - start
+                pending = [i for i, f in enumerate(self.futures) if not f.done()]
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise KVStoreTimeoutError(
+                        f"{self.what} got no reply within {timeout_s:g} s: {self._why(pending)}"
+                    ) from None
+                logger.warning("%s has waited %.0f s: %s", self.what, waited, self._why(pending))
+                assert warn_at is not None and self.warn_after_s is not None
+                warn_at += self.warn_after_s
+        return replies
+
+    def _why(self, pending: list[int]) -> str:
+        if not pending:
+            return "every reply has just arrived"
+        unanswered = "no reply from " + ", ".join(self.futures[i].what.split(" from ")[-1] for i in pending)
+        if self.diagnose is None:
+            return unanswered
+        try:
+            return self.diagnose(pending)
+        except Exception as exc:  # the diagnosis is a courtesy: the wait's own error must still come
+            logger.debug("diagnosing a long wait failed", exc_info=True)
+            return f"{unanswered} (asking why failed: {exc!r})"
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    """What every kvstore does (MXNet's kvstore API). `push` and the `*_async` calls return a
+    Handle at once; `pull` and `pushpull` return when `out` holds the value, with the oldest
+    version pulled (None where a store does not count versions)."""
+
+    rank: int
+    num_workers: int
+    config: KVStoreConfig
+
+    def init(self, keys: Keys, values: Any) -> None:
+        """The first init of a key sets its value; a later one must match its shape and dtype."""
+
+    def push(self, keys: Keys, values: Any) -> Handle:
+        """Push gradients; values must not change until handle.wait()."""
+
+    def pull_async(self, keys: Keys, out: Any) -> Handle: ...
+
+    def pull(self, keys: Keys, out: Any) -> int | None: ...
+
+    def pushpull_async(self, keys: Keys, values: Any, out: Any) -> Handle: ...
+
+    def pushpull(self, keys: Keys, values: Any, out: Any) -> int | None: ...
+
+    def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
+        """Run `optimizer` (a torch.optim class or its path) where the values are kept."""
+
+    def barrier(self) -> None: ...
+
+    def stats(self) -> dict:
+        """What the servers counted per key (empty without servers)."""
+
+    def save_state(self, path: str | os.PathLike[str]) -> None: ...
+
+    def load_state(self, path: str | os.PathLike[str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 # -- sparse tables (kvstore/sparse.py on the servers, kvstore/embedding.py on the workers) -----------
 INITIALIZERS = ("zeros", "uniform", "normal")
 
@@ -147,10 +306,6 @@ class TableConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"TableConfig.{name}={value!r} must be an int >= {least}")
-
-
-class TableError(ValueError):
-    """A sparse-table request a server refuses; the worker gets the message."""
 
 
 class SparseAPI:

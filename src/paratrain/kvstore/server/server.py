@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from paratrain.kvstore import optim
+from paratrain.kvstore.api import KVError
 from paratrain.kvstore.server.sparse import SparseTables
 from paratrain.kvstore.shared import Arena, Region
 from paratrain.transport.connection import Connection
@@ -66,10 +67,6 @@ POOL_BUFFERS = 4
 # into directly. Two let a worker push round r + 1 while round r waits for a slow worker.
 ROUND_BUFFERS = 2
 COUNTS = ("pushes", "pulls", "bytes_in", "bytes_out")
-
-
-class KVError(Exception):
-    """A request this server refuses; the worker gets the message."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from paratrain.errors import RemoteError, TransportError
+from paratrain.kvstore.api import Keys, check_key
 from paratrain.transport.tensors import dtype_name
 
 
@@ -82,3 +83,26 @@ def check_finite(keys: list, values: list, rank: int, what: str = "key") -> None
                     f"worker {rank} pushed {bad} non-finite value(s) (NaN or inf) to {what} {key!r}: refused "
                     "(KVStoreConfig.refuse_non_finite); nothing was sent"
                 )
+
+
+def as_lists(keys: Keys, values: Any = None) -> tuple[list, list]:
+    if isinstance(keys, (list, tuple)):
+        keys = list(keys)
+        values = [None] * len(keys) if values is None else list(values)
+    else:
+        keys, values = [keys], [values]
+    if len(values) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(values)} values")
+    for key in keys:
+        check_key(key)
+    return keys, [_summed(v) for v in values]
+
+
+def _summed(value: Any) -> Any:
+    """A list of tensors for one key (one per local device) is summed first, as MXNet does."""
+    if isinstance(value, (list, tuple)):
+        total = value[0].detach().to("cpu", copy=True)
+        for v in value[1:]:
+            total += v.detach().to("cpu")
+        return total
+    return value

@@ -20,7 +20,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +29,16 @@ import torch
 from paratrain.cluster.context import Context
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import optim
-from paratrain.kvstore.api import KVStoreConfig, SparseAPI, check_key
+from paratrain.kvstore.api import Handle, Keys, KVStoreConfig, SparseAPI
 from paratrain.kvstore.placement import Placement, Slice
 from paratrain.kvstore.shared import ArenaMap, Region
-from paratrain.kvstore.worker.checks import check_finite, check_init_value, check_tensors, explain_wait
+from paratrain.kvstore.worker.checks import (
+    as_lists,
+    check_finite,
+    check_init_value,
+    check_tensors,
+    explain_wait,
+)
 from paratrain.kvstore.worker.state import Entry, read_state, read_tables, write_state
 from paratrain.transport.rpc import Future, RpcClient
 from paratrain.transport.tensors import dtype_name
@@ -53,110 +59,6 @@ class KeyInfo:
     @property
     def numel(self) -> int:
         return sum(s.numel for s in self.slices)
-
-
-@dataclass
-class Handle:
-    """Completion of one push / pull / pushpull. `wait()` raises the servers' errors, and a
-    KVStoreError naming what it still waits for and on whom when `timeout_s` runs out; pulled
-    slices that a same-host server keeps in shared memory are copied into `out` there."""
-
-    futures: list[Future]
-    after: list[Callable[[], None]] = field(default_factory=list)
-    timeout_s: float | None = None
-    reads: list[tuple[Region, torch.Tensor]] = field(default_factory=list)
-    """Slices to copy out of a server's shared memory once its reply came."""
-    version: int | None = None
-    """After wait(): the oldest version among the pulled slices (rounds applied, in sync and
-    bounded modes; pushes applied, in async mode)."""
-    what: str = "request"
-    """What the caller waits for ("pushpull of key 'w'"), for the messages of a long wait."""
-    diagnose: Callable[[list[int]], str] | None = None
-    """Given the indices of the futures not yet answered: what they wait for and on whom."""
-    warn_after_s: float | None = None
-    """Log what the wait is for after this long, and again every warn_after_s (None: never)."""
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            replies = self._replies(timeout)
-        except (RemoteError, TransportError) as exc:
-            raise KVStoreError(str(exc)) from None
-        versions = [v for r in replies for v in r.meta.get("versions", ())]
-        versions += [region.read(dest) for region, dest in self.reads]
-        self.version = min(versions) if versions else self.version
-        self.reads = []
-        for fn in self.after:
-            fn()
-        self.after = []
-
-    def done(self) -> bool:
-        """Whether every server replied (wait() then only copies shared-memory slices)."""
-        return all(f.done() for f in self.futures)
-
-    def _replies(self, timeout_s: float | None) -> list:
-        """Every future's reply; a wait is never silent: past warn_after_s it logs what it waits
-        for, and past timeout_s it raises a KVStoreError that says the same."""
-        start = time.monotonic()
-        deadline = None if timeout_s is None else start + timeout_s
-        warn_at = None if self.warn_after_s is None else start + self.warn_after_s
-        replies = []
-        for future in self.futures:
-            while True:
-                ends = [t for t in (deadline, warn_at) if t is not None]
-                try:
-                    replies.append(future.wait(max(0.0, min(ends) - time.monotonic()) if ends else None))
-                    break
-                except TimeoutError:
-                    pass
-                waited = time.monotonic() - start
-                pending = [i for i, f in enumerate(self.futures) if not f.done()]
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise KVStoreError(
-                        f"{self.what} got no reply within {timeout_s:g} s: {self._why(pending)}"
-                    ) from None
-                logger.warning("%s has waited %.0f s: %s", self.what, waited, self._why(pending))
-                assert warn_at is not None and self.warn_after_s is not None
-                warn_at += self.warn_after_s
-        return replies
-
-    def _why(self, pending: list[int]) -> str:
-        if not pending:
-            return "every reply has just arrived"
-        unanswered = "no reply from " + ", ".join(self.futures[i].what.split(" from ")[-1] for i in pending)
-        if self.diagnose is None:
-            return unanswered
-        try:
-            return self.diagnose(pending)
-        except Exception as exc:  # the diagnosis is a courtesy: the wait's own error must still come
-            logger.debug("diagnosing a long wait failed", exc_info=True)
-            return f"{unanswered} (asking why failed: {exc!r})"
-
-
-Keys = Any | Sequence[Any]
-
-
-def as_lists(keys: Keys, values: Any = None) -> tuple[list, list]:
-    if isinstance(keys, (list, tuple)):
-        keys = list(keys)
-        values = [None] * len(keys) if values is None else list(values)
-    else:
-        keys, values = [keys], [values]
-    if len(values) != len(keys):
-        raise ValueError(f"{len(keys)} keys but {len(values)} values")
-    for key in keys:
-        check_key(key)
-    return keys, [_summed(v) for v in values]
-
-
-def _summed(value: Any) -> Any:
-    """A list of tensors for one key (one per local device) is summed first, as MXNet does."""
-    if isinstance(value, (list, tuple)):
-        total = value[0].detach().to("cpu", copy=True)
-        for v in value[1:]:
-            total += v.detach().to("cpu")
-        return total
-    return value
 
 
 def same_host(peer: str, mine: str) -> bool:

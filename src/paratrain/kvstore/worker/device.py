@@ -18,14 +18,9 @@ import torch.distributed as dist
 from paratrain.cluster.context import Context
 from paratrain.cluster.rendezvous import init_torch_distributed
 from paratrain.errors import KVStoreError
-from paratrain.kvstore.api import KVStoreConfig
-from paratrain.kvstore.worker.checks import check_finite, check_init_value, check_tensors
-from paratrain.kvstore.worker.client import (
-    DistKVStore,
-    Handle,
-    Keys,
-    as_lists,
-)
+from paratrain.kvstore.api import Handle, Keys, KVStoreConfig
+from paratrain.kvstore.worker.checks import as_lists, check_finite, check_init_value, check_tensors
+from paratrain.kvstore.worker.client import DistKVStore
 
 
 def host_groups(hosts: list[str]) -> list[list[int]]:

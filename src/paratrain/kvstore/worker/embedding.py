@@ -35,11 +35,10 @@ from torch import nn
 from paratrain.checkpoint import save_file
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import kernels, optim
-from paratrain.kvstore.api import KVStoreConfig, SparseAPI, TableConfig, check_key
+from paratrain.kvstore.api import Handle, KVStoreConfig, SparseAPI, TableConfig, check_key
 from paratrain.kvstore.server.rowstore import SHARD_SALT
 from paratrain.kvstore.server.sparse import SparseTables, shard_of
 from paratrain.kvstore.worker.checks import check_finite, explain_wait
-from paratrain.kvstore.worker.client import Handle
 from paratrain.kvstore.worker.local import LocalKVStore
 from paratrain.kvstore.worker.state import TableEntry, read_tables, write_tables
 

@@ -14,9 +14,8 @@ import torch
 
 from paratrain.errors import KVStoreError
 from paratrain.kvstore import optim
-from paratrain.kvstore.api import KVStoreConfig
-from paratrain.kvstore.worker.checks import check_finite, check_init_value, check_tensors
-from paratrain.kvstore.worker.client import Handle, Keys, as_lists
+from paratrain.kvstore.api import Handle, Keys, KVStoreConfig
+from paratrain.kvstore.worker.checks import as_lists, check_finite, check_init_value, check_tensors
 from paratrain.kvstore.worker.state import read_state, write_state
 
 
