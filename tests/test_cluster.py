@@ -121,10 +121,10 @@ def test_a_server_that_dies_aborts_the_job():
 def test_version_and_config_mismatches_are_refused_saying_what_differs():
     outcome = run_job(
         """
-        import paratrain
+        import paratrain, paratrain.version
         if __import__("os").environ["PARATRAIN_RANK"] == "1" and \\
                 __import__("os").environ["PARATRAIN_ROLE"] == "worker":
-            paratrain.__version__ = "0.0.0-other"
+            paratrain.version.__version__ = "0.0.0-other"
         ctx = paratrain.init()
         """,
         workers=2,

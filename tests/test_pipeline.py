@@ -190,15 +190,15 @@ def test_config_rejects_bad_values_naming_the_field(kwargs, field):
 
 
 def test_config_is_filled_from_a_strategy():
-    class Strategy:
-        architecture, pipeline_stages, micro_batches, pipeline_schedule = "ps", 2, 8, "gpipe"
+    from paratrain.train.strategy import Strategy as TrainStrategy
+    from paratrain.train.strategy import pipeline_config
 
-    config = PipelineConfig.from_strategy(Strategy())
+    ps = TrainStrategy(architecture="ps", pipeline_stages=2, micro_batches=8, pipeline_schedule="gpipe")
+    config = pipeline_config(ps)
     assert config == PipelineConfig(stages=2, micro_batches=8, schedule="gpipe", replica_sync="ps")
-    assert PipelineConfig.from_strategy(object(), engine="torch") == PipelineConfig(engine="torch")
-    assert PipelineConfig.from_strategy(Strategy(), replica_sync="allreduce").replica_sync == "allreduce"
-    none = types.SimpleNamespace(pipeline_stages=None, micro_batches=None, pipeline_schedule=None)
-    assert PipelineConfig.from_strategy(none) == PipelineConfig()
+    assert pipeline_config(TrainStrategy(), engine="torch") == PipelineConfig(engine="torch")
+    assert pipeline_config(ps, replica_sync="allreduce").replica_sync == "allreduce"
+    assert pipeline_config(TrainStrategy()) == PipelineConfig()
     assert PipelineConfig(2, 4, "gpipe", (1,)).split_points == (1,)
 
 

@@ -11,6 +11,7 @@ import atexit
 import logging
 import sys
 import threading
+from types import TracebackType
 
 from paratrain.cluster.agent import SchedulerLink
 from paratrain.cluster.config import JobConfig
@@ -117,7 +118,7 @@ def _install_exit_hooks(
     failed = threading.Event()
     previous_hook = sys.excepthook
 
-    def excepthook(kind, value, tb):  # noqa: ANN001
+    def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         failed.set()
         previous_hook(kind, value, tb)
 

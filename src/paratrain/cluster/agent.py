@@ -14,12 +14,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from paratrain import version
 from paratrain.cluster.config import JobConfig
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec
 from paratrain.errors import RemoteError, RendezvousError, TransportError
 from paratrain.transport.frame import Header
 from paratrain.transport.rpc import RpcClient
-from paratrain.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class SchedulerLink:
             "host": self.spec.host,
             "port": port,
             "pid": os.getpid(),
-            "version": __version__,
+            "version": version.__version__,
             "config": self.config.as_dict(),
             "config_digest": self.config.digest(),
         }

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import datetime
 import logging
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from paratrain.cluster.context import Context
 
 logger = logging.getLogger(__name__)
 
 
-def init_torch_distributed(ctx, backend: str = "gloo", timeout_s: float = 300.0) -> None:  # noqa: ANN001
+def init_torch_distributed(ctx: Context, backend: str = "gloo", timeout_s: float = 300.0) -> None:
     """Join every worker of `ctx` into the default torch.distributed process group."""
     if dist.is_initialized():
         return

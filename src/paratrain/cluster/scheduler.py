@@ -27,15 +27,17 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
+from paratrain import version
 from paratrain.cluster.config import JobConfig, config_differences
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec
 from paratrain.errors import RegistrationError
 from paratrain.transport.connection import Connection
 from paratrain.transport.rpc import Handler, Request, RpcServer, listen
-from paratrain.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -225,9 +227,9 @@ class Scheduler(Handler):
         meta = request.meta
         role, pid, host = meta.get("role"), meta.get("pid"), meta.get("host")
         who = f"{role} {meta.get('rank', '?')} (host {host}, pid {pid})"
-        if meta.get("version") != __version__:
+        if meta.get("version") != version.__version__:
             raise RegistrationError(
-                f"{who} runs paratrain {meta.get('version')!r} but the scheduler runs {__version__!r}"
+                f"{who} runs paratrain {meta.get('version')!r} but the scheduler runs {version.__version__!r}"
             )
         if meta.get("config_digest") != self.config.digest():
             diffs = config_differences(self.config.as_dict(), meta.get("config") or {})
@@ -338,7 +340,7 @@ def listen_socket(spec: ClusterSpec):
     return listen(spec.host, spec.scheduler_port)
 
 
-def _quietly(fn, *args) -> None:  # noqa: ANN001
+def _quietly(fn: Callable[..., Any], *args: Any) -> None:
     """Send a notice to a peer that may already be gone: its absence is handled elsewhere."""
     try:
         fn(*args)

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 _COMPRESSED = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def compress_hook(state, bucket):  # noqa: ANN001, ANN201 (DDP checks real annotations, not strings)
+def compress_hook(state, bucket):  # unannotated: DDP checks real annotations, and these are strings
     """A DDP comm hook: the bucket travels as `state` (fp16 / bf16), pre-divided by the world size,
     and comes back into the bucket's full-precision buffer. torch ships such hooks, but its bf16 one
     refuses anything but NCCL, and Gloo all-reduces bf16 fine on the CPU."""

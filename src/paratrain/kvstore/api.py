@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from paratrain.errors import KVStoreError, RemoteError, TransportError
+from paratrain.kvstore.consistency import NAMES, Policy, policy
 from paratrain.kvstore.placement import DEFAULT_SLICE_ELEMENTS
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ Keys = Any | Sequence[Any]
 """One key, or a list of keys (with matching lists of values and outs)."""
 
 
-CONSISTENCY = ("sync", "async", "bounded")
+CONSISTENCY = NAMES  # consistency.py: one policy object per model
 AGGREGATION = ("process", "host")
 
 
@@ -73,6 +74,10 @@ class KVStoreConfig:
     """Refuse a push holding NaN or infinite values (ValueError naming the key and the worker)
     before anything is sent, instead of letting it poison every worker's copy. Costs one pass
     over each pushed tensor."""
+    average: bool = False
+    """A round's update is the mean of its pushes, over the workers they stand for (the servers
+    count them, so a round that fewer workers joined still gives their mean), not their sum (MXNet's
+    semantics, the default). Async pushes are applied one by one either way."""
     frame_bytes: int = 1 << 20
     """A push or pull sends each server its slices in frames of about this many bytes (whole
     slices), interleaved across servers, so that a server applies and sends back the first slices
@@ -98,6 +103,13 @@ class KVStoreConfig:
             raise ValueError(f"KVStoreConfig.refuse_non_finite={self.refuse_non_finite!r} must be a bool")
         if not isinstance(self.frame_bytes, int) or self.frame_bytes < 1:
             raise ValueError(f"KVStoreConfig.frame_bytes={self.frame_bytes!r} must be an int >= 1")
+        if not isinstance(self.average, bool):
+            raise ValueError(f"KVStoreConfig.average={self.average!r} must be a bool")
+
+    @property
+    def policy(self) -> Policy:
+        """The consistency model as an object (consistency.py)."""
+        return policy(self.consistency, self.staleness)
 
 
 MAX_KEY_BYTES = 1024

@@ -17,8 +17,7 @@
 Public API
 - `PipelineConfig(stages, micro_batches, schedule="1f1b"|"gpipe", split_points=None, engine="paratrain"
   |"torch", replica_sync="allreduce"|"ps", profile_repeats=3)`: frozen, validated.
-  `PipelineConfig.from_strategy(strategy, **overrides)` fills it from a training strategy's
-  `pipeline_stages`, `micro_batches`, `pipeline_schedule` and `architecture` ("ps" -> replica_sync="ps").
+  A training Strategy becomes one in train/strategy.py (`pipeline_config(strategy, **overrides)`).
   engine="torch" needs equal micro-batches and the same batch size every step (torch_engine.py).
 - `pipeline_for(model, config, *, loss_fn, sample_input=None, ctx=None, device="cpu") -> StagePipeline`:
   in a job of W workers, W = stages x replicas; rank q runs stage q % stages of replica q // stages

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,20 +59,6 @@ class PipelineConfig:
     the job's servers, keys prefixed by stage)."""
     profile_repeats: int = 3
     """Timed repetitions per block when balancing the split (the median counts)."""
-
-    @classmethod
-    def from_strategy(cls, strategy: object, **overrides: object) -> PipelineConfig:
-        """The config a training strategy asks for: its `pipeline_stages`, `micro_batches` and
-        `pipeline_schedule`, and replica_sync "ps" when its `architecture` is "ps" (else allreduce).
-        A missing (or None) attribute keeps the default; `overrides` set any field directly."""
-        fields = {
-            "stages": getattr(strategy, "pipeline_stages", None),
-            "micro_batches": getattr(strategy, "micro_batches", None),
-            "schedule": getattr(strategy, "pipeline_schedule", None),
-            "replica_sync": "ps" if getattr(strategy, "architecture", None) == "ps" else "allreduce",
-        }
-        fields = {name: value for name, value in fields.items() if value is not None}
-        return cls(**{**fields, **overrides})
 
     def __post_init__(self) -> None:
         for name in ("stages", "micro_batches", "profile_repeats"):
@@ -171,6 +157,6 @@ class StagePipeline(ABC):
     def sync_gradients(self) -> None:  # noqa: B027 (a no-op unless there are replicas)
         """Average this stage's gradients over its replicas (step() calls it; no-op alone)."""
 
-    def parameters(self):  # noqa: ANN201
+    def parameters(self) -> Iterator[nn.Parameter]:
         """This stage's parameters (those the optimizer steps)."""
         return self.module.parameters()

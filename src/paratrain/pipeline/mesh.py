@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.cluster.context import current
+from paratrain.cluster.context import Context, current
 from paratrain.collective import broadcast_parameters
 from paratrain.pipeline.api import PipelineConfig, StagePipeline
 from paratrain.pipeline.local import LocalPipeline, local_devices, place_on_devices
@@ -86,7 +86,7 @@ def pipeline_for(
     *,
     loss_fn: LossFn,
     sample_input: torch.Tensor | None = None,
-    ctx=None,  # noqa: ANN001
+    ctx: Context | None = None,
     device: torch.device | str = "cpu",
 ) -> StagePipeline:
     """This process's part of `model` pipelined as `config` says (see the package docstring).
@@ -181,7 +181,13 @@ def _agreed_split(
     return split_model(blocks, config.stages, split_points=comm.cpu().tolist(), verbose=False)
 
 
-def _replica_sync(ctx, config: PipelineConfig, module: nn.Module, placement: StagePlacement, group):  # noqa: ANN001, ANN202
+def _replica_sync(
+    ctx: Context,
+    config: PipelineConfig,
+    module: nn.Module,
+    placement: StagePlacement,
+    group: dist.ProcessGroup | None,
+) -> ServerSync | AllReduceSync:
     if config.replica_sync == "ps":
         return ServerSync(
             ctx, module, placement.stage, placement.num_stages, placement.replica, placement.replicas, group

@@ -19,6 +19,7 @@ against this engine and single-process training.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -40,14 +41,14 @@ class Pipeline(DistributedStage):
         config: PipelineConfig,
         placement: StagePlacement,
         loss_fn: LossFn,
-        sync=None,  # noqa: ANN001
+        sync: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(module, config, placement, loss_fn, sync)
         self.actions: list[Action] = build_schedule(
             config.schedule, placement.num_stages, config.micro_batches
         )[placement.stage]
 
-    def _run(self, xs, ys):  # noqa: ANN001, ANN202
+    def _run(self, xs: list[torch.Tensor] | None, ys: list[torch.Tensor] | None) -> tuple:
         clock = Clock(self.device)
         pending: p2p.Pending = []
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -68,7 +69,15 @@ class Pipeline(DistributedStage):
         loss = torch.stack(losses).sum() if self.is_last_stage else None  # in the loss's dtype
         return loss, clock.busy_s, peak_in_flight(self.actions)
 
-    def _forward(self, i, xs, ys, rows, clock, pending):  # noqa: ANN001, ANN202
+    def _forward(
+        self,
+        i: int,
+        xs: list[torch.Tensor] | None,
+        ys: list[torch.Tensor] | None,
+        rows: int,
+        clock: Clock,
+        pending: p2p.Pending,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward of micro-batch i; returns (input, output), the output being the weighted loss on
         the last stage."""
         if self.is_first_stage:
@@ -88,7 +97,7 @@ class Pipeline(DistributedStage):
             p2p.send_activation(out, self.placement.next_rank, pending)
         return x, out
 
-    def _backward(self, x, out, clock, pending) -> None:  # noqa: ANN001
+    def _backward(self, x: torch.Tensor, out: torch.Tensor, clock: Clock, pending: p2p.Pending) -> None:
         grad = None
         if not self.is_last_stage:
             if not out.is_floating_point():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -69,7 +69,7 @@ class Clock:
         self._cuda = device.type == "cuda"
 
     @contextmanager
-    def busy(self):  # noqa: ANN201
+    def busy(self) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield

@@ -18,12 +18,16 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from paratrain.collective import all_reduce_mean
+
+if TYPE_CHECKING:
+    from paratrain.cluster.context import Context
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +68,13 @@ class ServerSync:
 
     def __init__(
         self,
-        ctx,
+        ctx: Context,
         module: nn.Module,
         stage: int,
         stages: int,
         replica: int,
         replicas: int,
-        group,  # noqa: ANN001
+        group: dist.ProcessGroup,
     ) -> None:
         from paratrain.kvstore.api import KVStoreConfig
         from paratrain.kvstore.worker.client import DistKVStore

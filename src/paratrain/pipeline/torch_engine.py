@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,7 @@ class TorchPipeline(DistributedStage):
         config: PipelineConfig,
         placement: StagePlacement,
         loss_fn: LossFn,
-        sync=None,  # noqa: ANN001
+        sync: Callable[[], None] | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(module, config, placement, loss_fn, sync)
@@ -79,7 +80,7 @@ class TorchPipeline(DistributedStage):
 
     def _timed(self, method: Callable) -> Callable:
         @functools.wraps(method)
-        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def timed(*args: Any, **kwargs: Any) -> Any:
             with self._clock.busy():
                 return method(*args, **kwargs)
 
@@ -88,7 +89,7 @@ class TorchPipeline(DistributedStage):
     def _torch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._weighted_loss(output, target, self._rows) * self.config.micro_batches
 
-    def _run(self, xs, ys):  # noqa: ANN001, ANN202
+    def _run(self, xs: list[torch.Tensor] | None, ys: list[torch.Tensor] | None) -> tuple:
         self._clock = Clock(self.device)
         self._at = f"torch {self.config.schedule} schedule step"
         args = (torch.cat(xs).to(self.device),) if self.is_first_stage else ()

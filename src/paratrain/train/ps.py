@@ -10,9 +10,10 @@ come back as soon as the servers have them. `step()` only waits for what is stil
     update_on="worker": the servers only sum; each worker pulls the mean gradient into .grad and
         steps its own optimizer (compression: the gradient keys are fp16 / bf16).
 
-In sync and bounded modes a worker pushes grad / (accumulation_steps * num_workers), so a round's sum
-is the global mean gradient and one server step equals one single-process step on the global batch. In
-async mode each push is applied on its own and is grad / accumulation_steps: one worker's step.
+A worker pushes grad / accumulation_steps. In sync and bounded modes the servers apply a round's mean
+over the workers that pushed to it (KVStoreConfig.average: the round counts them), so one server step
+equals one single-process step on the global batch, whatever the number of workers in the round. In
+async mode each push is applied on its own: one worker's step.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import torch
 from torch import nn
 
 from paratrain import kvstore
-from paratrain.kvstore.api import KVStoreConfig
-from paratrain.train.strategy import Strategy
+from paratrain.train.strategy import Strategy, kvstore_config
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def server_hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 class PSEngine:
-    scales_gradients = True  # pushes grad / (accumulation_steps * workers)
+    scales_gradients = True  # pushes grad / accumulation_steps; the servers average over workers
 
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, ctx: Any
@@ -63,12 +63,10 @@ class PSEngine:
         self.keys = [name for name, _ in self.named]
         self.params = [p for _, p in self.named]
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        config = KVStoreConfig(
-            consistency=strategy.consistency, staleness=strategy.staleness, aggregation=strategy.aggregation
-        )
-        self.kv = kvstore.create(config, ctx)
-        workers = 1 if strategy.consistency == "async" else ctx.num_workers
-        self.scale = 1.0 / (workers * strategy.accumulation_steps)
+        # The servers average each round over the workers that pushed to it (a round knows how many
+        # did), so a worker pushes its own gradient, divided only over its accumulation micro-steps.
+        self.kv = kvstore.create(kvstore_config(strategy, average=True), ctx)
+        self.scale = 1.0 / strategy.accumulation_steps
         self.wire_dtype = _COMPRESSED.get(strategy.compression or "")
         # Every worker starts from worker 0's values: its init sets the keys, and everyone pulls them.
         # With the optimizer on the workers the keys then carry gradient sums (a round's sum becomes

@@ -6,6 +6,9 @@
 
 Switching strategy is a change of this value (or of the PARATRAIN_STRATEGY environment variable, which
 `paratrain launch --strategy` sets), never of the training script.
+
+This module is the one place where a Strategy becomes the lower layers' configurations
+(`kvstore_config`, `pipeline_config`); the consistency and aggregation vocabularies are the kvstore's.
 """
 
 from __future__ import annotations
@@ -13,12 +16,17 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from paratrain.kvstore.api import AGGREGATION as AGGREGATIONS
+from paratrain.kvstore.api import KVStoreConfig
+from paratrain.kvstore.consistency import NAMES as CONSISTENCIES
+
+if TYPE_CHECKING:
+    from paratrain.pipeline.api import PipelineConfig
 
 ARCHITECTURES = ("local", "collective", "ps", "hybrid")
-CONSISTENCIES = ("sync", "async", "bounded")
 UPDATE_ON = ("server", "worker")
-AGGREGATIONS = ("process", "host")
 COMPRESSIONS = (None, "fp16", "bf16")
 SCHEDULES = ("1f1b", "gpipe")
 ENV_VAR = "PARATRAIN_STRATEGY"
@@ -31,7 +39,8 @@ class Strategy:
     all-reduce (torch DDP); ps: parameters on the servers (the kvstore); hybrid: dense parameters by
     all-reduce, embedding tables (kvstore.embedding.DistributedEmbedding) on the servers."""
     consistency: str = "sync"
-    """ps only. sync, async (each worker's push is applied on arrival) or bounded (see staleness)."""
+    """ps, and hybrid's embedding tables. sync, async (each worker's push is applied on arrival) or
+    bounded (see staleness). The names are kvstore/consistency.py's policies."""
     staleness: int = 0
     """The bound s of bounded consistency: a worker runs at most s steps ahead of the slowest."""
     update_on: str = "server"
@@ -173,3 +182,29 @@ def resolve_strategy(strategy: str | Strategy | None, num_servers: int, distribu
             "(launch with -s 1 or more, or use strategy 'collective')"
         )
     return strategy
+
+
+def kvstore_config(strategy: Strategy, *, average: bool = False) -> KVStoreConfig:
+    """The kvstore settings of a strategy (ps: the dense keys; hybrid: the embedding tables).
+    `average`: rounds apply the mean of their pushes (the trainer's dense keys), not the sum."""
+    return KVStoreConfig(
+        consistency=strategy.consistency,
+        staleness=strategy.staleness,
+        aggregation=strategy.aggregation,
+        average=average,
+    )
+
+
+def pipeline_config(strategy: Strategy, **overrides: Any) -> PipelineConfig:
+    """The pipeline settings of a strategy: its stages, micro-batches and schedule; replicas of a
+    stage sync through the servers ("ps") in a parameter-server strategy, else by all-reduce.
+    `overrides` set any PipelineConfig field directly."""
+    from paratrain.pipeline.api import PipelineConfig  # torch: imported only where a pipeline runs
+
+    fields = {
+        "stages": strategy.pipeline_stages,
+        "micro_batches": strategy.micro_batches,
+        "schedule": strategy.pipeline_schedule,
+        "replica_sync": "ps" if strategy.architecture == "ps" else "allreduce",
+    }
+    return PipelineConfig(**{**fields, **overrides})

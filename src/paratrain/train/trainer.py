@@ -37,7 +37,7 @@ from paratrain import checkpoint
 from paratrain.cluster.context import current
 from paratrain.data import ShardedLoader
 from paratrain.metrics import NullMetrics, Progress, open_metrics
-from paratrain.train.strategy import Strategy, resolve_strategy
+from paratrain.train.strategy import Strategy, kvstore_config, pipeline_config, resolve_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +217,8 @@ class Trainer:
         self.model.register_forward_pre_hook(_BeforeForward(self))
         _make_distributed(optimizer, self)
         self.sparse = sparse_modules(model)
+        if self.strategy.architecture == "hybrid":
+            self._bind_tables()
         lead = self.rank == 0
         self.metrics = open_metrics(metrics_dir, rank=self.rank) if metrics_dir and lead else NullMetrics()
         self.progress = Progress(enabled=progress and lead, initial=self.steps)
@@ -230,6 +232,25 @@ class Trainer:
 
             return PSEngine(model, optimizer, self.strategy, self.ctx)
         return CollectiveEngine(model, self.strategy, self.ctx)  # collective, and hybrid's dense part
+
+    def _bind_tables(self) -> None:
+        """Hybrid: the embedding tables built without a kvstore of their own get one made with the
+        strategy's consistency (train/strategy.py), before any forward needs it."""
+        from paratrain.kvstore.worker.embedding import DistributedEmbedding, default_store
+
+        config = kvstore_config(self.strategy)
+        tables = [m for m in self.sparse if isinstance(m, DistributedEmbedding)]
+        for module in tables:
+            if not module.bound:
+                module.bind(default_store(config, self.ctx))
+            elif module.kv.config.policy != config.policy:
+                logger.warning(
+                    "table %r keeps its kvstore's consistency %r, not the strategy's %r (it was given "
+                    "kv=, or ran a forward before the Trainer)",
+                    module.key,
+                    module.kv.config.consistency,
+                    config.consistency,
+                )
 
     def _shard(self, loader: Any, seed: int) -> ShardedLoader | None:
         if loader is None or isinstance(loader, ShardedLoader):
@@ -266,9 +287,9 @@ class Trainer:
     def _build_pipeline(self, inputs: torch.Tensor) -> None:
         """Cut the model into stages (balanced on a micro-batch of the first batch) and keep only this
         stage's parameters in the optimizer (the same Parameter objects: the stage holds the blocks)."""
-        from paratrain.pipeline import PipelineConfig, pipeline_for
+        from paratrain.pipeline import pipeline_for
 
-        config = PipelineConfig.from_strategy(self.strategy)
+        config = pipeline_config(self.strategy)
         sample = inputs[: max(1, inputs.shape[0] // config.micro_batches)]
         self.pipe = pipeline_for(
             unwrap(self.model), config, loss_fn=self.loss_fn, sample_input=sample, ctx=self.ctx

@@ -41,8 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from paratrain.kvstore import kernels
+from paratrain.kvstore import consistency, kernels
 from paratrain.kvstore.api import TableConfig, TableError
+from paratrain.kvstore.consistency import Policy
 from paratrain.kvstore.server.rowstore import (
     ADMIT_SALT,
     GOLDEN,
@@ -202,7 +203,7 @@ class SparseTable:
         clock: int,
         ids: np.ndarray,
         grads: torch.Tensor,
-        mode: str,
+        policy: Policy | str,
         members: frozenset,
         apply: bool = True,
     ) -> None:
@@ -212,7 +213,9 @@ class SparseTable:
         self.counts["rows_pushed"] += len(ids)
         pulled = self.pulled.pop(rank, None)
         hint = pulled[1] if pulled is not None and np.array_equal(pulled[0], ids) else None
-        if mode == "async":
+        if isinstance(policy, str):  # a consistency model's name (consistency.py)
+            policy = consistency.policy(policy)
+        if not policy.rounds:  # applied on arrival (async)
             self.apply([(ids, grads, hint)], clock, add=True)
             return
         if clock < self.version:
@@ -376,7 +379,8 @@ class SparseTable:
 
 # -- the server's side of the protocol ------------------------------------------------------------
 class SparseTables:
-    """The sparse ops of one KVServer; reads its mode, members and default optimizer."""
+    """The sparse ops of one KVServer; reads its rules (consistency policy, members) and default
+    optimizer."""
 
     OPS = frozenset(
         ("sparse_init", "sparse_pull", "sparse_push", "sparse_optimizer", "sparse_stats")
@@ -514,12 +518,13 @@ class SparseTables:
             raise TableError(
                 f"push to table {table.key!r}: gradients must be float32 [{len(ids)}, {table.dim}]"
             )
-        if request.header.at is not None and self.server.mode != "async":  # kept past this call
+        rules = self.server.rules
+        members, rounds = rules.members, rules.policy.rounds
+        if request.header.at is not None and rounds:  # kept past this call
             ids, grads = ids.copy(), grads.clone()
-        members, rounds = frozenset(self.server.members), self.server.mode != "async"
         with table.lock:
             rank, clock = int(meta["rank"]), int(meta["clock"])
-            table.push(rank, clock, ids, grads, self.server.mode, members, apply=not rounds)
+            table.push(rank, clock, ids, grads, rules.policy, members, apply=not rounds)
             ready = [] if rounds else self._take_ready(table)
         request.reply({})  # in rounds modes a push is done once it joined its round
         if rounds:  # the round's update runs while the pusher goes on to its next step

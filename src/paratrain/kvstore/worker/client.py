@@ -83,9 +83,11 @@ class DistKVStore(SparseAPI):
         config: KVStoreConfig,
         members: list[int] | None = None,
         barrier: Callable[[str], Any] | None = None,
+        weight: int = 1,
     ) -> None:
         """`members`: the workers that push (default all); `barrier(name)`: how they meet (default
-        the scheduler's barrier of all workers)."""
+        the scheduler's barrier of all workers); `weight`: how many workers' gradients each of this
+        store's pushes sums (a host's leader pushes its host's sum: KVStoreConfig.average)."""
         if not ctx.servers:
             raise KVStoreError("a distributed kvstore needs servers: launch the job with -s 1 or more")
         assert ctx.spec is not None
@@ -112,10 +114,11 @@ class DistKVStore(SparseAPI):
         self._closed = False
         self._tables: Any = None  # embedding.TableClient, made on first use of a sparse table
         self._members = list(range(ctx.num_workers)) if members is None else members
+        self._weight = weight
         self._barrier = barrier or (lambda name: ctx.barrier(name=name))
-        mode = "async" if config.consistency == "async" else "rounds"
         if self.rank == 0:
-            meta = {"mode": mode, "members": self._members}
+            meta = {"mode": config.policy.name, "staleness": config.staleness, "members": self._members}
+            meta["average"] = config.average
             self._all_servers("configure", meta)
         self._barrier("kvstore-create")
         atexit.register(self.close)
@@ -190,9 +193,7 @@ class DistKVStore(SparseAPI):
         return [(s, frames[s][j]) for j in range(depth) for s in order if j < len(frames[s])]
 
     def _min_version(self, info: KeyInfo) -> int:
-        if self.config.consistency == "async":
-            return 0
-        return max(0, info.clock - self.config.staleness)
+        return self.config.policy.min_version(info.clock)
 
     # -- the API ----------------------------------------------------------------------------------
     def init(self, keys: Keys, values: Any) -> None:
@@ -348,7 +349,10 @@ class DistKVStore(SparseAPI):
             self.config.frame_bytes,
         )
         futures, reads = [], []
-        rounds = self.config.consistency != "async"  # async pushes are applied by the server
+        if self._weight != 1:
+            for _, meta in frames:
+                meta["weight"] = self._weight
+        rounds = self.config.policy.rounds  # async pushes are applied by the server
         for s, meta in frames:
             tensors, added = [], []
             slices = zip(meta["keys"], meta["starts"], meta["stops"], meta["clocks"], strict=True)

@@ -50,7 +50,13 @@ class HostKVStore:
         self.config = config
         self._specs: dict[Any, tuple[list[int], torch.dtype]] = {}  # every worker checks its own calls
         self._inner = (
-            DistKVStore(ctx, config, members=leaders, barrier=lambda _name: dist.barrier(group=leader_group))
+            DistKVStore(
+                ctx,
+                config,
+                members=leaders,
+                barrier=lambda _name: dist.barrier(group=leader_group),
+                weight=len(self._local),
+            )
             if self.is_leader
             else None
         )

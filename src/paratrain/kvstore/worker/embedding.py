@@ -1,7 +1,7 @@
 """Embedding tables that live on the parameter servers: the worker's side.
 
     emb = DistributedEmbedding("ads", 16, mode="sum", optimizer=torch.optim.Adagrad,
-                               optimizer_args={"lr": 0.05})  # kv=: default one dist_sync store
+                               optimizer_args={"lr": 0.05})  # kv=: see default_store
     out = emb(ids, offsets)                                  # pulls the batch's unique rows
     loss.backward()                                          # pushes their gradients (async)
     emb.flush()                                              # where the optimizer steps
@@ -33,10 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.checkpoint import save_file
+from paratrain.cluster.context import Context
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import kernels, optim
-from paratrain.kvstore.api import Handle, KVStoreConfig, SparseAPI, TableConfig, check_key
+from paratrain.kvstore.api import Handle, KVStoreConfig, SparseAPI, TableConfig, check_key, resolve_kind
 from paratrain.kvstore.server.rowstore import SHARD_SALT
+from paratrain.kvstore.server.shard import Rules
 from paratrain.kvstore.server.sparse import SparseTables, shard_of
 from paratrain.kvstore.worker.checks import check_finite, explain_wait
 from paratrain.kvstore.worker.local import LocalKVStore
@@ -132,9 +134,7 @@ class TableClient:
         return Route(torch.from_numpy(routed), bounds, None), torch.from_numpy(inverse)
 
     def _min_version(self, info: TableInfo) -> int:
-        if self._config.consistency == "async":
-            return 0
-        return max(0, info.clock - self._config.staleness)
+        return self._config.policy.min_version(info.clock)
 
     def pull(self, key: Any, route: Route, train: bool) -> tuple[Handle, torch.Tensor]:
         """Start pulling the rows of route.ids; they land in the returned tensor, in route order."""
@@ -166,7 +166,7 @@ class TableClient:
             check_finite([key], [grads], self.rank, "table")
         meta = {"key": key, "clock": info.clock, "rank": self.rank}
         info.clock += 1
-        everyone = self._config.consistency != "async"
+        everyone = self._config.policy.rounds
         futures = [
             self._clients[s].request("sparse_push", meta, [route.ids[a:b], grads[a:b]])
             for s, (a, b) in enumerate(route.bounds)
@@ -351,9 +351,12 @@ class InProcessServer:
 class _OneProcess:
     """What SparseTables reads from its server: this process is the only worker."""
 
-    mode: str
+    rules: Rules
     rank: int = 0
-    members: frozenset = frozenset({0})
+
+    @property
+    def members(self) -> frozenset[int]:
+        return self.rules.members
 
 
 class LocalSparseKVStore(SparseAPI, LocalKVStore):
@@ -361,7 +364,7 @@ class LocalSparseKVStore(SparseAPI, LocalKVStore):
 
     def __init__(self, config: KVStoreConfig) -> None:
         super().__init__(config)
-        self._server = SparseTables(_OneProcess("async" if config.consistency == "async" else "rounds"))
+        self._server = SparseTables(_OneProcess(Rules(config.policy, frozenset({0}))))
         self.tables = TableClient([InProcessServer(self._server)], 0, config, lambda name: None, None)
 
     def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
@@ -384,14 +387,20 @@ class LocalSparseKVStore(SparseAPI, LocalKVStore):
 _default_kv: Any = None
 
 
-def default_store() -> Any:
-    """The kvstore that DistributedEmbeddings built without `kv` share: one "dist_sync" store per
-    process (a local store when the script runs alone)."""
+def default_store(config: KVStoreConfig | None = None, ctx: Context | None = None) -> Any:
+    """The kvstore that DistributedEmbeddings built without `kv` share, one per process, made on
+    first use: with `config` (the Trainer passes its strategy's, train/strategy.py), else
+    "dist_sync" (a local store when the script runs alone)."""
     global _default_kv
     if _default_kv is None:
-        import paratrain.kvstore
+        from paratrain.kvstore import create
 
-        _default_kv = paratrain.kvstore.create("dist_sync")
+        _default_kv = create(config or resolve_kind("dist_sync"), ctx)
+    elif config is not None and _default_kv.config != config:
+        raise ValueError(
+            f"the embedding tables' default kvstore was made with {_default_kv.config}; it cannot "
+            f"also be {config}: build the Trainer before the model's first forward"
+        )
     return _default_kv
 
 
@@ -422,18 +431,44 @@ class DistributedEmbedding(nn.Module):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"DistributedEmbedding mode={mode!r} is not one of {MODES}")
-        kv = default_store() if kv is None else kv
+        check_key(key, "table key")
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+            raise ValueError(f"table {key!r}: dim={dim!r} must be an int >= 1")
+        if optimizer is None and optimizer_args:
+            raise ValueError(f"DistributedEmbedding {key!r}: optimizer_args without an optimizer")
+        self.key, self.dim, self.mode = key, dim, mode
+        self._table = (config, optimizer, optimizer_args or {})
+        self._kv: Any = None
+        self._pushes: list[Handle] = []
+        if kv is not None:
+            self.bind(kv)
+
+    @property
+    def kv(self) -> Any:
+        """The store that holds the table: the one given, or the one bound by the Trainer (its
+        strategy's consistency), or on first use the process's default store (default_store)."""
+        if self._kv is None:
+            self.bind(default_store())
+        return self._kv
+
+    @property
+    def bound(self) -> bool:
+        return self._kv is not None
+
+    def bind(self, kv: Any) -> None:
+        """Declare the table (and its optimizer) on `kv`; every worker binds the same modules in
+        the same order."""
+        if self._kv is not None:
+            raise ValueError(f"DistributedEmbedding {self.key!r} is already bound to a kvstore")
         if not isinstance(kv, SparseAPI):
             raise TypeError(
                 f"{type(kv).__name__} has no sparse tables: use a kvstore with aggregation='process'"
             )
-        self.kv, self.key, self.dim, self.mode = kv, key, dim, mode
-        kv.init_table(key, dim, config)
+        config, optimizer, optimizer_args = self._table
+        kv.init_table(self.key, self.dim, config)
         if optimizer is not None:
-            kv.set_table_optimizer(key, optimizer, **(optimizer_args or {}))
-        elif optimizer_args:
-            raise ValueError(f"DistributedEmbedding {key!r}: optimizer_args without an optimizer")
-        self._pushes: list[Handle] = []
+            kv.set_table_optimizer(self.key, optimizer, **optimizer_args)
+        self._kv = kv
 
     def forward(
         self,

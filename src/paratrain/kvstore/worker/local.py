@@ -73,7 +73,7 @@ class LocalKVStore:
                 self._params[key].grad = grad.to(current.dtype)
                 self._optimizers[key].step()
                 self._params[key].grad = None
-            elif self.config.consistency == "async":
+            elif not self.config.policy.rounds:  # async: pushes add up
                 current.add_(grad)
             else:
                 current.copy_(grad)

@@ -1,0 +1,328 @@
+"""One shard's state on a server, driven by method calls: no sockets, no frames (server.py does the
+wire). Unit-tested on its own (tests/test_shard_state.py).
+
+A shard is elements [start, stop) of one key: its value, version, open rounds, optimizer and
+counters. What a push does is the consistency policy's (consistency.py): join its round or apply at
+once. `_apply` is the single place where the value changes (an optimizer step, a round's sum or
+mean becoming the value, or an async push added to it): every update goes through it, in one order
+per key, which is what a backup server would replay.
+
+A round knows who pushed to it and how many workers those pushes stand for (`weight`: one per
+worker, or a host's count where a host's workers reduce first), so with `Rules.average` its update
+is the mean over the workers that pushed, whatever their number: a round of fewer members (after
+a worker left) still gives the right mean.
+
+Memory: a push's payload is received into a pooled buffer of its shard (`buffer`); the first push of
+a round becomes its accumulator and later ones are added into it. A shard kept in shared memory
+(shared.py, `region`) also has buffers that same-host workers add their pushes into themselves
+(`opened`: round -> buffer). Pulls read the value in place: a round is applied only when no pull
+is reading it (`readers`).
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from paratrain.kvstore import optim
+from paratrain.kvstore.api import KVError
+from paratrain.kvstore.consistency import Policy, Sync
+from paratrain.kvstore.shared import Region
+
+# Spent gradient buffers a shard keeps for reuse (a fresh big tensor costs page faults). Buffers in
+# use are bounded too: one per push being received, plus one accumulator per round in flight (at
+# most staleness + 1 rounds, since pulls hold workers back).
+POOL_BUFFERS = 4
+COUNTS = ("pushes", "pulls", "bytes_in", "bytes_out")
+
+
+@dataclass
+class Rules:
+    """What every shard (and sparse table) of one server follows; set by the workers' `configure`
+    and changed when a worker leaves. Its fields are replaced, never mutated in place, so readers
+    need no lock."""
+
+    policy: Policy = field(default_factory=Sync)
+    members: frozenset[int] = frozenset()
+    """The workers a round waits for (the scheduler's membership, as the workers sent it)."""
+    average: bool = False
+    """A round's update is the mean of its pushes (over the workers they stand for), not the sum."""
+
+
+@dataclass
+class Push:
+    """One worker's push to one shard."""
+
+    rank: int
+    clock: int
+    """The round it joins: how many times this worker pushed the key before."""
+    grad: torch.Tensor | None
+    """The payload; None where the worker added it into the round's shared buffer itself."""
+    owned: bool = True
+    """The payload is this push's own buffer (else it views the shared-memory ring: copy it)."""
+    weight: int = 1
+    """How many workers' gradients the payload sums (a host's leader pushes its host's sum)."""
+
+
+@dataclass
+class Round:
+    """An open round: the sum of its pushes so far, who pushed, and the workers they stand for."""
+
+    acc: torch.Tensor
+    pushed: set[int]
+    weight: int
+
+
+@dataclass
+class ShardState:
+    """Elements [start, stop) of one key, held by this server."""
+
+    key: Any
+    start: int
+    stop: int
+    numel: int
+    shape: list[int]
+    dtype: str
+    value: torch.Tensor
+    rules: Rules = field(default_factory=Rules)
+    version: int = 0
+    rounds: dict[int, Round] = field(default_factory=dict)
+    pool: list[torch.Tensor] = field(default_factory=list)
+    readers: int = 0
+    param: torch.nn.Parameter | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    """What this shard has served: pushes, pulls and their bytes (read by `stats`)."""
+    region: Region | None = None
+    """Shared shards only: the value is region.buffers[value_buffer]; opened maps a round to the
+    buffer open for its pushes."""
+    value_buffer: int = 0
+    opened: dict[int, int] = field(default_factory=dict)
+
+    # -- buffers ----------------------------------------------------------------------------------
+    def buffer(self) -> torch.Tensor:
+        with self.cond:
+            return self.pool.pop() if self.pool else torch.empty_like(self.value)
+
+    def recycle(self, buffer: torch.Tensor) -> None:
+        """Keep a spent buffer for the next push, up to POOL_BUFFERS per shard; free the rest."""
+        if len(self.pool) < POOL_BUFFERS:
+            self.pool.append(buffer)
+
+    def describe(self) -> str:
+        return f"key {self.key!r} [{self.start}, {self.stop})"
+
+    def writing(self) -> AbstractContextManager[None]:
+        """Hold while changing the value in place: waits for same-host workers reading it."""
+        return self.region.writing(self.value_buffer) if self.region is not None else nullcontext()
+
+    def share(self, region: Region) -> None:
+        """Keep the value in `region` (shared memory), with its other buffers open for rounds."""
+        region.buffers[0].copy_(self.value)
+        region.publish(0, 0)
+        self.region, self.value, self.value_buffer = region, region.buffers[0], 0
+        with self.cond:
+            self.open_free_buffers()
+
+    def open_free_buffers(self) -> None:
+        """Open every idle shared buffer for the next round that has neither a buffer nor a
+        payload-built sum; holds cond."""
+        if self.region is None:
+            return
+        busy = {self.value_buffer, *self.opened.values()}
+        for b in range(self.region.count):
+            if b not in busy:
+                round_ = self.version
+                while round_ in self.opened or round_ in self.rounds:
+                    round_ += 1
+                self.region.open(b, round_)
+                self.opened[round_] = b
+
+    # -- push -------------------------------------------------------------------------------------
+    def check(self, push: Push) -> None:
+        """Refuse a push that cannot join this shard (before anything of its frame is counted)."""
+        grad = push.grad
+        if grad is not None and (grad.dtype != self.value.dtype or grad.numel() != self.value.numel()):
+            raise KVError(f"push to {self.describe()}: {grad.dtype}[{grad.numel()}] does not match")
+        if not self.rules.policy.rounds:
+            if grad is None:
+                raise KVError(f"push to {self.describe()}: async pushes carry their payload")
+            return
+        with self.cond:
+            if push.clock < self.version:
+                raise KVError(f"push to {self.describe()} for round {push.clock}, already applied")
+            entry = self.rounds.get(push.clock)
+            if entry is not None and push.rank in entry.pushed:
+                raise KVError(f"worker {push.rank} pushed {self.describe()} twice in round {push.clock}")
+            if grad is None and push.clock not in self.opened:
+                raise KVError(f"{self.describe()}: no shared buffer is open for round {push.clock}")
+
+    def push(self, push: Push) -> None:
+        """A checked push: the policy joins it to its round or applies it now."""
+        self.counts["pushes"] += 1
+        self.counts["bytes_in"] += self.value.numel() * self.value.element_size()
+        self.rules.policy.on_push(self, push)
+
+    def apply_now(self, push: Push) -> None:
+        """Apply one push on its own (async); its payload is consumed here (a ring view will do)."""
+        assert push.grad is not None
+        with self.cond:
+            self._apply(push.grad)
+            if push.owned:
+                self.recycle(push.grad)
+
+    def join_round(self, push: Push) -> None:
+        """Add a push to round `push.clock` (`grad` None: the worker added it into the round's
+        shared buffer itself), then apply the rounds that are complete."""
+        grad = push.grad
+        with self.cond:
+            entry = self.rounds.get(push.clock)
+            b = self.opened.get(push.clock)
+            if b is not None:  # the round sums in a shared buffer
+                assert self.region is not None
+                if grad is not None and not self.region.add(push.clock, grad):
+                    raise KVError(f"{self.describe()}: round {push.clock}'s buffer closed early")
+                acc = self.region.buffers[b]
+                if grad is not None and push.owned:
+                    self.recycle(grad)
+            elif entry is None:  # the first push becomes the round's accumulator
+                assert grad is not None
+                acc = grad if push.owned else self.buffer().copy_(grad)  # cond is re-entrant
+            else:
+                acc = entry.acc
+                acc.add_(grad)
+                if push.owned:
+                    assert grad is not None
+                    self.recycle(grad)
+            if entry is None:
+                self.rounds[push.clock] = Round(acc, {push.rank}, push.weight)
+            else:
+                entry.pushed.add(push.rank)
+                entry.weight += push.weight
+            self.apply_complete_rounds()
+
+    def apply_complete_rounds(self) -> None:
+        """Apply, in order, the rounds that every member has pushed to (also after a member left)."""
+        with self.cond:
+            while True:
+                entry = self.rounds.get(self.version)
+                if entry is None or not self.rules.members <= entry.pushed:
+                    return
+                if self.readers:  # a pull is being sent from the value: wait, then look again
+                    self.cond.wait()
+                    continue
+                del self.rounds[self.version]
+                b = self.opened.pop(self.version, None)
+                if b is not None:
+                    assert self.region is not None
+                    self.region.close_round(b)
+                self._apply(entry.acc, entry.weight, buffer=b)
+                if b is None and entry.acc is not self.value:  # spent: an optimizer's or a copy's input
+                    self.recycle(entry.acc)
+                self.open_free_buffers()
+
+    def _apply(self, grad: torch.Tensor, weight: int = 1, buffer: int | None = None) -> None:
+        """The one update of the value: an optimizer step, or without one a round's sum (or mean)
+        becoming the value, or an async push added to it. `weight`: the workers a round's sum
+        stands for (its mean divides by it). `buffer`: the shared buffer that holds `grad` (it is
+        returned to the shard's free buffers). Waits until no pull reads the value; holds cond."""
+        while self.readers:
+            self.cond.wait()
+        rounds = self.rules.policy.rounds
+        if rounds and self.rules.average and weight > 1:
+            grad.div_(weight)
+        if self.optimizer is None and rounds and (buffer is not None or self.region is None):
+            # The round's sum becomes the value: no reader holds the old one (the reader count;
+            # same-host readers hold a lock on its buffer, which open_free_buffers waits for).
+            if buffer is None:
+                self.recycle(self.value)
+            else:  # before the version moves: a pull found ready (without cond) reads it at once
+                assert self.region is not None
+                self.region.publish(buffer, self.version + 1)
+                self.value_buffer = buffer
+            self.value, self.version = grad, self.version + 1
+            return
+        with self.writing():
+            if self.optimizer is not None:
+                assert self.param is not None
+                self.param.grad = grad
+                self.optimizer.step()
+                self.param.grad = None
+            elif not rounds:
+                self.value.add_(grad)
+            else:  # a round summed outside the shared buffers: into the shared value
+                self.value.copy_(grad)
+            self.version += 1
+            if self.region is not None:
+                self.region.stamp(self.version)
+
+    # -- pull -------------------------------------------------------------------------------------
+    def ready(self, min_version: int) -> bool:
+        return self.version >= min_version
+
+    def begin_read(self) -> torch.Tensor:
+        """The value, held unchanged until end_read (a round waits for its readers)."""
+        with self.cond:
+            self.readers += 1
+            return self.value
+
+    def end_read(self) -> None:
+        with self.cond:
+            self.readers -= 1
+            self.cond.notify_all()
+
+    def waiting(self, need: int) -> dict | None:
+        """Why a pull for version `need` waits: the round applied next and the members that have not
+        pushed it (None: it does not wait)."""
+        with self.cond:
+            if self.version >= need:
+                return None
+            entry = self.rounds.get(self.version)
+            missing = sorted(self.rules.members - (entry.pushed if entry is not None else set()))
+            where = {"key": self.key, "start": self.start, "stop": self.stop}
+            return where | {"version": self.version, "round": self.version, "missing": missing}
+
+    def stats(self, waiting_pulls: int) -> dict:
+        where = {"key": self.key, "start": self.start, "stop": self.stop, "version": self.version}
+        return where | {"open_rounds": len(self.rounds), "waiting_pulls": waiting_pulls, **self.counts}
+
+    # -- optimizer and state ----------------------------------------------------------------------
+    def attach_optimizer(self, path: str, hyper: dict) -> None:
+        with self.cond:
+            self.param = torch.nn.Parameter(self.value, requires_grad=True)
+            self.value = self.param.data
+            self.optimizer = optim.build(path, hyper, self.param)
+
+    def state(self) -> tuple[dict, list[torch.Tensor]]:
+        """This shard's entry of a state file and its tensors: value, then optimizer state."""
+        with self.cond:
+            state = optim.state_tensors(self.optimizer, self.param) if self.optimizer else {}
+            entry = {"key": self.key, "start": self.start, "stop": self.stop, "numel": self.numel}
+            entry |= {"shape": self.shape, "dtype": self.dtype, "version": self.version, "state": list(state)}
+            return entry, [self.value.clone()] + [t.clone() for t in state.values()]
+
+    def load(self, value: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        """Restart from a saved value (and optimizer state) at version 0, every round dropped."""
+        with self.cond:
+            while self.readers:
+                self.cond.wait()
+            with self.writing():
+                self.value.copy_(value.reshape(-1))
+                self.version, self.rounds = 0, {}
+                if self.region is not None:
+                    self.region.stamp(0)
+            if self.region is not None:
+                for b in self.opened.values():  # every buffer opens again, from round 0
+                    self.region.close_round(b)
+            self.opened = {}
+            self.open_free_buffers()
+            if state:
+                if self.optimizer is None:
+                    raise KVError("the state has optimizer state: call set_optimizer before load_state")
+                assert self.param is not None
+                optim.load_state_tensors(self.optimizer, self.param, state)

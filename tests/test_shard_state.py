@@ -1,0 +1,136 @@
+"""A server's per-key state driven by method calls, without sockets or processes (server/shard.py),
+and the consistency policies (consistency.py) that decide what a push does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paratrain.kvstore import KVStore, KVStoreConfig
+from paratrain.kvstore.api import KVError
+from paratrain.kvstore.consistency import Async, Bounded, Sync, policy
+from paratrain.kvstore.server.shard import Push, Rules, ShardState
+
+
+def shard(rules: Rules, value: list[float] | None = None) -> ShardState:
+    value_t = torch.tensor(value or [0.0, 0.0])
+    return ShardState("w", 0, len(value_t), len(value_t), [len(value_t)], "float32", value_t, rules)
+
+
+def push(state: ShardState, rank: int, clock: int, grad: list[float], weight: int = 1) -> None:
+    p = Push(rank, clock, torch.tensor(grad), weight=weight)
+    state.check(p)
+    state.push(p)
+
+
+def test_sync_applies_a_round_once_every_member_pushed_and_in_order() -> None:
+    s = shard(Rules(Sync(), frozenset({0, 1})))
+    push(s, 0, 0, [1.0, 2.0])
+    push(s, 0, 1, [5.0, 5.0])  # worker 0 runs ahead: round 1 waits for round 0
+    assert s.version == 0 and s.value.tolist() == [0.0, 0.0]
+    assert s.waiting(1) == {"key": "w", "start": 0, "stop": 2, "version": 0, "round": 0, "missing": [1]}
+    push(s, 1, 0, [3.0, 4.0])
+    assert s.version == 1 and s.value.tolist() == [4.0, 6.0]  # without an optimizer: the round's sum
+    assert s.ready(1) and not s.ready(2) and s.waiting(1) is None
+    push(s, 1, 1, [1.0, 1.0])
+    assert s.version == 2 and s.value.tolist() == [6.0, 6.0]
+    with pytest.raises(KVError, match="round 1, already applied"):
+        s.check(Push(0, 1, torch.zeros(2)))
+    push(s, 0, 2, [1.0, 1.0])
+    with pytest.raises(KVError, match="worker 0 pushed key 'w' \\[0, 2\\) twice in round 2"):
+        s.check(Push(0, 2, torch.zeros(2)))
+    with pytest.raises(KVError, match="does not match"):
+        s.check(Push(1, 2, torch.zeros(3)))
+
+
+def test_async_applies_every_push_on_arrival() -> None:
+    s = shard(Rules(Async(), frozenset({0, 1})), [1.0, 1.0])
+    push(s, 1, 0, [1.0, 2.0])
+    push(s, 1, 1, [1.0, 2.0])  # no rounds: worker 0 pushed nothing and nothing waits for it
+    assert s.version == 2 and s.value.tolist() == [3.0, 5.0]  # added to the value
+    assert s.rounds == {} and s.ready(0)
+    with pytest.raises(KVError, match="async pushes carry their payload"):
+        s.check(Push(0, 0, None))
+
+
+def test_bounded_rounds_are_sync_rounds_and_pulls_may_lag_by_the_bound() -> None:
+    rules = Rules(policy("bounded", 2), frozenset({0, 1}))
+    s = shard(rules)
+    for clock in range(3):  # worker 0 runs 3 rounds ahead of worker 1
+        push(s, 0, clock, [1.0, 1.0])
+    assert s.version == 0 and len(s.rounds) == 3
+    assert rules.policy.min_version(3) == 1 and not s.ready(rules.policy.min_version(3))  # must wait
+    assert rules.policy.min_version(2) == 0 and s.ready(rules.policy.min_version(2))  # within the bound
+    push(s, 1, 0, [1.0, 1.0])
+    assert s.version == 1 and s.ready(rules.policy.min_version(3))
+
+
+def test_a_member_that_leaves_stops_holding_rounds_back() -> None:
+    rules = Rules(Sync(), frozenset({0, 1, 2}))
+    s = shard(rules)
+    push(s, 0, 0, [1.0, 1.0])
+    push(s, 1, 0, [2.0, 2.0])
+    assert s.version == 0
+    rules.members = rules.members - {2}  # what the server does when worker 2 leaves
+    s.apply_complete_rounds()
+    assert s.version == 1 and s.value.tolist() == [3.0, 3.0]
+
+
+def test_a_round_of_fewer_members_gives_their_mean() -> None:
+    rules = Rules(Sync(), frozenset({0, 1, 2}), average=True)
+    s = shard(rules)
+    push(s, 0, 0, [3.0, 6.0])
+    push(s, 1, 0, [6.0, 3.0])
+    push(s, 2, 0, [0.0, 3.0])
+    assert s.value.tolist() == [3.0, 4.0]  # (3 + 6 + 0) / 3, (6 + 3 + 3) / 3
+    rules.members = frozenset({0, 1})  # worker 2 left: the next round has two members
+    push(s, 0, 1, [1.0, 2.0])
+    push(s, 1, 1, [3.0, 6.0])
+    assert s.version == 2 and s.value.tolist() == [2.0, 4.0]  # the mean of two, not a third short
+    # a host's leader stands for its host's workers: its push weighs that many
+    rules.members = frozenset({0, 3})
+    push(s, 0, 2, [6.0, 6.0], weight=3)  # the sum of 3 workers' gradients
+    push(s, 3, 2, [2.0, 2.0])
+    assert s.value.tolist() == [2.0, 2.0]  # (6 + 2) / 4 workers
+
+
+def test_the_optimizer_steps_once_per_round_on_the_mean() -> None:
+    rules = Rules(Sync(), frozenset({0, 1}), average=True)
+    s = shard(rules, [1.0, 1.0])
+    s.attach_optimizer("torch.optim.SGD", {"lr": 0.5})
+    push(s, 0, 0, [1.0, 2.0])
+    push(s, 1, 0, [3.0, 2.0])
+    assert s.version == 1 and s.value.tolist() == [0.0, 0.0]  # 1 - 0.5 * mean(1, 3); 1 - 0.5 * 2
+    entry, tensors = s.state()
+    assert entry["version"] == 1 and tensors[0].tolist() == [0.0, 0.0]
+    s.load(torch.tensor([5.0, 5.0]), {})
+    assert s.version == 0 and s.value.tolist() == [5.0, 5.0] and s.rounds == {}
+
+
+def test_the_policies_answer_for_both_sides() -> None:
+    assert [policy(n).name for n in ("sync", "rounds", "async", "bounded")] == [
+        "sync",
+        "sync",
+        "async",
+        "bounded",
+    ]
+    assert (Sync().min_version(5), Async().min_version(5), Bounded(2).min_version(5)) == (5, 0, 3)
+    assert KVStoreConfig(consistency="bounded", staleness=4).policy == Bounded(4)
+    with pytest.raises(ValueError, match="consistency 'eventual' is not one of"):
+        policy("eventual")
+    with pytest.raises(ValueError, match="KVStoreConfig.consistency='eventual'"):
+        KVStoreConfig(consistency="eventual")
+
+
+def test_every_store_implements_the_kvstore_protocol() -> None:
+    from paratrain.kvstore.worker.client import DistKVStore
+    from paratrain.kvstore.worker.device import HostKVStore
+    from paratrain.kvstore.worker.embedding import LocalSparseKVStore
+    from paratrain.kvstore.worker.local import LocalKVStore
+
+    members = [name for name in dir(KVStore) if not name.startswith("_")]
+    methods = [m for m in members if callable(getattr(KVStore, m))]
+    assert {"init", "push", "pull", "pushpull", "set_optimizer", "save_state", "close"} <= set(methods)
+    for store in (DistKVStore, HostKVStore, LocalKVStore, LocalSparseKVStore):
+        assert [m for m in methods if not callable(getattr(store, m, None))] == [], store
+    assert isinstance(LocalSparseKVStore(KVStoreConfig(local=True)), KVStore)
