@@ -134,3 +134,17 @@ def test_every_store_implements_the_kvstore_protocol() -> None:
     for store in (DistKVStore, HostKVStore, LocalKVStore, LocalSparseKVStore):
         assert [m for m in methods if not callable(getattr(store, m, None))] == [], store
     assert isinstance(LocalSparseKVStore(KVStoreConfig(local=True)), KVStore)
+
+
+def test_a_wait_that_runs_out_raises_the_kvstores_error_not_the_builtin() -> None:
+    from paratrain.errors import KVStoreError, ParatrainError
+    from paratrain.kvstore.api import Handle, KVStoreTimeoutError, TableError
+    from paratrain.transport.rpc import Future
+
+    never = Future("'pull' (id 1) from server 0 (127.0.0.1:1)", None)  # its reply never comes
+    with pytest.raises(
+        KVStoreTimeoutError, match=r"^w0's pull got no reply within 0.1 s: no reply from server 0"
+    ):
+        Handle([never], timeout_s=0.1, what="w0's pull").wait()
+    assert issubclass(KVStoreTimeoutError, KVStoreError) and issubclass(KVError, ParatrainError)
+    assert issubclass(TableError, KVStoreError) and issubclass(TableError, ValueError)

@@ -181,6 +181,8 @@ class Handle:
             replies = self._replies(timeout)
         except (RemoteError, TransportError) as exc:
             raise KVStoreError(str(exc)) from None
+        except KVStoreTimeoutError:
+            raise
         except TimeoutError as exc:  # never the builtin: every kvstore wait fails as a KVStoreError
             raise KVStoreTimeoutError(f"{self.what}: {exc}") from None
         versions = [v for r in replies for v in r.meta.get("versions", ())]
