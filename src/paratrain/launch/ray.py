@@ -40,11 +40,17 @@ from paratrain.launch.api import THREAD_VARS, LaunchConfig, thread_env
 from paratrain.launch.ray_placement import GroupPlan, NodeInfo, RayJobError, node_labels, plan_groups
 from paratrain.launch.ray_process import RoleProcess
 from paratrain.launch.ray_supervise import POLL_S, Interrupts, RayChild, Supervisor, first_line
-from paratrain.launch.report import JobResult, Printer, _failure_report, _interrupted_report, write_outcome
+from paratrain.launch.report import (
+    JobResult,
+    Printer,
+    _failure_report,
+    _interrupted_report,
+    interrupted_exit_code,
+    write_outcome,
+)
 
 logger = logging.getLogger(__name__)
 
-EXIT_INTERRUPTED = 130
 _CLOSE_WAIT_S = 5.0
 _ACTOR_CONCURRENCY = 4
 """Calls one actor serves at once: a poll may be waiting while signal or close comes in."""
@@ -297,7 +303,8 @@ class _RayJob(Supervisor):
     def result(self, outcome: str) -> RayJobResult:
         failure, report, exit_code = None, "", 0
         if outcome == "interrupted":
-            report, exit_code = _interrupted_report(self.interrupts.first), EXIT_INTERRUPTED
+            first = self.interrupts.first
+            report, exit_code = _interrupted_report(first), interrupted_exit_code(first)
         elif outcome == "unstarted":
             report, exit_code = f"paratrain: could not start the job on Ray: {self.start_error}\n", 1
         elif outcome != "ok":

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from paratrain import checkpoint
 from paratrain.data import ShardedLoader
 from paratrain.metrics import NullMetrics, Progress, open_metrics
-from paratrain.train.strategy import Strategy, resolve_strategy
+from paratrain.train.strategy import Strategy, idle_servers_warning, resolve_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +219,9 @@ class Trainer:
         _make_distributed(optimizer, self)
         self.sparse = sparse_modules(model)
         lead = self.rank == 0
+        idle = idle_servers_warning(self.strategy, self.ctx.num_servers, len(self.sparse))
+        if idle and lead and self.ctx.distributed:
+            logger.warning(idle)
         self.metrics = open_metrics(metrics_dir, rank=self.rank) if metrics_dir and lead else NullMetrics()
         self.progress = Progress(enabled=progress and lead, initial=self.steps)
 
