@@ -150,9 +150,9 @@ def launch(
             timeout_s=timeout_s,
         )
     except (ValueError, TypeError) as exc:
-        raise click.UsageError(f"{exc}".replace("strategy=", f"{source} ", 1)) from None
+        raise click.UsageError(_as_given(str(exc), source)) from None
     for warning in config.warnings():
-        logging.getLogger(__name__).warning("warning: %s", warning.replace("strategy=", f"{source} ", 1))
+        logging.getLogger(__name__).warning("warning: %s", _as_given(warning, source))
     resources: dict[str, Any] = {
         "cpus_per_worker": cpus_per_worker,
         "cpus_per_server": cpus_per_server,
@@ -177,6 +177,12 @@ def launch(
         raise click.UsageError("--backend k8s needs --image (the container image every pod runs)")
     options = K8sOptions(image=image or "IMAGE", namespace=namespace, dry_run=dry_run, **resources)
     ctx.exit(run_k8s_job(config, options))
+
+
+def _as_given(message: str, source: str) -> str:
+    """LaunchConfig's message about `strategy=...`, naming it as the user gave it: `--strategy 'x'`
+    or `PARATRAIN_STRATEGY (from the environment) 'x'`. Other messages are unchanged."""
+    return message.replace("strategy=", f"{source} ", 1) if message.startswith("strategy=") else message
 
 
 def _no_such_option(ctx: click.Context, given: str) -> click.NoSuchOption:

@@ -108,20 +108,26 @@ class RayJobResult(JobResult):
 
 
 def run_ray_job(config: LaunchConfig, options: RayOptions) -> int:
-    """`paratrain launch --backend ray`: the job on the Ray cluster; its exit status."""
-    return run_ray(config, options).exit_code
+    """`paratrain launch --backend ray`: the job on the Ray cluster; its exit status. The children's
+    output is folded: their abort notices and repeated tracebacks are left out (lines.py)."""
+    return run_ray(config, options, fold=True).exit_code
 
 
 def run_ray(
-    config: LaunchConfig, options: RayOptions, out: IO[str] | None = None, err: IO[str] | None = None
+    config: LaunchConfig,
+    options: RayOptions,
+    out: IO[str] | None = None,
+    err: IO[str] | None = None,
+    fold: bool = False,
 ) -> RayJobResult:
     """Runs the job on the Ray cluster to its end; nothing of it is left running there.
 
     Connects to options.address unless this process is already connected to a cluster (then it
     stays connected). Output goes to `out` and `err` (default sys.stdout and sys.stderr), each line
-    prefixed `[role rank @node] `; a failure or interruption report is written to `err`.
+    prefixed `[role rank @node] `; a failure or interruption report is written to `err`. With
+    `fold`, abort notices and repeated tracebacks are left out of `out` and `err` (lines.py).
     """
-    printer = Printer(out or sys.stdout, err or sys.stderr)
+    printer = Printer(out or sys.stdout, err or sys.stderr, fold)
     try:
         import ray
     except ImportError:
