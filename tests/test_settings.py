@@ -220,6 +220,7 @@ def test_different_tracebacks_are_each_printed():
         (["worker 1 is about to fail"], None),
         ([], None),
         (["    indented", "2026-11-24 08:15:25,101 WARNING a log line"], None),
+        (["    indented", "paratrain: worker stopping: the launcher (pid 7) is gone"], None),
     ],
 )
 def test_the_exception_is_found_in_a_stderr_tail(tail, cause):

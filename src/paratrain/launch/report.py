@@ -128,7 +128,7 @@ def _interrupted_report(signum: int | None) -> str:
     return f"paratrain: interrupted by {name}; stopped every process of the job\n"
 
 
-_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:: |$)")
+_EXCEPTION = re.compile(r"^(?!paratrain: )[A-Za-z_][\w.]*(?:: |$)")  # not paratrain's own notices
 
 
 def _exception_line(tail: Sequence[str]) -> str | None:
