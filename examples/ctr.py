@@ -18,14 +18,19 @@ import tempfile
 import time
 
 import torch
-from sklearn.metrics import roc_auc_score
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
 import paratrain.kvstore
 from paratrain.data.criteo import NUM_CATEGORICAL, NUM_DENSE, read_criteo, write_synthetic_criteo
+from paratrain.errors import MissingExtraError
 from paratrain.kvstore import DistributedEmbedding, TableConfig
+
+try:
+    from sklearn.metrics import roc_auc_score
+except ImportError as exc:  # the examples' extra
+    raise MissingExtraError("scikit-learn", "examples", "examples/ctr.py") from exc
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--train", help="Criteo-format TSV to train on (default: synthetic)")

@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check src tests benchmarks examples
 .venv/bin/ruff format --check src tests benchmarks examples
+.venv/bin/mypy  # the packages listed in pyproject.toml's [tool.mypy]
 exec .venv/bin/python -m pytest "$@"

@@ -343,7 +343,9 @@ def test_a_failure_that_follows_an_aborted_exit_is_the_cause(markers):
     assert (outcome.failure.role, outcome.failure.rank) == ("worker", 1)
     assert outcome.failure.returncode == 3
     assert "worker 1 fails for real" in outcome.report
-    assert re.search(r"also: worker 0 \(pid \d+\) exited with code 75", outcome.report)
+    assert re.search(
+        r"also stopped, as the job was aborted \(exit code 75\): worker 0 \(pid \d+\)", outcome.report
+    )
 
 
 def test_first_failure_prefers_the_earliest_cause_over_aborted_exits():
@@ -623,7 +625,7 @@ def test_interrupting_the_launcher_stops_every_child(markers, tmp_path, signum):
                     os.kill(pid, signal.SIGKILL)
     stderr = err.text()
     pids = _pids_in(out.text())
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == 128 + signum, stderr  # 130 for SIGINT, 143 for SIGTERM, as a shell says
     assert "paratrain: interrupted by " + signal.Signals(signum).name in stderr
     assert_all_gone(pids)
     assert _scheduler_port_in(stderr) not in listening_ports()

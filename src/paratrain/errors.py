@@ -46,3 +46,13 @@ class KVStoreError(ParatrainError):
 
 class CheckpointError(ParatrainError):
     """A checkpoint is missing, incomplete, corrupt, or holds something other than tensors and plain data."""
+
+
+class MissingExtraError(ParatrainError, ImportError):
+    """An optional dependency is not installed; the message names the extra that installs it."""
+
+    def __init__(self, package: str, extra: str, needed_by: str) -> None:
+        super().__init__(
+            f"{needed_by} needs {package}, which is not installed: pip install 'paratrain[{extra}]'"
+        )
+        self.name = package

@@ -17,7 +17,7 @@ def compress_hook(state, bucket):  # unannotated: DDP checks real annotations, a
     """A DDP comm hook: the bucket travels as `state` (fp16 / bf16), pre-divided by the world size,
     and comes back into the bucket's full-precision buffer. torch ships such hooks, but its bf16 one
     refuses anything but NCCL, and Gloo all-reduces bf16 fine on the CPU."""
-    dtype: torch.dtype = state  # type: ignore[assignment]
+    dtype: torch.dtype = state
     buffer = bucket.buffer()
     compressed = buffer.to(dtype).div_(dist.get_world_size())
     future = dist.all_reduce(compressed, async_op=True).get_future()

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from paratrain.data.sampler import check_int
+from paratrain.errors import MissingExtraError
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +22,11 @@ def digits(train: bool = True, *, test_fraction: float = 0.25, seed: int = 0) ->
     """(float32 1x8x8 images in [0, 1], int64 labels) of the train or test split."""
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError as exc:
+        raise MissingExtraError("scikit-learn", "examples", "paratrain.data.digits") from exc
 
     data = load_digits()
     indices = np.arange(len(data.target))

@@ -7,6 +7,7 @@ part is copied to its device. `merge` is the inverse, for outputs.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,13 +33,16 @@ def split_and_load(batch: Any, devices: Sequence[Device], *, dim: int = 0) -> li
     0-dim tensors are copied whole to every device; other leaves (str, int, ...) go to every part as
     they are. ValueError if `devices` is empty or the batch has fewer rows than devices.
     """
-    devices = [torch.device(d) for d in devices]
-    if not devices:
+    targets = [torch.device(d) for d in devices]
+    if not targets:
         raise ValueError("devices is empty; pass at least one device (see local_devices())")
     rows = _rows(batch, dim)
-    if rows < len(devices):
-        raise ValueError(f"batch has {rows} rows along dim {dim}, fewer than the {len(devices)} devices")
-    return [_map(batch, lambda t, i=i, d=d: _part(t, i, d, len(devices), dim)) for i, d in enumerate(devices)]
+    if rows < len(targets):
+        raise ValueError(f"batch has {rows} rows along dim {dim}, fewer than the {len(targets)} devices")
+    return [
+        _map(batch, functools.partial(_part, index=i, device=d, count=len(targets), dim=dim))
+        for i, d in enumerate(targets)
+    ]
 
 
 def merge(parts: Sequence[Any], dim: int = 0) -> Any:

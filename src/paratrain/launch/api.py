@@ -75,10 +75,16 @@ class LaunchConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.num_servers < 0:
             raise ValueError(f"num_servers must be >= 0, got {self.num_servers}")
-        if self.strategy is not None:
-            check_strategy(self.strategy, self.num_servers)
+        self.warnings()  # raises about a strategy that cannot run
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s!r}")
+
+    def warnings(self) -> list[str]:
+        """What the launcher should tell the user before starting this (valid) job: settings that
+        leave processes idle. Raises ValueError about a strategy that cannot run (`check_strategy`)."""
+        if self.strategy is None:
+            return []
+        return check_strategy(self.strategy, self.num_servers, self.num_workers)
 
     def job_env(self) -> dict[str, str]:
         """The variables every process gets besides its identity: env plus the strategy."""
@@ -88,19 +94,36 @@ class LaunchConfig:
         return env
 
 
-def check_strategy(name: str, num_servers: int) -> None:
-    """Raises ValueError naming the strategy if it does not parse, or needs servers the job lacks."""
+def check_strategy(name: str, num_servers: int, num_workers: int = 1) -> list[str]:
+    """Checks a job's strategy before any process starts: raises ValueError naming the strategy
+    and the cause if it does not parse (a misspelt name, field or value gets the nearest valid
+    one), needs servers the job lacks, or cuts the model into a number of pipeline stages that does
+    not divide the workers. Returns warnings about a valid job that would leave processes idle."""
     from paratrain.train.strategy import Strategy  # train/ is below launch/; imported late for speed
 
     try:
         strategy = Strategy.parse(name)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"strategy={name!r}: {exc}") from None
-    if strategy.architecture in ("ps", "hybrid") and num_servers == 0:
+    arch, stages = strategy.architecture, strategy.pipeline_stages
+    if arch in ("ps", "hybrid") and num_servers == 0:
         raise ValueError(
-            f"strategy={name!r} is a {strategy.architecture} strategy and needs servers, but "
-            f"num_servers=0 (-s 0)"
+            f"strategy={name!r} is a {arch} strategy and needs servers, but num_servers=0 (-s 0); "
+            "launch with -s 1 or more, or use strategy 'collective'"
         )
+    if num_workers % stages:
+        fits = ", ".join(str(stages * k) for k in range(1, 4))
+        raise ValueError(
+            f"strategy={name!r}: pipeline_stages={stages} does not divide the job's {num_workers} "
+            f"worker(s) (-w {num_workers}): each replica of the model runs on {stages} workers, so "
+            f"launch with -w {fits}, ..."
+        )
+    if arch in ("collective", "local") and num_servers:
+        return [
+            f"strategy={name!r} is a {arch} strategy and uses no servers: the job's {num_servers} "
+            "server(s) will be idle (launch with -s 0)"
+        ]
+    return []
 
 
 def host_cores() -> int:

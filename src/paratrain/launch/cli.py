@@ -7,19 +7,24 @@ The same flags start the same job on every engine; each engine adds what it need
 Ray, `--partition`/`--time`/`--nodes` for Slurm, `--image`/`--namespace` for Kubernetes, `--dry-run`
 to print what Slurm or Kubernetes would be given). Everything after the script is passed to it
 unparsed, options included. The command exits with the job's exit status: 0 when every worker
-succeeded, 130 when interrupted, 1 otherwise (for a submitted Slurm or Kubernetes job: whether it
-was submitted).
+succeeded, 130 when interrupted by SIGINT (Ctrl-C) and 143 by SIGTERM (as a shell reports them), 1
+otherwise (for a submitted Slurm or Kubernetes job: whether it was submitted). A strategy that cannot
+run fails here, before any process starts (exit 2, naming the setting and the nearest valid one).
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
+from typing import Any
 
 import click
 
 from paratrain.launch.api import BACKENDS, LaunchConfig
 from paratrain.version import __version__
+
+STRATEGY_VAR = "PARATRAIN_STRATEGY"
 
 
 @click.group()
@@ -128,8 +133,13 @@ def launch(
 ) -> None:
     """Run SCRIPT as a scheduler, SERVERS servers and WORKERS workers."""
     logging.basicConfig(level=logging.INFO, format="paratrain: %(message)s")
+    if script.startswith("-"):  # an option this command does not know, read as the script's path
+        raise _no_such_option(ctx, script)
     if backend != "k8s" and not os.path.isfile(script):  # under k8s the script is in the image
         raise click.BadParameter(f"{script!r} is not a file", param_hint="'SCRIPT'")
+    source = "--strategy"
+    if strategy is None and os.environ.get(STRATEGY_VAR):
+        strategy, source = os.environ[STRATEGY_VAR], f"{STRATEGY_VAR} (from the environment)"
     try:
         config = LaunchConfig(
             script=script,
@@ -140,8 +150,10 @@ def launch(
             timeout_s=timeout_s,
         )
     except (ValueError, TypeError) as exc:
-        raise click.UsageError(str(exc)) from None
-    resources = {
+        raise click.UsageError(_as_given(str(exc), source)) from None
+    for warning in config.warnings():
+        logging.getLogger(__name__).warning("warning: %s", _as_given(warning, source))
+    resources: dict[str, Any] = {
         "cpus_per_worker": cpus_per_worker,
         "cpus_per_server": cpus_per_server,
         "gpus_per_worker": gpus_per_worker,
@@ -165,3 +177,18 @@ def launch(
         raise click.UsageError("--backend k8s needs --image (the container image every pod runs)")
     options = K8sOptions(image=image or "IMAGE", namespace=namespace, dry_run=dry_run, **resources)
     ctx.exit(run_k8s_job(config, options))
+
+
+def _as_given(message: str, source: str) -> str:
+    """LaunchConfig's message about `strategy=...`, naming it as the user gave it: `--strategy 'x'`
+    or `PARATRAIN_STRATEGY (from the environment) 'x'`. Other messages are unchanged."""
+    return message.replace("strategy=", f"{source} ", 1) if message.startswith("strategy=") else message
+
+
+def _no_such_option(ctx: click.Context, given: str) -> click.NoSuchOption:
+    """Click's own error for an unknown option, with the nearest known one. (The command takes
+    unknown options as the script's, so click cannot tell a misspelt launcher option itself.)"""
+    name = given.split("=", 1)[0]
+    known = [opt for param in ctx.command.params for opt in (*param.opts, *param.secondary_opts)]
+    near = difflib.get_close_matches(name, [opt for opt in known if opt.startswith("-")], n=1)
+    return click.NoSuchOption(name, possibilities=near, ctx=ctx)

@@ -43,13 +43,13 @@ from paratrain.launch.report import (
     _interrupted_report,
     _named_by_scheduler,
     _signal_name,
+    interrupted_exit_code,
     write_outcome,
 )
 
 logger = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 30
-EXIT_INTERRUPTED = 130
 _POLL_S = 0.5
 _KILL_WAIT_S = 30.0
 _OUTPUT_JOIN_S = 5.0
@@ -201,8 +201,8 @@ class _Child:
         )
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self._pumps = [
-            _thread(_pump, self.proc.stdout, f"[{self.label}] ", printer.out, printer, None),
-            _thread(_pump, self.proc.stderr, f"[{self.label}] ", printer.err, printer, self.stderr_tail),
+            _thread(_pump, self.proc.stdout, self.label, printer.out, printer, None),
+            _thread(_pump, self.proc.stderr, self.label, printer.err, printer, self.stderr_tail),
         ]
         _thread(self._wait, events)
 
@@ -249,13 +249,17 @@ def _join_all(threads: list[threading.Thread], timeout_s: float) -> bool:
     return not any(thread.is_alive() for thread in threads)
 
 
-def _pump(pipe: IO[bytes], prefix: str, stream: IO[str], printer: Printer, tail: deque[str] | None) -> None:
+def _pump(pipe: IO[bytes], label: str, stream: IO[str], printer: Printer, tail: deque[str] | None) -> None:
+    shown = printer.fold.lines(label) if printer.fold is not None else None
     with pipe:
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\r\n")
             if tail is not None:
                 tail.append(line)
-            printer.write(stream, f"{prefix}{line}\n")
+            for text in [line] if shown is None else shown.feed(line):
+                printer.write(stream, f"[{label}] {text}\n")
+        for text in [] if shown is None else shown.close():
+            printer.write(stream, f"[{label}] {text}\n")
 
 
 def _earliest(*deadlines: float | None) -> float | None:
@@ -465,7 +469,9 @@ class _Job:
             return JobResult(0, None, "", children, self.scheduler_address)
         if outcome == "interrupted":
             report = _interrupted_report(self.interrupt)
-            return JobResult(EXIT_INTERRUPTED, None, report, children, self.scheduler_address)
+            return JobResult(
+                interrupted_exit_code(self.interrupt), None, report, children, self.scheduler_address
+            )
         failure = self._failure(outcome)
         report = _failure_report(failure, self.failed, self.still_running)
         return JobResult(1, failure, report, children, self.scheduler_address)
@@ -530,7 +536,8 @@ def _interrupt_handlers(events: queue.SimpleQueue[Any]) -> Iterator[None]:
 
 
 def run_launch(config: LaunchConfig, host: str = "127.0.0.1") -> int:
-    """`paratrain launch --backend local`: the job as processes of this machine; its exit status."""
+    """`paratrain launch --backend local`: the job as processes of this machine; its exit status.
+    The children's output is folded: their abort notices and repeated tracebacks are left out."""
     local = LocalJobConfig(
         script=config.script,
         args=config.args,
@@ -541,18 +548,20 @@ def run_launch(config: LaunchConfig, host: str = "127.0.0.1") -> int:
         timeout_s=config.timeout_s,
         python=config.python,
     )
-    return run_local_job(local).exit_code
+    return run_local_job(local, fold=True).exit_code
 
 
 def run_local_job(
-    config: LocalJobConfig, out: IO[str] | None = None, err: IO[str] | None = None
+    config: LocalJobConfig, out: IO[str] | None = None, err: IO[str] | None = None, fold: bool = False
 ) -> JobResult:
     """Runs the job to its end and returns how it ended; nothing of it is left running.
 
     Child output goes to `out` and `err` (default: sys.stdout and sys.stderr at call time), each
-    line prefixed with `[role rank] `; a failure or interruption report is written to `err`.
+    line prefixed with `[role rank] `; a failure or interruption report is written to `err`. With
+    `fold`, the lines in which processes stop because another failed, and a traceback another child
+    already printed, are left out of `out` and `err` (not out of the report's stderr tail).
     """
-    printer = Printer(out or sys.stdout, err or sys.stderr)
+    printer = Printer(out or sys.stdout, err or sys.stderr, fold)
     job = _Job(config, printer)
     started = time.monotonic()
     with _interrupt_handlers(job.events):

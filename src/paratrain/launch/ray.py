@@ -40,11 +40,17 @@ from paratrain.launch.api import THREAD_VARS, LaunchConfig, thread_env
 from paratrain.launch.ray_placement import GroupPlan, NodeInfo, RayJobError, node_labels, plan_groups
 from paratrain.launch.ray_process import RoleProcess
 from paratrain.launch.ray_supervise import POLL_S, Interrupts, RayChild, Supervisor, first_line
-from paratrain.launch.report import JobResult, Printer, _failure_report, _interrupted_report, write_outcome
+from paratrain.launch.report import (
+    JobResult,
+    Printer,
+    _failure_report,
+    _interrupted_report,
+    interrupted_exit_code,
+    write_outcome,
+)
 
 logger = logging.getLogger(__name__)
 
-EXIT_INTERRUPTED = 130
 _CLOSE_WAIT_S = 5.0
 _ACTOR_CONCURRENCY = 4
 """Calls one actor serves at once: a poll may be waiting while signal or close comes in."""
@@ -102,20 +108,26 @@ class RayJobResult(JobResult):
 
 
 def run_ray_job(config: LaunchConfig, options: RayOptions) -> int:
-    """`paratrain launch --backend ray`: the job on the Ray cluster; its exit status."""
-    return run_ray(config, options).exit_code
+    """`paratrain launch --backend ray`: the job on the Ray cluster; its exit status. The children's
+    output is folded: their abort notices and repeated tracebacks are left out (lines.py)."""
+    return run_ray(config, options, fold=True).exit_code
 
 
 def run_ray(
-    config: LaunchConfig, options: RayOptions, out: IO[str] | None = None, err: IO[str] | None = None
+    config: LaunchConfig,
+    options: RayOptions,
+    out: IO[str] | None = None,
+    err: IO[str] | None = None,
+    fold: bool = False,
 ) -> RayJobResult:
     """Runs the job on the Ray cluster to its end; nothing of it is left running there.
 
     Connects to options.address unless this process is already connected to a cluster (then it
     stays connected). Output goes to `out` and `err` (default sys.stdout and sys.stderr), each line
-    prefixed `[role rank @node] `; a failure or interruption report is written to `err`.
+    prefixed `[role rank @node] `; a failure or interruption report is written to `err`. With
+    `fold`, abort notices and repeated tracebacks are left out of `out` and `err` (lines.py).
     """
-    printer = Printer(out or sys.stdout, err or sys.stderr)
+    printer = Printer(out or sys.stdout, err or sys.stderr, fold)
     try:
         import ray
     except ImportError:
@@ -297,7 +309,8 @@ class _RayJob(Supervisor):
     def result(self, outcome: str) -> RayJobResult:
         failure, report, exit_code = None, "", 0
         if outcome == "interrupted":
-            report, exit_code = _interrupted_report(self.interrupts.first), EXIT_INTERRUPTED
+            first = self.interrupts.first
+            report, exit_code = _interrupted_report(first), interrupted_exit_code(first)
         elif outcome == "unstarted":
             report, exit_code = f"paratrain: could not start the job on Ray: {self.start_error}\n", 1
         elif outcome != "ok":

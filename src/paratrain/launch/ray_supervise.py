@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from paratrain.cluster.spec import EXIT_ABORTED
+from paratrain.launch.lines import ChildLines
 from paratrain.launch.ray_placement import NodeInfo
 from paratrain.launch.report import (
     ChildFailure,
@@ -94,6 +95,8 @@ class RayChild:
         """Why its actor is gone (its node died, or Ray lost it); None while it answers."""
         self.exit_time: float | None = None
         self.failure_reason: str | None = None
+        self.shown: dict[int, ChildLines] = {}
+        """Per stream (1, 2), what of its lines the terminal sees when the printer folds them."""
 
     @property
     def running(self) -> bool:
@@ -232,12 +235,16 @@ class Supervisor:
         except ray.exceptions.RayError as exc:
             child.lost = _lost_reason(child, exc)
             child.ended, child.exit_time, child.poll_ref = True, time.monotonic(), None
+            for stream in (1, 2):
+                self._show(child, stream, None)
             return True
+        ended = reply["returncode"] is not None
         for stream, line in reply["lines"]:
             if stream == 2:
                 child.stderr_tail.append(line)
-            stream_out = self.printer.out if stream == 1 else self.printer.err
-            self.printer.write(stream_out, f"{child.prefix}{line}\n")
+            self._show(child, stream, line)
+        for stream in (1, 2) if ended else ():
+            self._show(child, stream, None)
         if reply["dropped"]:
             self.printer.write(self.printer.err, f"{child.prefix}({reply['dropped']} lines dropped)\n")
         if reply["returncode"] is None:
@@ -249,6 +256,18 @@ class Supervisor:
         ago = max(0.0, time.time() - reply["exited_at"])
         child.ended, child.exit_time = True, time.monotonic() - ago
         return True
+
+    def _show(self, child: RayChild, stream: int, line: str | None) -> None:
+        """Prints one line of a child (None: its output ended), folded if the printer folds."""
+        stream_out = self.printer.out if stream == 1 else self.printer.err
+        fold = self.printer.fold
+        if fold is None:
+            texts = [] if line is None else [line]
+        else:
+            shown = child.shown.setdefault(stream, fold.lines(child.label))
+            texts = shown.close() if line is None else shown.feed(line)
+        for text in texts:
+            self.printer.write(stream_out, f"{child.prefix}{text}\n")
 
     def _record(self, child: RayChild) -> bool:
         """Notes one exit or loss (before stopping began); returns False if it fails the job."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from paratrain.cluster.spec import EXIT_ABORTED
+from paratrain.launch.lines import Fold
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,9 @@ class JobResult:
     """How a job ended."""
 
     exit_code: int
-    """0 if every worker succeeded and the rest exited cleanly; 130 if interrupted; otherwise 1."""
+    """0 if every worker succeeded and the rest exited cleanly; 128 + the signal's number if
+    interrupted (130 for SIGINT, 143 for SIGTERM, as a shell reports a process they ended);
+    otherwise 1."""
     failure: ChildFailure | None
     report: str
     """The text printed about the failure or interruption; "" on success."""
@@ -106,7 +109,7 @@ def _named_by_scheduler(children: Sequence[Any]) -> tuple[Any, str] | None:
         for line in child.stderr_tail:
             found = _ABORT_REASON.search(line)
             named = _NAMED.match(found[1]) if found else None
-            if named is None:
+            if found is None or named is None:
                 continue
             for cause in children:
                 if (cause.role, cause.rank) == (named[1], int(named[2])):
@@ -114,37 +117,66 @@ def _named_by_scheduler(children: Sequence[Any]) -> tuple[Any, str] | None:
     return None
 
 
+def interrupted_exit_code(signum: int | None) -> int:
+    """The launcher's exit status after SIGINT or SIGTERM: 128 + the signal's number, the status a
+    shell gives a process that signal ended (so a batch system sees which one it was)."""
+    return 128 + (signum or signal.SIGINT)
+
+
 def _interrupted_report(signum: int | None) -> str:
     name = _signal_name(signum) if signum else "a signal"
     return f"paratrain: interrupted by {name}; stopped every process of the job\n"
 
 
+_EXCEPTION = re.compile(r"^(?!paratrain: )[A-Za-z_][\w.]*(?:: |$)")  # not paratrain's own notices
+
+
+def _exception_line(tail: Sequence[str]) -> str | None:
+    """The exception that ended the last traceback in a stderr tail ("ValueError: ..."), or None:
+    the last unindented line, in the form of an exception, right after an indented frame line."""
+    for i in range(len(tail) - 1, 0, -1):
+        if tail[i - 1].startswith("  ") and _EXCEPTION.match(tail[i]):
+            return tail[i]
+    return None
+
+
 def _failure_report(failure: ChildFailure, failed: Sequence[Any], still_running: Sequence[Any]) -> str:
-    """The report of a failed job. `failed` holds the children whose exit failed the job and
-    `still_running` those the launcher had to stop (each with role, rank, label, pid and
-    failure_reason)."""
+    """The report of a failed job: who failed and why first (a Python exception as its one line:
+    its traceback was printed above), then the others. `failed` holds the children whose exit
+    failed the job and `still_running` those the launcher had to stop (each with role, rank,
+    label, pid and failure_reason)."""
     lines = [f"paratrain: job failed: {failure.describe()}"]
+    raised = failure.returncode is not None and failure.returncode > 0 and failure.returncode != EXIT_ABORTED
+    cause = _exception_line(failure.stderr_tail) if raised else None
+    if cause is not None:
+        lines.append(f"  {cause}")
     if still_running and not failed:
         stopped = ", ".join(f"{c.label} (pid {c.pid})" for c in still_running)
         lines.append(f"  still running, stopped by the launcher: {stopped}")
-    for child in failed:
-        if (child.role, child.rank) != (failure.role, failure.rank):
+    others = [c for c in failed if (c.role, c.rank) != (failure.role, failure.rank)]
+    for child in others:
+        if child.returncode != EXIT_ABORTED:
             lines.append(f"  also: {child.label} (pid {child.pid}) {child.failure_reason}")
+    aborted = ", ".join(f"{c.label} (pid {c.pid})" for c in others if c.returncode == EXIT_ABORTED)
+    if aborted:
+        lines.append(f"  also stopped, as the job was aborted (exit code {EXIT_ABORTED}): {aborted}")
     label = f"{failure.role} {failure.rank}"
-    if failure.stderr_tail:
+    if cause is None and failure.stderr_tail:
         lines.append(f"  last {len(failure.stderr_tail)} stderr lines of {label}:")
         lines.extend(f"    {line}" for line in failure.stderr_tail)
-    else:
+    elif cause is None:
         lines.append(f"  {label} wrote nothing to stderr")
     return "\n".join(lines) + "\n"
 
 
 class Printer:
-    """Writes whole lines to a launcher's streams; one lock so lines never interleave."""
+    """Writes whole lines to a launcher's streams; one lock so lines never interleave. With `fold`,
+    the children's abort notices and repeated tracebacks are left out (lines.py)."""
 
-    def __init__(self, out: IO[str], err: IO[str]) -> None:
+    def __init__(self, out: IO[str], err: IO[str], fold: bool = False) -> None:
         self.out = out
         self.err = err
+        self.fold = Fold() if fold else None
         self._lock = threading.Lock()
 
     def write(self, stream: IO[str], text: str) -> None:

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
+from paratrain.errors import MissingExtraError
 from paratrain.metrics.api import MetricsLogger, as_floats, check_step
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,10 @@ class TensorBoardMetrics(MetricsLogger):
         if not flush_s > 0:
             raise ValueError(f"TensorBoardMetrics flush_s={flush_s!r} must be > 0")
         # Imported here: importing TensorBoard takes about a second, and most processes never need it.
-        from torch.utils.tensorboard import SummaryWriter
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise MissingExtraError("tensorboard", "tensorboard", "TensorBoard metrics") from exc
 
         self.logdir = Path(logdir)
         self._writer = SummaryWriter(log_dir=str(self.logdir), flush_secs=flush_s)

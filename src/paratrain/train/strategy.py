@@ -14,7 +14,9 @@ This module is the one place where a Strategy becomes the lower layers' configur
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -75,8 +77,10 @@ class Strategy:
             ("compression", COMPRESSIONS),
             ("pipeline_schedule", SCHEDULES),
         ):
-            if getattr(self, field) not in allowed:
-                raise bad(field, f"is not one of {allowed}")
+            value = getattr(self, field)
+            if value not in allowed:
+                choices = ", ".join(map(str, allowed))
+                raise bad(field, f"is not one of {choices}{did_you_mean(value, allowed)}")
         for field, least in (
             ("staleness", 0),
             ("accumulation_steps", 1),
@@ -131,18 +135,31 @@ class Strategy:
         base, _, settings = name.partition(":")
         base = base.strip()
         if base not in NAMED:
-            raise ValueError(f"strategy {base!r} is not one of {', '.join(NAMED)}")
+            raise ValueError(f"strategy {base!r} is not one of {', '.join(NAMED)}{did_you_mean(base, NAMED)}")
         changes = {}
         for item in filter(None, (s.strip() for s in settings.split(","))):
             field, eq, text = item.partition("=")
             field = field.strip()
-            if not eq or field not in FIELD_TYPES:
-                raise ValueError(f"strategy setting {item!r} is not field=value for a field of Strategy")
+            if field not in FIELD_TYPES:
+                raise ValueError(
+                    f"strategy setting {item!r}: Strategy has no field {field!r} (its fields: "
+                    f"{', '.join(FIELD_TYPES)}){did_you_mean(field, FIELD_TYPES)}"
+                )
+            if not eq:
+                raise ValueError(f"strategy setting {item!r} is not field=value (e.g. {field}=...)")
             changes[field] = _convert(field, text.strip())
         return NAMED[base].replace(**changes)
 
 
 FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Strategy)}
+
+
+def did_you_mean(word: object, choices: Iterable[object]) -> str:
+    """The end of an error about a misspelt word: "; did you mean 'x'?" naming the nearest choice,
+    or "" when none is near."""
+    names = [str(choice) for choice in choices if choice is not None]
+    nearest = difflib.get_close_matches(str(word), names, n=1, cutoff=0.6)
+    return f"; did you mean {nearest[0]!r}?" if nearest else ""
 
 
 def _convert(field: str, text: str) -> Any:
@@ -168,6 +185,18 @@ NAMED = {
     "dist_async_device": Strategy(architecture="ps", consistency="async", aggregation="host"),
     "hybrid": Strategy(architecture="hybrid"),
 }
+
+
+def idle_servers_warning(strategy: Strategy, num_servers: int, tables: int) -> str | None:
+    """What to tell the user when the job's servers will have nothing to do: a hybrid strategy keeps
+    only embedding tables on them, and the model has `tables` of them. None when they have work."""
+    if strategy.architecture != "hybrid" or not num_servers or tables:
+        return None
+    return (
+        "strategy hybrid keeps only embedding tables (paratrain.kvstore.DistributedEmbedding) on the "
+        f"servers, and this model has none: the job's {num_servers} server(s) are idle. Use strategy "
+        "'collective' (launch with -s 0), or 'ps' to keep every parameter on the servers"
+    )
 
 
 def resolve_strategy(strategy: str | Strategy | None, num_servers: int, distributed: bool = True) -> Strategy:

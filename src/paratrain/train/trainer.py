@@ -37,7 +37,13 @@ from paratrain import checkpoint
 from paratrain.cluster.context import current
 from paratrain.data import ShardedLoader
 from paratrain.metrics import NullMetrics, Progress, open_metrics
-from paratrain.train.strategy import Strategy, kvstore_config, pipeline_config, resolve_strategy
+from paratrain.train.strategy import (
+    Strategy,
+    idle_servers_warning,
+    kvstore_config,
+    pipeline_config,
+    resolve_strategy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +226,9 @@ class Trainer:
         if self.strategy.architecture == "hybrid":
             self._bind_tables()
         lead = self.rank == 0
+        idle = idle_servers_warning(self.strategy, self.ctx.num_servers, len(self.sparse))
+        if idle and lead and self.ctx.distributed:
+            logger.warning(idle)
         self.metrics = open_metrics(metrics_dir, rank=self.rank) if metrics_dir and lead else NullMetrics()
         self.progress = Progress(enabled=progress and lead, initial=self.steps)
 

@@ -173,14 +173,14 @@ class Connection:
             and dest.device.type == "cpu"
         )
         if source is None:
-            tensor = dest if fits else torch.empty(shape, dtype=dtype)
+            tensor = dest if fits and dest is not None else torch.empty(shape, dtype=dtype)
             self._receive_into(byte_view(tensor))
             return tensor
         region = source.region[source.offset : source.offset + size]
         source.offset += size
         if not fits and source.views and size:  # a view of the ring, valid until release_frame()
             return torch.frombuffer(region, dtype=dtype).view(shape)
-        tensor = dest if fits else torch.empty(shape, dtype=dtype)
+        tensor = dest if fits and dest is not None else torch.empty(shape, dtype=dtype)
         copy_bytes(byte_view(tensor), region)  # one copy, no syscall
         return tensor
 

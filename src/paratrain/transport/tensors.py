@@ -48,7 +48,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
         return memoryview(b"")
     if tensor.dtype is torch.bfloat16:  # numpy has no bfloat16; the bytes are the same
         tensor = tensor.view(torch.int16)
-    return memoryview(tensor.numpy()).cast("B")
+    return tensor.numpy().data.cast("B")
 
 
 BIG_COPY_BYTES = 1 << 20

@@ -1,0 +1,75 @@
+"""What of the children's output reaches the user's terminal when `paratrain launch` folds it.
+
+A job that fails prints its cause in one process and its consequences in all the others: the
+scheduler's "aborting the job: worker 0 ... lost its connection", every other process's "stopping:
+the scheduler aborted the job: ...", and often the same traceback from every worker that ran the same
+bad line. Folded, those abort notices are left out (the launcher's report names who stopped and why)
+and a traceback that another process already printed becomes one line naming it, so the cause is
+printed once, first. Only what is printed changes: every line still reaches the child's stderr tail.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+ABORT_NOTICE = re.compile(
+    r"aborting the job: |paratrain: job aborted: |paratrain: \w+ stopping: the scheduler aborted the job: "
+)
+"""A line in which a process says it stops because the scheduler aborted the job (a consequence)."""
+TRACEBACK = "Traceback (most recent call last):"
+MAX_TRACEBACK_LINES = 400
+"""A traceback longer than this is printed as it comes (a deep recursion), not held back."""
+
+
+class Fold:
+    """Shared by the children of one job: the tracebacks printed so far, and who printed each."""
+
+    def __init__(self) -> None:
+        self._printed: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def claim(self, traceback: str, label: str) -> str | None:
+        """None if `label` is the first to print this traceback (it prints it); else who was."""
+        with self._lock:
+            first = self._printed.setdefault(traceback, label)
+        return None if first == label else first
+
+    def lines(self, label: str) -> ChildLines:
+        """The filter for one stream of the child called `label` (e.g. "worker 1")."""
+        return ChildLines(label, self)
+
+
+class ChildLines:
+    """One stream of one child as the terminal sees it: `feed` each line, print what it returns,
+    and `close` at the end of the stream. A traceback is held until its last line (the exception),
+    then printed whole, or as one line if another child printed the same one."""
+
+    def __init__(self, label: str, fold: Fold) -> None:
+        self.label = label
+        self.fold = fold
+        self._held: list[str] = []
+
+    def feed(self, line: str) -> list[str]:
+        if self._held:
+            self._held.append(line)
+            ended = not line.startswith((" ", "\t")) or len(self._held) >= MAX_TRACEBACK_LINES
+            return self._release() if ended else []
+        if line.startswith(TRACEBACK):
+            self._held = [line]
+            return []
+        if ABORT_NOTICE.search(line):
+            return []
+        return [line]
+
+    def close(self) -> list[str]:
+        """What is still held when the stream ends (a traceback cut short)."""
+        held, self._held = self._held, []
+        return held
+
+    def _release(self) -> list[str]:
+        held, self._held = self._held, []
+        first = self.fold.claim("\n".join(held), self.label)
+        if first is None:
+            return held
+        return [f"(the same traceback as {first}, ending: {held[-1]})"]
