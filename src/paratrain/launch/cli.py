@@ -20,12 +20,17 @@ import click
 
 from paratrain import __version__
 from paratrain.launch.api import BACKENDS, LaunchConfig
+from paratrain.launch.jobs_cli import COMMANDS as JOB_COMMANDS
 
 
 @click.group()
 @click.version_option(__version__, prog_name="paratrain")
 def main() -> None:
     """paratrain: distributed training for PyTorch."""
+
+
+for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli.py)
+    main.add_command(_command)
 
 
 @main.command(
