@@ -18,10 +18,11 @@ import shlex
 import shutil
 import subprocess
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from paratrain.launch.api import LaunchConfig
-from paratrain.launch.jobspec import JobSpec, memory_bytes
+if TYPE_CHECKING:  # pydantic is imported only by the commands that read a spec
+    from paratrain.launch.api import LaunchConfig
+    from paratrain.launch.jobspec import JobSpec
 
 _CLUSTER_TIMEOUT_S = 60.0
 # Slurm's job states, as this platform names them.
@@ -75,6 +76,7 @@ def slurm_options(spec: JobSpec, job_id: str, folder: Path, dry_run: bool) -> An
 
 def slurm_script(spec: JobSpec, config: LaunchConfig, options: Any) -> str:
     """The engine's sbatch script, with the job's memory and its folders checked before srun."""
+    from paratrain.launch.jobspec import memory_bytes
     from paratrain.launch.slurm import sbatch_script
 
     lines = sbatch_script(config, options).splitlines()

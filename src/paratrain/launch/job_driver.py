@@ -120,6 +120,7 @@ def drive(folder: Path) -> int:
         )
     finally:
         (folder / "training.done").touch()
+    update_record(folder, extra={**read_record(folder).extra, "pids": result.pids})
     exit_code, report = result.exit_code, result.report
     if evaluator is not None:
         exit_code, report = evaluator.finish(exit_code, report)

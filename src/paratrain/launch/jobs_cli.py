@@ -19,14 +19,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import yaml
 
 from paratrain.launch import job_cluster, jobs
-from paratrain.launch.api import LaunchConfig
-from paratrain.launch.jobspec import JobSpec, SpecError, launch_config, load_spec, script_path
+
+if TYPE_CHECKING:  # pydantic is imported by `submit` alone: `paratrain launch` starts as fast as before
+    from paratrain.launch.api import LaunchConfig
+    from paratrain.launch.jobspec import JobSpec
 
 _POLL_S = 0.5
 _STOP_WAIT_S = 90.0
@@ -47,6 +48,10 @@ _STOP_WAIT_S = 90.0
 @click.pass_context
 def submit(ctx: click.Context, dry_run: bool, backend: str | None, follow: bool, spec_file: str) -> None:
     """Submit the job that JOB.yaml describes (see docs/jobspec.md)."""
+    import yaml
+
+    from paratrain.launch.jobspec import SpecError, launch_config, load_spec
+
     try:
         spec = load_spec(spec_file, overrides={"backend": backend} if backend else None)
     except SpecError as exc:
@@ -94,6 +99,8 @@ def _local_problems(spec: JobSpec) -> list[str]:
     """What can be checked on this machine before anything starts (not on k8s: paths in the pods)."""
     if spec.backend == "k8s":
         return []
+    from paratrain.launch.jobspec import script_path
+
     problems = []
     script = script_path(spec)
     if not os.path.isfile(script):

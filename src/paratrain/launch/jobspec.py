@@ -173,7 +173,10 @@ class JobSpec(_Strict):
     @classmethod
     def _strategy(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is not None:
-            check_strategy(value, info.data.get("servers", 1))
+            try:
+                check_strategy(value, info.data.get("servers", 1))
+            except ValueError as exc:  # without the launcher's "strategy=...: " (the field is named)
+                raise ValueError(re.sub(r"^strategy=\S+: ", "", str(exc))) from None
         return value
 
 
@@ -267,10 +270,12 @@ def _problem(error: Mapping[str, Any], lines: dict[tuple, int]) -> tuple[int, st
         message = f"is required: {_doc(loc)}"
     elif kind == "value_error":
         message = str(error["ctx"]["error"])
+    elif kind == "string_pattern_mismatch":
+        message = f"{_shown(value)} is not allowed: {_doc(loc)}"
     else:
         message = f"{error['msg']} (got {_shown(value)})"
         doc = _doc(loc)
-        if doc and kind.startswith(("string_pattern", "literal", "string_too_long")):
+        if doc and kind.startswith(("literal", "string_too_long")):
             message += f"; {doc}"
     return _line(loc, lines), f"{field}: {message}"
 
