@@ -264,3 +264,9 @@ def test_readers_see_the_newest_complete_checkpoint_never_the_one_being_written(
     assert [c.step for c in followed] == [3]
     checkpoint.write_evaluation(checkpoint.load(root), {"accuracy": 0.5})
     assert json.loads((root / "step-00000003" / "evaluation.json").read_text())["accuracy"] == 0.5
+
+
+def test_the_table_of_fields_in_docs_is_the_models_own():
+    from paratrain.launch.jobspec import fields_markdown
+
+    assert (ROOT / "docs" / "jobspec.md").read_text().endswith("## Fields\n\n" + fields_markdown())

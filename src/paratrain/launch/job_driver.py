@@ -104,8 +104,7 @@ def drive(folder: Path) -> int:
     config = launch_config(spec, record.id, str(folder / "logs"))
     evaluator = None
     # Until the engine installs its own handlers (and after), SIGTERM stops the job here.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _raise_stopped)
+    previous = {signum: signal.signal(signum, _raise_stopped) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         if spec.evaluator:
             evaluator = Evaluator(config, folder, logs)
@@ -122,8 +121,12 @@ def drive(folder: Path) -> int:
         (folder / "training.done").touch()
     update_record(folder, extra={**read_record(folder).extra, "pids": result.pids})
     exit_code, report = result.exit_code, result.report
-    if evaluator is not None:
-        exit_code, report = evaluator.finish(exit_code, report)
+    try:
+        if evaluator is not None:
+            exit_code, report = evaluator.finish(exit_code, report)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     logs.close()
     _record_end(folder, record, exit_code, report)
     return exit_code

@@ -98,6 +98,27 @@ def create_job(record: JobRecord, spec_text: str) -> Path:
     return folder
 
 
+def open_job(spec: Any, job_id: str, folder: Path) -> JobRecord:
+    """The first record of a submission of `spec` (a resolved JobSpec), its folder made."""
+    import yaml
+
+    record = JobRecord(
+        id=job_id,
+        name=spec.name,
+        backend=spec.backend,
+        folder=str(folder),
+        output_dir=spec.output_dir,
+        workers=spec.workers,
+        servers=spec.servers,
+        evaluator=spec.evaluator,
+        submitted=time.time(),
+    )
+    if spec.backend != "k8s":
+        Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
+    create_job(record, yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+    return record
+
+
 def write_record(record: JobRecord) -> None:
     _atomic_write(
         Path(record.folder) / "state.json", json.dumps(asdict(record), indent=1, sort_keys=True) + "\n"

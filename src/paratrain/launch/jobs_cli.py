@@ -48,8 +48,6 @@ _STOP_WAIT_S = 90.0
 @click.pass_context
 def submit(ctx: click.Context, dry_run: bool, backend: str | None, follow: bool, spec_file: str) -> None:
     """Submit the job that JOB.yaml describes (see docs/jobspec.md)."""
-    import yaml
-
     from paratrain.launch.jobspec import SpecError, launch_config, load_spec
 
     try:
@@ -67,20 +65,7 @@ def submit(ctx: click.Context, dry_run: bool, backend: str | None, follow: bool,
         ctx.exit(2)
     if dry_run:
         ctx.exit(_dry_run(spec, config, job_id, folder))
-    record = jobs.JobRecord(
-        id=job_id,
-        name=spec.name,
-        backend=spec.backend,
-        folder=str(folder),
-        output_dir=spec.output_dir,
-        workers=spec.workers,
-        servers=spec.servers,
-        evaluator=spec.evaluator,
-        submitted=time.time(),
-    )
-    if spec.backend != "k8s":
-        Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
-    jobs.create_job(record, yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+    record = jobs.open_job(spec, job_id, folder)
     try:
         _hand_over(spec, config, record, folder)
     except job_cluster.ClusterError as exc:

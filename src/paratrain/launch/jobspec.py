@@ -3,7 +3,8 @@
     paratrain submit job.yaml            (or --dry-run to print what would run)
 
 The spec is read with PyYAML and checked by the pydantic models below, which are also the source of
-the JSON Schema in docs/jobspec.schema.json (`python -m paratrain.launch.jobspec > ...`). A mistake
+the JSON Schema in docs/jobspec.schema.json (`python -m paratrain.launch.jobspec > ...`) and of the
+table of fields in docs/jobspec.md (`... --markdown`). A mistake
 is reported as `job.yaml:LINE: field.path: what is wrong (what is allowed)`, every mistake at once;
 a field the models do not know is an error, with the nearest known name suggested.
 
@@ -17,6 +18,8 @@ import difflib
 import json
 import os
 import re
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -439,5 +442,43 @@ def json_schema_text() -> str:
     return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
 
 
+def fields_markdown() -> str:
+    """Every field of a spec as a Markdown table (docs/jobspec.md), from the models' docstrings."""
+    rows = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+    rows += _field_rows(JobSpec, "")
+    return "\n".join(rows) + "\n"
+
+
+def _field_rows(model: type[BaseModel], prefix: str) -> list[str]:
+    rows = []
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            doc = " ".join((info.description or annotation.__doc__ or "").split())
+            rows.append(f"| `{prefix}{name}` | mapping | | {doc} |")
+            rows += _field_rows(annotation, f"{prefix}{name}.")
+            continue
+        default = "required" if info.is_required() else f"`{json.dumps(info.get_default())}`"
+        doc = " ".join((info.description or "").split()).replace("|", "/")
+        rows.append(f"| `{prefix}{name}` | {_type_name(annotation)} | {default} | {doc} |")
+    return rows
+
+
+def _type_name(annotation: Any) -> str:
+    """A field's type in words: int, str or null, one of 'a', 'b', list of str, ..."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin in (list, dict):
+        return f"{origin.__name__} of {', '.join(_type_name(a) for a in args)}"
+    return getattr(annotation, "__name__", str(annotation))
+
+
 if __name__ == "__main__":
-    print(json_schema_text(), end="")
+    import sys
+
+    print(fields_markdown() if sys.argv[1:] == ["--markdown"] else json_schema_text(), end="")
