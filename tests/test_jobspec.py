@@ -17,9 +17,11 @@ import kubernetes_validate
 import pytest
 import torch
 import yaml
+from click.testing import CliRunner
 
 from paratrain import checkpoint
-from paratrain.launch import job_cluster, jobs
+from paratrain.launch import jobs
+from paratrain.launch.cli import main
 from paratrain.launch.job_driver import LogFiles
 from paratrain.launch.jobspec import (
     SpecError,
@@ -166,28 +168,39 @@ def test_memory_quantities():
     assert [memory_bytes(q) for q in ("512Mi", "4G", "1.5Gi", "100")] == [2**29, 4 * 10**9, 3 * 2**29, 100]
 
 
+CLUSTERS = BASE + (
+    "slurm: {partition: gpu, time: '1:00:00'}\n"
+    "k8s: {image: reg/img:1, output_pvc: out-claim, data_pvc: data-claim}\n"
+)
+
+
 def test_the_slurm_form_holds_the_jobs_memory_folders_and_output(tmp_path):
-    spec = _spec(BASE + "backend: slurm\nslurm: {partition: gpu, time: '1:00:00'}\n")
-    config = launch_config(spec, "demo-1", str(tmp_path / "logs"))
-    options = job_cluster.slurm_options(spec, "demo-1", tmp_path, dry_run=True)
-    script = job_cluster.slurm_script(spec, config, options)
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(CLUSTERS.replace("/work", str(tmp_path)))
+    done = CliRunner().invoke(main, ["submit", "--dry-run", "--backend", "slurm", str(spec_file)])
+    assert done.exit_code == 0, done.output
+    script = done.stdout
     directives = dict(
         line[len("#SBATCH --") :].split("=", 1) for line in script.splitlines() if line.startswith("#SBATCH")
     )
-    assert directives["job-name"] == "demo-1" and directives["partition"] == "gpu"
+    assert directives["job-name"].startswith("demo-") and directives["partition"] == "gpu"
     assert directives["mem-per-cpu"] == "2048M"  # 4Gi over the task's 2 CPUs
-    assert directives["output"] == f"{tmp_path}/logs/slurm-%j.out"
-    assert "for folder in /work /shared/data /shared/out; do" in script
-    assert "export PARATRAIN_OUTPUT_DIR=/shared/out" in script
+    assert directives["output"] == f"/shared/out/jobs/{directives['job-name']}/logs/slurm-%j.out"
+    assert "warning: " + str(spec_file) + ": data_dir: /shared/data is not a folder here" in done.stderr
+    assert f"for folder in {tmp_path} /shared/data /shared/out; do" in script
+    assert (
+        "export PARATRAIN_OUTPUT_DIR=/shared/out" in script and f"-u {tmp_path}/train.py --lr 0.1" in script
+    )
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
-def test_the_k8s_form_mounts_the_claims_and_validates():
-    text = BASE + "backend: k8s\nk8s: {image: reg/img:1, output_pvc: out-claim, data_pvc: data-claim}\n"
-    spec = _spec(text)
-    config = launch_config(spec, "demo-20260101-000000-abcd", "/shared/out/jobs/x/logs")
-    options = job_cluster.k8s_options(spec, "demo-20260101-000000-abcd", dry_run=True)
-    manifests = job_cluster.k8s_manifests(spec, config, options)
+def test_the_k8s_form_mounts_the_claims_and_validates(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARATRAIN_HOME", str(tmp_path / "home"))
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(CLUSTERS)
+    done = CliRunner().invoke(main, ["submit", "--dry-run", "--backend", "k8s", str(spec_file)])
+    assert done.exit_code == 0, done.output
+    manifests = list(yaml.safe_load_all(done.stdout))
     for manifest in manifests:
         assert kubernetes_validate.validate(manifest, K8S_VERSION, strict=True) == K8S_VERSION
     pods = {
@@ -209,6 +222,8 @@ def test_the_k8s_form_mounts_the_claims_and_validates():
     assert worker["command"][2] == "train.py"  # in the image, from its working directory
     env = {e["name"]: e.get("value") for e in worker["env"]}
     assert env["PARATRAIN_DATA_DIR"] == "/shared/data" and env["PARATRAIN_OUTPUT_DIR"] == "/shared/out"
+    assert env["PARATRAIN_LOG_DIR"].startswith("/shared/out/jobs/demo-")
+    assert not (tmp_path / "home").exists()  # a dry run records nothing
 
 
 def test_log_files_keep_each_process_apart_and_the_whole_in_order(tmp_path):

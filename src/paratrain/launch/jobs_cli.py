@@ -60,7 +60,9 @@ def submit(ctx: click.Context, dry_run: bool, backend: str | None, follow: bool,
     log_dir = f"{spec.output_dir}/jobs/{job_id}/logs" if spec.backend == "k8s" else str(folder / "logs")
     config = launch_config(spec, job_id, log_dir)
     problems = _local_problems(spec)
-    if problems:
+    if problems and dry_run:  # the spec may be meant for another machine's file system
+        click.echo("\n".join(f"paratrain: warning: {spec_file}: {p} here" for p in problems), err=True)
+    elif problems:
         click.echo("\n".join(f"{spec_file}: {p}" for p in problems), err=True)
         ctx.exit(2)
     if dry_run:
