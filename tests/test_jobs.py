@@ -1,9 +1,11 @@
-"""The job platform end to end on the local backend, through the `paratrain` command.
+"""The job platform end to end on the local backend, through the `paratrain` commands.
 
-Two submitted jobs: examples/cifar10.yaml's (2 workers, 1 server, an evaluator) on CIFAR-10 binary
-files the test writes, followed to its end; and a job that checkpoints, stages its next checkpoint
-halfway and waits, which is listed, followed, read from another process, and stopped. Afterwards
-no process of either job is left.
+The commands run in this process (click's runner), but for the follower of a running job's log;
+every job is driven by a process of its own, as `paratrain submit` starts it. Two submitted jobs:
+examples/cifar10.yaml's (2 workers, 1 server, an evaluator) on CIFAR-10 binary files the test
+writes, followed to its end; and a job that checkpoints, stages its next checkpoint halfway and
+waits, which is listed, followed, read from another process, and stopped. Afterwards no process of
+either job is left.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from click.testing import CliRunner, Result
 
 from paratrain.data import write_cifar10_binary
 from paratrain.launch import jobs
+from paratrain.launch.cli import main
 from paratrain.testing import assert_all_gone
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,12 +42,11 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _paratrain(tmp_path: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [PARATRAIN, *args], env=_env(tmp_path), capture_output=True, text=True, timeout=WAIT_S
-    )
+def _paratrain(tmp_path: Path, *args: str, check: bool = True) -> Result:
+    """`paratrain ARGS` in this process (the driver it starts is a process of its own)."""
+    done = CliRunner().invoke(main, list(args), env={"PARATRAIN_HOME": str(tmp_path / "home")})
     if check:
-        assert done.returncode == 0, f"paratrain {' '.join(args)}: {done.stdout}{done.stderr}"
+        assert done.exit_code == 0, f"paratrain {' '.join(args)}: {done.output}"
     return done
 
 
@@ -76,7 +79,7 @@ def test_the_cifar10_example_runs_as_a_job_with_an_evaluator(tmp_path):
     assert not (tmp_path / "out").exists()  # a dry run starts and writes nothing
 
     done = _paratrain(tmp_path, "submit", "--follow", str(spec_file), check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.exit_code == 0, done.output
     job_id = _submitted_id(done.stdout)
     assert "[evaluator 0] evaluator: step 4: test accuracy" in done.stdout  # the last one
     record = jobs.read_record(tmp_path / "out" / "jobs" / job_id)
@@ -86,6 +89,8 @@ def test_the_cifar10_example_runs_as_a_job_with_an_evaluator(tmp_path):
     for rank in range(2):
         worker = _paratrain(tmp_path, "logs", job_id, "--role", "worker", "--rank", str(rank)).stdout
         assert f"worker {rank}: test accuracy" in worker and "on 40 images, 4 steps" in worker
+    launcher = _paratrain(tmp_path, "logs", job_id, "--role", "launcher").stdout
+    assert "job finished: 2 worker(s) succeeded" in launcher
     table = _paratrain(tmp_path, "checkpoints", str(tmp_path / "out")).stdout.splitlines()
     assert [row.split()[0] for row in table] == ["STEP", "2", "4"]
     assert "loss=" in table[2] and "accuracy=" in table[2]

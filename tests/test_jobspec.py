@@ -20,7 +20,7 @@ import yaml
 from click.testing import CliRunner
 
 from paratrain import checkpoint
-from paratrain.launch import jobs
+from paratrain.launch import job_cluster, jobs
 from paratrain.launch.cli import main
 from paratrain.launch.job_driver import LogFiles
 from paratrain.launch.jobspec import (
@@ -285,3 +285,10 @@ def test_the_table_of_fields_in_docs_is_the_models_own():
     from paratrain.launch.jobspec import fields_markdown
 
     assert (ROOT / "docs" / "jobspec.md").read_text().endswith("## Fields\n\n" + fields_markdown())
+
+
+def test_a_slurm_jobs_output_is_split_by_process_and_its_states_named():
+    text = "paratrain: job 7\n[worker 1 @n1] a\n[server 0 @n2] b\n[worker 1 @n1] [worker 0 @x] c\n"
+    assert job_cluster.slurm_lines(text, "worker", 1) == "a\n[worker 0 @x] c\n"
+    assert job_cluster.slurm_lines(text, None, 0) == text
+    assert job_cluster._SLURM_STATES["CANCELLED"] == "stopped"

@@ -15,6 +15,7 @@ import io
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ import yaml
 from paratrain.launch.api import IDENTITY_VARS, LaunchConfig
 from paratrain.launch.jobs import EXIT_INTERRUPTED, JobRecord, read_record, update_record
 from paratrain.launch.jobspec import JobSpec, launch_config
+from paratrain.launch.ray_process import _WRAPPER
 from paratrain.launch.report import JobResult
 
 logger = logging.getLogger(__name__)
@@ -119,7 +121,7 @@ def drive(folder: Path) -> int:
         )
     finally:
         (folder / "training.done").touch()
-    update_record(folder, extra={**read_record(folder).extra, "pids": result.pids})
+    update_record(folder, extra={"pids": result.pids})
     exit_code, report = result.exit_code, result.report
     try:
         if evaluator is not None:
@@ -226,8 +228,11 @@ class Evaluator:
             PYTHONUNBUFFERED="1",
         )
         env.setdefault("OMP_NUM_THREADS", "1")
+        # Through ray_process's wrapper: the evaluator dies with this driver, even a SIGKILLed one.
+        python = shutil.which(config.python) or config.python  # the wrapper execs an absolute path
+        wrapper = [python, "-c", _WRAPPER, str(os.getpid()), python]
         self.proc = subprocess.Popen(
-            [config.python, "-u", config.script, *config.args],
+            [*wrapper, "-u", config.script, *config.args],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

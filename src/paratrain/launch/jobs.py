@@ -21,6 +21,7 @@ one version or the next. Every submission is also noted in PARATRAIN_HOME/jobs/<
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -137,11 +138,17 @@ def read_record(folder: str | os.PathLike[str]) -> JobRecord:
 
 
 def update_record(folder: str | os.PathLike[str], **changes: Any) -> JobRecord:
-    """Reads, changes and rewrites the record (only the job's driver or `stop` write it)."""
-    record = read_record(folder)
-    for key, value in changes.items():
-        setattr(record, key, value)
-    write_record(record)
+    """Reads, changes and rewrites the record, holding the job's lock: `submit`, the driver and
+    `stop` may each change it at once. `extra` is merged into the record's."""
+    with open(Path(folder) / ".state.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = read_record(folder)
+        for key, value in changes.items():
+            if key == "extra":
+                record.extra.update(value)
+            else:
+                setattr(record, key, value)
+        write_record(record)
     return record
 
 
@@ -209,9 +216,11 @@ def pid_alive(pid: int) -> bool:
 
 
 def log_path(folder: str | os.PathLike[str], role: str | None, rank: int) -> Path:
-    """job.log (every process), or one process's log."""
+    """job.log (every process), one process's log, or (role "launcher") what the driver said."""
     folder = Path(folder)
-    return folder / "job.log" if role is None else folder / "logs" / f"{role}-{rank}.log"
+    if role is None:
+        return folder / "job.log"
+    return folder / "logs" / ("launcher.log" if role == "launcher" else f"{role}-{rank}.log")
 
 
 def _atomic_write(path: Path, text: str) -> None:

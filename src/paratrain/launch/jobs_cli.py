@@ -133,16 +133,32 @@ def _hand_over(spec: JobSpec, config: LaunchConfig, record: jobs.JobRecord, fold
         job_cluster.k8s_apply(options, manifests_yaml(job_cluster.k8s_manifests(spec, config, options)))
         jobs.update_record(folder, cluster_id=f"{record.id}/{spec.k8s.namespace}")
     else:
-        with open(folder / "logs" / "launcher.log", "ab") as log:
-            driver = subprocess.Popen(
-                [sys.executable, "-m", "paratrain.launch.job_driver", str(folder)],
-                cwd=spec.work_dir,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,  # a Ctrl-C in this shell later is not the job's business
-            )
-        jobs.update_record(folder, driver_pid=driver.pid, driver_host=socket.gethostname())
+        pid = _detach(
+            [sys.executable, "-m", "paratrain.launch.job_driver", str(folder)],
+            cwd=spec.work_dir,
+            log=folder / "logs" / "launcher.log",
+        )
+        jobs.update_record(folder, driver_pid=pid, driver_host=socket.gethostname())
+
+
+# Starts argv[2:] in a session of its own with its output appended to argv[1], prints its pid and
+# exits: the driver is then nobody's child here, so it is reaped when it ends even while `submit -f`
+# (or a test) is still running, and a Ctrl-C in this shell later is not the job's business.
+_DETACH = (
+    "import subprocess, sys\n"
+    "with open(sys.argv[1], 'ab') as log:\n"
+    "    print(subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log,"
+    " start_new_session=True).pid)\n"
+)
+
+
+def _detach(cmd: list[str], cwd: str | None, log: Path) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", _DETACH, str(log), *cmd], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+    if done.returncode != 0:
+        raise job_cluster.ClusterError(f"could not start the job's driver: {done.stderr.strip()}")
+    return int(done.stdout)
 
 
 # ---- jobs ---------------------------------------------------------------------------------------
@@ -234,14 +250,11 @@ def _follow_job(folder: Path, role: str | None, rank: int, follow: bool, wait_en
     """Prints the log from its start; with `follow`, until the job has ended. Returns 0, or with
     `wait_end` the job's exit status."""
     record = _refresh(jobs.read_record(folder))
-    printed = 0
+    reader = _LogReader(folder, record, role, rank)
     while True:
         ended = record.final  # read before the log: what it wrote before ending is then printed
-        text = _log_text(folder, record, role, rank)
-        if len(text) > printed:
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
+        sys.stdout.write(reader.read_new(final=ended or not follow))
+        sys.stdout.flush()
         if not follow or ended:
             break
         time.sleep(_POLL_S)
@@ -254,13 +267,33 @@ def _follow_job(folder: Path, role: str | None, rank: int, follow: bool, wait_en
     return 0
 
 
-def _log_text(folder: Path, record: jobs.JobRecord, role: str | None, rank: int) -> str:
-    if record.backend == "slurm":
-        path = job_cluster.slurm_output(folder, record.cluster_id)
-        text = path.read_text(errors="replace") if path.is_file() else ""
-        return job_cluster.slurm_lines(text, role, rank)
-    path = jobs.log_path(folder, role, rank)
-    return path.read_text(errors="replace") if path.is_file() else ""
+class _LogReader:
+    """What a log file gained since the last read, in whole lines (and the rest once final): the
+    job's or one process's log, or under Slurm that process's lines of the job's output."""
+
+    def __init__(self, folder: Path, record: jobs.JobRecord, role: str | None, rank: int) -> None:
+        self.slurm = record.backend == "slurm"
+        self.role, self.rank = role, rank
+        if self.slurm:
+            self.path = job_cluster.slurm_output(folder, record.cluster_id)
+        else:
+            self.path = jobs.log_path(folder, role, rank)
+        self.offset = 0
+        self.partial = b""
+
+    def read_new(self, final: bool) -> str:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return ""
+        self.offset += len(data)
+        data = self.partial + data
+        cut = len(data) if final else data.rfind(b"\n") + 1
+        self.partial = data[cut:]
+        text = data[:cut].decode("utf-8", "replace")
+        return job_cluster.slurm_lines(text, self.role, self.rank) if self.slurm else text
 
 
 # ---- stop ---------------------------------------------------------------------------------------
