@@ -8,6 +8,7 @@ readers that never see a half-written checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -292,3 +293,45 @@ def test_a_slurm_jobs_output_is_split_by_process_and_its_states_named():
     assert job_cluster.slurm_lines(text, "worker", 1) == "a\n[worker 0 @x] c\n"
     assert job_cluster.slurm_lines(text, None, 0) == text
     assert job_cluster._SLURM_STATES["CANCELLED"] == "stopped"
+
+
+def _fake_commands(folder: Path, answers: dict[str, str]) -> Path:
+    """Scripts named like the cluster's commands: each notes its arguments and prints its answer."""
+    folder.mkdir()
+    for name, answer in answers.items():
+        script = folder / name
+        script.write_text(f"#!/bin/sh\necho \"{name} $*\" >> {folder}/calls\ncat <<'EOF'\n{answer}\nEOF\n")
+        script.chmod(0o755)
+    return folder
+
+
+@pytest.mark.parametrize("backend", ["slurm", "k8s"])
+def test_a_cluster_job_is_submitted_asked_about_and_stopped_with_the_clusters_commands(
+    backend, tmp_path, monkeypatch
+):
+    k8s_jobs = {"items": [{"metadata": {"labels": {"paratrain.io/role": "worker"}}, "status": {"active": 2}}]}
+    bin_dir = _fake_commands(
+        tmp_path / "bin",
+        {"sbatch": "4242", "squeue": "RUNNING", "scancel": "", "kubectl": json.dumps(k8s_jobs)},
+    )
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PARATRAIN_HOME", str(tmp_path / "home"))
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(CLUSTERS.replace("/shared", str(tmp_path)).replace("/work", str(tmp_path)))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "train.py").write_text("")
+    runner = CliRunner()
+    done = runner.invoke(main, ["submit", "--backend", backend, str(spec_file)])
+    assert done.exit_code == 0, done.output
+    job_id = done.stdout.split()[3]
+    listed = runner.invoke(main, ["jobs"]).stdout
+    assert f"{job_id}  running  {backend}" in listed
+    assert runner.invoke(main, ["stop", job_id]).stdout.strip() == f"paratrain: job {job_id} stopped"
+    calls = (bin_dir / "calls").read_text()
+    if backend == "slurm":
+        assert "sbatch --parsable" in calls and "squeue -h -j 4242" in calls and "scancel 4242" in calls
+    else:
+        assert "kubectl apply --server-side" in calls
+        assert (
+            f"kubectl delete job,service,secret --wait=false -n default -l paratrain.io/job={job_id}" in calls
+        )

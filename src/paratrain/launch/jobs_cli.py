@@ -60,6 +60,8 @@ def submit(ctx: click.Context, dry_run: bool, backend: str | None, follow: bool,
     log_dir = f"{spec.output_dir}/jobs/{job_id}/logs" if spec.backend == "k8s" else str(folder / "logs")
     config = launch_config(spec, job_id, log_dir)
     problems = _local_problems(spec)
+    if spec.backend == "k8s" and spec.k8s.image is None and not dry_run:
+        problems.append("k8s.image: is required to submit (the image every pod runs)")
     if problems and dry_run:  # the spec may be meant for another machine's file system
         click.echo("\n".join(f"paratrain: warning: {spec_file}: {p} here" for p in problems), err=True)
     elif problems:
@@ -78,6 +80,9 @@ def submit(ctx: click.Context, dry_run: bool, backend: str | None, follow: bool,
     click.echo(f"  state: paratrain jobs {spec.output_dir if spec.backend != 'k8s' else ''}".rstrip())
     click.echo(f"  output: paratrain logs {job_id} [--role worker --rank 0] [-f]")
     click.echo(f"  stop: paratrain stop {job_id}")
+    if follow and spec.backend == "k8s":
+        cluster_id = jobs.read_record(folder).cluster_id
+        ctx.exit(subprocess.call(job_cluster.k8s_logs_command(cluster_id, None, 0, follow=True)))
     if follow:
         ctx.exit(_follow_job(folder, None, 0, follow=True, wait_end=True))
 
@@ -125,8 +130,6 @@ def _hand_over(spec: JobSpec, config: LaunchConfig, record: jobs.JobRecord, fold
         cluster_id = job_cluster.sbatch(job_cluster.slurm_script(spec, config, options))
         jobs.update_record(folder, cluster_id=cluster_id)
     elif spec.backend == "k8s":
-        if spec.k8s.image is None:
-            raise job_cluster.ClusterError("k8s.image is required to submit (the image every pod runs)")
         options = job_cluster.k8s_options(spec, record.id, dry_run=False)
         from paratrain.launch.k8s import manifests_yaml
 
