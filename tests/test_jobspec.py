@@ -163,6 +163,8 @@ def test_the_trainer_defaults_to_folders_under_the_output_directory():
     assert job_defaults(None, None, None, {}) == (None, None, 0)
     with pytest.raises(ValueError, match="PARATRAIN_CHECKPOINT_EVERY='x'"):
         job_defaults(None, None, None, {"PARATRAIN_CHECKPOINT_EVERY": "x"})
+    with pytest.raises(ValueError, match="evaluator .* must not train"):
+        job_defaults(None, None, None, {"PARATRAIN_TASK": "evaluator", **env})
 
 
 def test_memory_quantities():

@@ -18,6 +18,11 @@ def job_defaults(
     """(checkpoint_dir, metrics_dir, checkpoint_every): the given values, else OUTPUT_DIR/checkpoints,
     OUTPUT_DIR/metrics and the job's interval (0 outside a job)."""
     env = os.environ if env is None else env
+    if env.get("PARATRAIN_TASK") == "evaluator":  # it would train a single copy into the job's checkpoints
+        raise ValueError(
+            "this process is the job's evaluator (PARATRAIN_TASK=evaluator): it scores the workers' "
+            "checkpoints (paratrain.checkpoint.follow) and must not train; see examples/cifar10.py"
+        )
     output = env.get("PARATRAIN_OUTPUT_DIR")
     if checkpoint_dir is None and output:
         checkpoint_dir = Path(output) / "checkpoints"
