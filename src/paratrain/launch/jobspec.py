@@ -245,7 +245,8 @@ def _walk(node: yaml.Node, path: tuple, lines: dict[tuple, int], problems: list[
         for key, value in node.value:
             name = key.value
             if name in seen:
-                problems.append(f"{source}:{key.start_mark.line + 1}: {'.'.join((*path, name))}: given twice")
+                where = ".".join(str(part) for part in (*path, name))
+                problems.append(f"{source}:{key.start_mark.line + 1}: {where}: given twice")
             seen.add(name)
             _walk(value, (*path, name), lines, problems, source)
             lines[(*path, name)] = key.start_mark.line + 1
