@@ -428,3 +428,34 @@ def test_a_dead_node_stops_the_job_and_is_named(cluster):
     failure = result.failure
     assert failure.host.endswith(f"/{victim}"), result.report
     assert f"was lost with its node {failure.host} (Ray node {victim}" in result.report
+
+
+def test_a_submitted_job_runs_on_ray_with_its_folders_checked_on_every_node(cluster, tmp_path, monkeypatch):
+    """The job platform's driver (job_driver.drive, as `paratrain submit` runs it) on the cluster:
+    the job's folders are seen on both nodes, each process's output lands in its own log."""
+    from paratrain.launch import jobs
+    from paratrain.launch.job_driver import drive, missing_on_ray_nodes
+    from paratrain.launch.jobspec import parse_spec
+
+    monkeypatch.setenv("PARATRAIN_HOME", str(tmp_path / "home"))
+    (tmp_path / "data").mkdir()
+    text = (
+        f"name: onray\nentry: {{script: {ROLES}, args: [ok]}}\nworkers: 2\nservers: 1\nbackend: ray\n"
+        f"ray: {{address: {cluster.address}}}\n"
+        f"data_dir: {tmp_path / 'data'}\noutput_dir: {tmp_path / 'out'}\n"
+    )
+    spec = parse_spec(text, "job.yaml", base=tmp_path)
+    job_id = jobs.new_job_id(spec.name)
+    record = jobs.open_job(spec, job_id, jobs.job_folder(spec.output_dir, job_id, "ray"))
+    assert drive(Path(record.folder)) == 0
+    record = jobs.read_record(record.folder)
+    assert record.state == "succeeded" and record.exit_code == 0, record.failure
+    for rank in range(2):
+        log = (Path(record.folder) / "logs" / f"worker-{rank}.log").read_text()
+        assert log.startswith("pid ") and "threads 1" in log.splitlines()[0]
+    assert "[server 0 @" in (Path(record.folder) / "job.log").read_text()
+    assert_all_gone(record.extra["pids"], wait_s=15)
+    _assert_nothing_left_on_ray()
+    assert missing_on_ray_nodes([str(tmp_path / "data")]) == ""
+    missing = missing_on_ray_nodes([str(tmp_path / "nowhere")])
+    assert missing.count(f"has no {tmp_path / 'nowhere'}") == 2  # each node says so

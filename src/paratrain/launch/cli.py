@@ -22,6 +22,7 @@ from typing import Any
 import click
 
 from paratrain.launch.api import BACKENDS, LaunchConfig
+from paratrain.launch.jobs_cli import COMMANDS as JOB_COMMANDS
 from paratrain.version import __version__
 
 STRATEGY_VAR = "PARATRAIN_STRATEGY"
@@ -31,6 +32,10 @@ STRATEGY_VAR = "PARATRAIN_STRATEGY"
 @click.version_option(__version__, prog_name="paratrain")
 def main() -> None:
     """paratrain: distributed training for PyTorch."""
+
+
+for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli.py)
+    main.add_command(_command)
 
 
 @main.command(

@@ -37,6 +37,7 @@ from paratrain import checkpoint
 from paratrain.cluster.context import current
 from paratrain.data import ShardedLoader
 from paratrain.metrics import NullMetrics, Progress, open_metrics
+from paratrain.train.jobdirs import job_defaults
 from paratrain.train.strategy import (
     Strategy,
     idle_servers_warning,
@@ -161,7 +162,8 @@ class Trainer:
     or a ShardedLoader. Checkpoints every `checkpoint_every` steps into `checkpoint_dir` (keeping the
     last `keep`); with `resume`, a run whose checkpoint_dir holds a checkpoint continues from it.
     Metrics (loss, samples/s, lr) go to `metrics_dir` as JSON lines and TensorBoard scalars, and a
-    progress line on worker 0."""
+    progress line on worker 0. In a submitted job (`paratrain submit`) checkpoint_dir and metrics_dir
+    default to OUTPUT_DIR/checkpoints and OUTPUT_DIR/metrics, checkpoint_every to the spec's."""
 
     def __init__(
         self,
@@ -171,7 +173,7 @@ class Trainer:
         *,
         strategy: str | Strategy | None = None,
         checkpoint_dir: str | Path | None = None,
-        checkpoint_every: int = 0,
+        checkpoint_every: int | None = None,
         keep: int = 3,
         resume: bool = True,
         metrics_dir: str | Path | None = None,
@@ -192,6 +194,9 @@ class Trainer:
             )
         self.pipe: Any = None
         self._pending_optimizer_state: dict | None = None
+        checkpoint_dir, metrics_dir, checkpoint_every = job_defaults(
+            checkpoint_dir, metrics_dir, checkpoint_every
+        )
         if checkpoint_every and checkpoint_dir is None:
             raise ValueError(f"checkpoint_every={checkpoint_every} needs a checkpoint_dir")
         self.rank, self.num_workers = self.ctx.rank, self.ctx.num_workers
@@ -391,6 +396,7 @@ class Trainer:
         if self.rank != 0:
             return None
         meta = {"strategy": dataclasses.asdict(self.strategy), "num_workers": self.num_workers}
+        meta["metrics"] = {name: float(value) for name, value in self._scalars.items()}
         return checkpoint.commit(self.checkpoint_dir, self.steps, meta, keep=self.keep)
 
     def _restore_local(self, found: checkpoint.Checkpoint, model: nn.Module) -> None:

@@ -1,0 +1,485 @@
+"""The job spec: one YAML file that says what a job runs, where, with what, and where its data is.
+
+    paratrain submit job.yaml            (or --dry-run to print what would run)
+
+The spec is read with PyYAML and checked by the pydantic models below, which are also the source of
+the JSON Schema in docs/jobspec.schema.json (`python -m paratrain.launch.jobspec > ...`) and of the
+table of fields in docs/jobspec.md (`... --markdown`). A mistake
+is reported as `job.yaml:LINE: field.path: what is wrong (what is allowed)`, every mistake at once;
+a field the models do not know is an error, with the nearest known name suggested.
+
+A spec becomes the LaunchConfig every engine takes plus that engine's options (`launch_config`,
+`engine_options`): there is one launcher, and the spec is only another way of asking it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+from paratrain.launch.api import IDENTITY_VARS, LaunchConfig, check_strategy
+
+MEMORY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+_MEMORY_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_MEMORY_UNITS.update({"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40})
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Set for every process by the platform itself (see `directory_env`).
+DIRECTORY_VARS = ("PARATRAIN_DATA_DIR", "PARATRAIN_OUTPUT_DIR", "PARATRAIN_WORK_DIR", "PARATRAIN_LOG_DIR")
+PLATFORM_VARS = frozenset(
+    {*DIRECTORY_VARS, "PARATRAIN_CHECKPOINT_EVERY", "PARATRAIN_JOB_ID", "PARATRAIN_TASK"}
+)
+
+
+class SpecError(ValueError):
+    """A job spec that cannot run; `problems` holds one `file:line: field: message` per mistake."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def _check_env_name(key: str) -> str:
+    if not _ENV_NAME.match(key):
+        raise ValueError(f"{key!r} is not a variable name (letters, digits and _, not first a digit)")
+    if key in IDENTITY_VARS or key in PLATFORM_VARS:
+        raise ValueError(f"{key} is set by paratrain for each process; it cannot be given here")
+    return key
+
+
+class _Strict(BaseModel):
+    """Unknown fields are errors; values are not coerced across types (no "2" for 2)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
+
+
+class Entry(_Strict):
+    """What every process runs."""
+
+    script: str = Field(min_length=1)
+    """The Python script, relative to work_dir (or absolute)."""
+    args: list[str] = []
+    """Its own arguments, passed unparsed, before any directory arguments."""
+    python: str | None = None
+    """The interpreter (on every host); default: the one running paratrain (on k8s: `python`)."""
+
+
+class RoleResources(_Strict):
+    """What one process of a role reserves (ray, slurm, k8s; the local backend shares this machine)."""
+
+    cpus: Annotated[float, Field(gt=0)] = 1.0
+    """CPU cores (may be fractional on ray and k8s); also the process's OMP_NUM_THREADS."""
+    gpus: Annotated[int, Field(ge=0)] = 0
+    """GPUs."""
+    memory: Annotated[str, Field(pattern=MEMORY.pattern)] | None = None
+    """Memory, a Kubernetes quantity: bytes, or with a unit K, M, G, T, Ki, Mi, Gi, Ti (e.g. 4Gi)."""
+
+
+class Resources(_Strict):
+    """Per role. The evaluator runs beside the job's driver and reserves nothing."""
+
+    worker: RoleResources = RoleResources()
+    server: RoleResources = RoleResources()
+
+
+class RaySettings(_Strict):
+    """backend: ray."""
+
+    address: str = Field("auto", min_length=1)
+    """The Ray cluster: "auto" (the one `ray start` started on this machine) or host:port."""
+
+
+class SlurmSettings(_Strict):
+    """backend: slurm."""
+
+    partition: str | None = Field(None, pattern=r"^[A-Za-z0-9_.,:@%+=/-]+$")
+    """sbatch --partition; default: the cluster's default partition."""
+    time: str | None = Field(
+        None, pattern=r"^(\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$"
+    )
+    """sbatch --time: minutes, h:mm:ss, days-hours, ...; default: from timeout_s, else the partition's."""
+    nodes: Annotated[int, Field(ge=1)] | None = None
+    """sbatch --nodes; default: Slurm chooses."""
+
+
+class K8sSettings(_Strict):
+    """backend: k8s."""
+
+    image: str | None = Field(None, min_length=1)
+    """The container image every pod runs (holds the script and paratrain); needed to submit."""
+    namespace: str = Field("default", pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    """The namespace every object is created in."""
+    output_pvc: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    """The PersistentVolumeClaim mounted read-write at output_dir in every pod (needed to submit)."""
+    data_pvc: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    """The PersistentVolumeClaim mounted read-only at data_dir in every pod (needed with data_dir)."""
+
+
+class JobSpec(_Strict):
+    """One training job. Paths are relative to the spec file's folder unless absolute."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]*$", max_length=20)
+    """The job's name: lower-case letters, digits and '-', starting with a letter, at most 20."""
+    entry: Entry
+    """The script every process runs and its arguments."""
+    workers: Annotated[int, Field(ge=1)] = 2
+    """Worker processes."""
+    servers: Annotated[int, Field(ge=0)] = 1
+    """Server processes (0: a collective job)."""
+    evaluator: Annotated[int, Field(ge=0, le=1)] = 0
+    """1: an evaluator process that scores each new checkpoint (local and ray backends)."""
+    strategy: str | None = None
+    """The Trainer's strategy (dist_sync, dist_async, collective, ...); default: dist_sync with servers,
+    collective without."""
+    resources: Resources = Resources()
+    """What each process of each role reserves."""
+    backend: Literal["local", "ray", "slurm", "k8s"] = "local"
+    """Where the processes run."""
+    ray: RaySettings = RaySettings()
+    slurm: SlurmSettings = SlurmSettings()
+    k8s: K8sSettings = K8sSettings()
+    data_dir: str | None = Field(None, min_length=1)
+    """The input data, given to every process (read-only on k8s)."""
+    output_dir: str = Field(min_length=1)
+    """Checkpoints, metrics and the job's own records (OUTPUT_DIR/jobs/<id>/); shared by every role."""
+    work_dir: str | None = Field(None, min_length=1)
+    """The folder processes start in, and the script's base; default: the spec file's folder."""
+    dir_args: bool = False
+    """UAI Train's convention: append --data_dir, --output_dir, --work_dir, --log_dir and --num_gpus to
+    the script's arguments (the directories also reach every process as PARATRAIN_*_DIR variables)."""
+    checkpoint_every: Annotated[int, Field(ge=0)] = 0
+    """The Trainer checkpoints every this many steps into OUTPUT_DIR/checkpoints (0: only when the script
+    asks)."""
+    env: dict[Annotated[str, AfterValidator(_check_env_name)], str] = {}
+    """Extra environment variables for every process."""
+    timeout_s: Annotated[float, Field(gt=0)] | None = None
+    """Stop the whole job after this many seconds; default: no limit."""
+
+    @field_validator("strategy")
+    @classmethod
+    def _strategy(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:
+            try:
+                check_strategy(value, info.data.get("servers", 1))
+            except ValueError as exc:  # without the launcher's "strategy=...: " (the field is named)
+                raise ValueError(re.sub(r"^strategy=\S+: ", "", str(exc))) from None
+        return value
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+
+def load_spec(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> JobSpec:
+    """The spec in `path`, checked; paths in it resolved against its folder. `overrides` (e.g.
+    {"backend": "k8s"}) replace top-level fields before checking. Raises SpecError."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError([f"{path}: cannot read the job spec: {exc.strerror}"]) from None
+    return parse_spec(text, str(path), base=path.resolve().parent, overrides=overrides)
+
+
+def parse_spec(
+    text: str, source: str = "<spec>", base: Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> JobSpec:
+    """The spec in YAML `text` (named `source` in messages); relative paths resolve against `base`."""
+    data, lines = _read_yaml(text, source)
+    if not isinstance(data, dict):
+        raise SpecError([f"{source}:1: the job spec must be a mapping of fields, got {_kind(data)}"])
+    data = {**data, **(overrides or {})}
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        problems = sorted((_problem(error, lines) for error in exc.errors()), key=lambda p: p[0])
+        raise SpecError([f"{source}:{line}: {text}" for line, text in problems]) from None
+    problems = [
+        f"{source}:{_line(loc, lines)}: {'.'.join(loc)}: {msg}" for loc, msg in _backend_problems(spec)
+    ]
+    if problems:
+        raise SpecError(problems)
+    return _resolved(spec, base or Path.cwd())
+
+
+def _read_yaml(text: str, source: str) -> tuple[Any, dict[tuple, int]]:
+    """The YAML's data and the line of every field and list item (by path); duplicate keys refused."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else 1
+        raise SpecError(
+            [f"{source}:{line}: not valid YAML: {getattr(exc, 'problem', None) or exc}"]
+        ) from None
+    lines: dict[tuple, int] = {(): 1}
+    problems: list[str] = []
+    if node is not None:
+        _walk(node, (), lines, problems, source)
+    if problems:
+        raise SpecError(problems)
+    return data, lines
+
+
+def _walk(node: yaml.Node, path: tuple, lines: dict[tuple, int], problems: list[str], source: str) -> None:
+    lines[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key, value in node.value:
+            name = key.value
+            if name in seen:
+                where = ".".join(str(part) for part in (*path, name))
+                problems.append(f"{source}:{key.start_mark.line + 1}: {where}: given twice")
+            seen.add(name)
+            _walk(value, (*path, name), lines, problems, source)
+            lines[(*path, name)] = key.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _walk(item, (*path, index), lines, problems, source)
+
+
+def _line(loc: tuple, lines: dict[tuple, int]) -> int:
+    """The line of the deepest part of `loc` that is in the file."""
+    for end in range(len(loc), -1, -1):
+        if tuple(loc[:end]) in lines:
+            return lines[tuple(loc[:end])]
+    return 1
+
+
+def _problem(error: Mapping[str, Any], lines: dict[tuple, int]) -> tuple[int, str]:
+    """(line, "field: message") of one pydantic error."""
+    loc = tuple(part for part in error["loc"] if part != "[key]")
+    field = ".".join(str(part) for part in loc) or "(top level)"
+    kind, value = error["type"], error.get("input")
+    if kind == "extra_forbidden":
+        message = _unknown_field(loc)
+    elif kind == "missing":
+        message = f"is required: {_doc(loc)}"
+    elif kind == "value_error":
+        message = str(error["ctx"]["error"])
+    elif kind == "string_pattern_mismatch":
+        message = f"{_shown(value)} is not allowed: {_doc(loc)}"
+    else:
+        message = f"{error['msg']} (got {_shown(value)})"
+        doc = _doc(loc)
+        if doc and kind.startswith(("literal", "string_too_long")):
+            message += f"; {doc}"
+    return _line(loc, lines), f"{field}: {message}"
+
+
+def _unknown_field(loc: tuple) -> str:
+    model = _model_at(loc[:-1])
+    known = sorted(model.model_fields) if model is not None else []
+    near = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return f"unknown field{hint}; allowed here: {', '.join(known)}"
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: Any = JobSpec
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        model = field.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+    return model
+
+
+def _doc(loc: tuple) -> str:
+    model = _model_at(loc[:-1])
+    field = model.model_fields.get(loc[-1]) if model is not None and loc else None
+    return " ".join((field.description or "").split()) if field is not None else ""
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _kind(value: Any) -> str:
+    return "nothing" if value is None else f"a {type(value).__name__}"
+
+
+def _backend_problems(spec: JobSpec) -> list[tuple[tuple, str]]:
+    """What the chosen backend needs that the models alone cannot say."""
+    problems: list[tuple[tuple, str]] = []
+    if spec.evaluator and spec.backend in ("slurm", "k8s"):
+        problems.append(
+            (("evaluator",), f"an evaluator runs on the local and ray backends, not {spec.backend}")
+        )
+    if spec.backend == "k8s":
+        for name in ("output_dir", "data_dir", "work_dir"):
+            value = getattr(spec, name)
+            if value is not None and not value.startswith("/"):
+                problems.append(
+                    ((name,), f"must be an absolute path in the pods with backend k8s, got {value!r}")
+                )
+        if spec.k8s.output_pvc is None:
+            problems.append(
+                (("k8s", "output_pvc"), "is required with backend k8s: the claim mounted at output_dir")
+            )
+        if spec.data_dir is not None and spec.k8s.data_pvc is None:
+            problems.append(
+                (("k8s", "data_pvc"), "is required with backend k8s and a data_dir: the claim mounted there")
+            )
+    if spec.backend == "slurm" and spec.resources.server.gpus:
+        problems.append(
+            (("resources", "server", "gpus"), "slurm gives every task of one srun the workers' GPUs")
+        )
+    return problems
+
+
+def _resolved(spec: JobSpec, base: Path) -> JobSpec:
+    """Paths made absolute against `base` (on k8s, data_dir and output_dir are paths inside the pods)."""
+    if spec.backend == "k8s":  # paths in the pods, as written; the work_dir only where given
+        return spec
+    changes: dict[str, Any] = {
+        "work_dir": _absolute(spec.work_dir, base) if spec.work_dir else str(base),
+        "output_dir": _absolute(spec.output_dir, base),
+    }
+    if spec.data_dir is not None:
+        changes["data_dir"] = _absolute(spec.data_dir, base)
+    return spec.model_copy(update=changes)
+
+
+def _absolute(path: str, base: Path) -> str:
+    return os.path.normpath(os.path.join(base, os.path.expanduser(path)))
+
+
+# ---- what the launcher is given -----------------------------------------------------------------
+
+
+def script_path(spec: JobSpec) -> str:
+    """The entry script, absolute against work_dir (on k8s: against its working directory)."""
+    if spec.work_dir is None or os.path.isabs(spec.entry.script):
+        return spec.entry.script
+    return os.path.join(spec.work_dir, spec.entry.script)
+
+
+def directories(spec: JobSpec, log_dir: str) -> dict[str, str]:
+    """The job's directories by name: data (when given), output, work and log."""
+    dirs = {
+        "data_dir": spec.data_dir,
+        "output_dir": spec.output_dir,
+        "work_dir": spec.work_dir,
+        "log_dir": log_dir,
+    }
+    return {name: value for name, value in dirs.items() if value is not None}
+
+
+def directory_env(spec: JobSpec, job_id: str, log_dir: str) -> dict[str, str]:
+    """What every process gets besides its identity: PARATRAIN_*_DIR, the checkpoint interval, the job id."""
+    env = {f"PARATRAIN_{name.upper()}": value for name, value in directories(spec, log_dir).items()}
+    env["PARATRAIN_JOB_ID"] = job_id
+    if spec.checkpoint_every:
+        env["PARATRAIN_CHECKPOINT_EVERY"] = str(spec.checkpoint_every)
+    return env
+
+
+def script_args(spec: JobSpec, log_dir: str) -> tuple[str, ...]:
+    """The script's arguments, with UAI's --data_dir ... --num_gpus appended when dir_args is set."""
+    args = list(spec.entry.args)
+    if spec.dir_args:
+        for name, value in directories(spec, log_dir).items():
+            args += [f"--{name}", value]
+        args += ["--num_gpus", str(spec.resources.worker.gpus)]
+    return tuple(args)
+
+
+def launch_config(spec: JobSpec, job_id: str, log_dir: str) -> LaunchConfig:
+    """The LaunchConfig every engine takes."""
+    kwargs: dict[str, Any] = {}
+    if spec.entry.python is not None:
+        kwargs["python"] = spec.entry.python
+    return LaunchConfig(
+        script=script_path(spec),
+        args=script_args(spec, log_dir),
+        num_workers=spec.workers,
+        num_servers=spec.servers,
+        strategy=spec.strategy,
+        env={**spec.env, **directory_env(spec, job_id, log_dir)},
+        timeout_s=spec.timeout_s,
+        **kwargs,
+    )
+
+
+def memory_bytes(quantity: str) -> int:
+    """A memory quantity (see RoleResources.memory) in bytes."""
+    match = MEMORY.match(quantity)
+    if match is None:
+        raise ValueError(f"memory {quantity!r} is not a quantity such as 512Mi or 4G")
+    unit = match[2] or ""
+    return int(float(quantity[: len(quantity) - len(unit)]) * _MEMORY_UNITS[unit])
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of a job spec, from the same models that check it."""
+    schema = JobSpec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "paratrain job spec"
+    return schema
+
+
+def json_schema_text() -> str:
+    return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+def fields_markdown() -> str:
+    """Every field of a spec as a Markdown table (docs/jobspec.md), from the models' docstrings."""
+    rows = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+    rows += _field_rows(JobSpec, "")
+    return "\n".join(rows) + "\n"
+
+
+def _field_rows(model: type[BaseModel], prefix: str) -> list[str]:
+    rows = []
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            doc = " ".join((info.description or annotation.__doc__ or "").split())
+            rows.append(f"| `{prefix}{name}` | mapping | | {doc} |")
+            rows += _field_rows(annotation, f"{prefix}{name}.")
+            continue
+        default = "required" if info.is_required() else f"`{json.dumps(info.get_default())}`"
+        doc = " ".join((info.description or "").split()).replace("|", "/")
+        rows.append(f"| `{prefix}{name}` | {_type_name(annotation)} | {default} | {doc} |")
+    return rows
+
+
+def _type_name(annotation: Any) -> str:
+    """A field's type in words: int, str or null, one of 'a', 'b', list of str, ..."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin in (list, dict):
+        return f"{origin.__name__} of {', '.join(_type_name(a) for a in args)}"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(fields_markdown() if sys.argv[1:] == ["--markdown"] else json_schema_text(), end="")
