@@ -165,3 +165,13 @@ def launch(
         raise click.UsageError("--backend k8s needs --image (the container image every pod runs)")
     options = K8sOptions(image=image or "IMAGE", namespace=namespace, dry_run=dry_run, **resources)
     ctx.exit(run_k8s_job(config, options))
+
+
+def _add_serving_commands() -> None:
+    from paratrain.serve.cli import export, serve
+
+    main.add_command(serve)
+    main.add_command(export)
+
+
+_add_serving_commands()
