@@ -27,3 +27,10 @@ class TwoInputs(nn.Module):
 def two_inputs() -> nn.Module:
     torch.manual_seed(1)
     return TwoInputs()
+
+
+def deep() -> nn.Sequential:
+    """Six blocks, 8 -> 4 features: the model served in stages."""
+    torch.manual_seed(2)
+    dims = [8, 64, 64, 64, 64, 64, 4]
+    return nn.Sequential(*(nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(dims, dims[1:])))

@@ -4,6 +4,9 @@ server goes on, a newer checkpoint is picked up with no failed request, and expo
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +26,7 @@ from paratrain.serve.batcher import Batcher, ModelInputError
 from paratrain.serve.http import HttpServer
 from paratrain.serve.model import load_factory
 from paratrain.serve.service import model_app
+from paratrain.testing import assert_all_gone, free_port
 
 MODELS = Path(__file__).parent / "serve_models.py"
 X_SPEC = InputSpec("inputs", "float32", (4,))
@@ -260,3 +264,61 @@ def test_the_batcher_groups_by_signature_within_the_limit_and_isolates_failures(
     batcher.close()
     # 4 of the same signature; the other 2 with the bad one, which fails, so each runs alone; the odd one
     assert runs == [4, 3, 1, 1, 1, 1]
+
+
+def start_cli(*args: str, timeout_s: float = 120) -> tuple[subprocess.Popen, str]:
+    """`paratrain serve ARGS` in a process of its own; returns it and its URL once /healthz answers."""
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-c",
+        "from paratrain.launch.cli import main; main()",
+        "serve",
+        "--port",
+        str(port),
+    ]
+    proc = subprocess.Popen([*argv, *args])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            httpx.get(url + "/healthz", timeout=5)
+            return proc, url
+        except httpx.TransportError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"paratrain serve exited with {proc.poll()} or did not answer in time")
+            time.sleep(0.2)
+
+
+@pytest.mark.timeout(240)
+def test_a_model_split_across_processes_answers_as_the_whole_model(tmp_path):
+    """`paratrain serve --stages 3`: stage i in process i, micro-batches of 4 rows in flight, the
+    split balanced on the declared input; batched answers equal the whole model's, and stopping the
+    server stops every stage process."""
+    model = load_factory(f"{MODELS}:deep")()
+    save_step(tmp_path, 5, model)
+    x = torch.randn(40, 8)
+    with torch.no_grad():
+        expected = model(x)
+    args = ["--model", f"{MODELS}:deep", "--stages", "3", "--input", "inputs:float32:8", "--micro-batch", "4"]
+    proc, url = start_cli(*args, "--batch-wait-ms", "20", str(tmp_path))
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(16) as pool:
+            health = client.get("/healthz").json()
+            assert health["stages"] == 3 and health["model_step"] == 5 and len(health["pids"]) == 3
+            replies = list(
+                pool.map(
+                    lambda i: client.post("/predict", json={"inputs": x[i : i + 2].tolist()}), range(0, 40, 2)
+                )
+            )
+            whole = client.post("/predict", json={"inputs": x.tolist()})  # 10 micro-batches at once
+            metrics = client.get("/metrics").text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert all(reply.status_code == 200 for reply in replies), [r.text for r in replies]
+    torch.testing.assert_close(torch.cat([torch.tensor(r.json()["outputs"]) for r in replies]), expected)
+    torch.testing.assert_close(torch.tensor(whole.json()["outputs"]), expected)
+    assert _metric(metrics, "paratrain_serve_batch_rows_sum") == 80
+    assert_all_gone(health["pids"])

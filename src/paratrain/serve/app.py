@@ -85,6 +85,8 @@ class Endpoint:
     step: Callable[[], int | None]
     source: Callable[[], str]
     close: Callable[[], None] = lambda: None
+    info: Callable[[], dict] = dict
+    """More fields for /healthz (a staged model: its split and process ids)."""
 
 
 def build_app(endpoint: Endpoint, config: ServeConfig, metrics: ServeMetrics | None = None) -> Starlette:
@@ -113,7 +115,8 @@ def build_app(endpoint: Endpoint, config: ServeConfig, metrics: ServeMetrics | N
         return response
 
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model_step": endpoint.step(), "source": endpoint.source()})
+        doc = {"status": "ok", "model_step": endpoint.step(), "source": endpoint.source()}
+        return JSONResponse(doc | endpoint.info())
 
     async def prometheus(request: Request) -> Response:
         step = endpoint.step()
