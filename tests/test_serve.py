@@ -322,3 +322,19 @@ def test_a_model_split_across_processes_answers_as_the_whole_model(tmp_path):
     torch.testing.assert_close(torch.tensor(whole.json()["outputs"]), expected)
     assert _metric(metrics, "paratrain_serve_batch_rows_sum") == 80
     assert_all_gone(health["pids"])
+
+
+def test_the_row_cache_is_bounded_and_time_limited():
+    import numpy as np
+
+    from paratrain.serve.remote import RowCache
+
+    cache = RowCache(max_rows=3, ttl_s=1.0)
+    cache.put(np.array([1, 2, 3]), torch.eye(3), now=0.0)
+    found, missing = cache.get(np.array([1, 4]), now=0.5)  # 1 is now the most recently used
+    assert list(found) == [0] and torch.equal(found[0], torch.eye(3)[0]) and missing.tolist() == [1]
+    cache.put(np.array([4]), torch.ones(1, 3), now=0.5)  # over 3 rows: 2, the least recently used, goes
+    assert len(cache) == 3 and cache.get(np.array([2]), now=0.6)[1].tolist() == [0]
+    found, missing = cache.get(np.array([1, 3, 4]), now=1.2)  # 1 and 3 were stored at 0.0: expired
+    assert list(found) == [2] and missing.tolist() == [0, 1]
+    assert len(RowCache(max_rows=0, ttl_s=1.0)) == 0

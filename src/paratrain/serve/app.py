@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +32,9 @@ from prometheus_client import (
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
+from paratrain.errors import ParatrainError
 from paratrain.serve import codec
 from paratrain.serve.api import BadRequest, ServeConfig
 from paratrain.serve.batcher import Batcher, ModelInputError
@@ -89,8 +90,13 @@ class Endpoint:
     """More fields for /healthz (a staged model: its split and process ids)."""
 
 
-def build_app(endpoint: Endpoint, config: ServeConfig, metrics: ServeMetrics | None = None) -> Starlette:
-    """The Starlette app serving `endpoint` with `config`'s batching and limits."""
+def build_app(
+    endpoint: Endpoint,
+    config: ServeConfig,
+    metrics: ServeMetrics | None = None,
+    routes: Sequence[BaseRoute] = (),
+) -> Starlette:
+    """The Starlette app serving `endpoint` with `config`'s batching and limits (and `routes`)."""
     metrics = metrics or ServeMetrics(config.max_batch)
 
     def run(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int | None]:
@@ -107,6 +113,8 @@ def build_app(endpoint: Endpoint, config: ServeConfig, metrics: ServeMetrics | N
             response = JSONResponse({"error": str(exc)}, status_code=exc.status)
         except ModelInputError as exc:
             response = JSONResponse({"error": str(exc)}, status_code=422)
+        except ParatrainError as exc:  # a server or stage process is gone: try again later
+            response = JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=503)
         except Exception as exc:  # the server's fault: say so, keep serving
             logger.exception("/predict failed")
             response = JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=500)
@@ -135,6 +143,7 @@ def build_app(endpoint: Endpoint, config: ServeConfig, metrics: ServeMetrics | N
             Route("/predict", predict, methods=["POST"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
+            *routes,
         ],
         lifespan=lifespan,
     )

@@ -6,7 +6,8 @@ of (its output rows, the batch's tag). One thread takes the oldest request, wait
 shapes) until `max_batch` rows are queued, concatenates them, runs `run_batch` once and hands each
 request its own slice of the output. Requests of another signature wait for the next batch, in
 order. If a batch of several requests fails, each is run alone, so a bad request fails only itself
-(a `ModelInputError` for it); a model that fails alone on every request fails them all.
+(a `ModelInputError` for it); a model that fails alone on every request fails them all. A
+ParatrainError (a server or stage process gone) fails the whole batch at once.
 
 Why a thread and not asyncio: the model runs outside the event loop anyway (torch releases the GIL
 in its kernels), and a thread with a condition variable keeps the batching policy in one loop that a
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from paratrain.errors import ParatrainError
 from paratrain.serve.api import dtype_name
 
 logger = logging.getLogger(__name__)
@@ -136,6 +138,10 @@ class Batcher:
         rows = sum(item.rows for item in batch)
         try:
             output, tag = self._forward(inputs, rows)
+        except ParatrainError as exc:  # the system failed (a server or stage is gone), not a request
+            for item in batch:
+                item.future.set_exception(exc)
+            return
         except Exception as exc:
             if len(batch) == 1:
                 batch[0].future.set_exception(

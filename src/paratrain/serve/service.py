@@ -23,7 +23,8 @@ def call_model(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tenso
 
 
 def model_app(factory: Factory, source: str | Path, config: ServeConfig, kv: Any = None) -> Starlette:
-    """An app serving `factory`'s model with the weights of `source`, reloaded as config says."""
+    """An app serving `factory`'s model with the weights of `source`, reloaded as config says; with
+    `kv` (remote.ReadOnlyStore) the factory's tables read from a running job, and POST /embeddings."""
     metrics = ServeMetrics(config.max_batch)
     holder = ModelHolder(
         factory,
@@ -37,7 +38,22 @@ def model_app(factory: Factory, source: str | Path, config: ServeConfig, kv: Any
         loaded = holder.current  # one reference for the whole batch: a reload swaps it, never mutates
         return call_model(loaded.model, inputs), loaded.step
 
-    endpoint = Endpoint(run_batch, lambda: holder.current.step, lambda: holder.current.source, holder.close)
-    app = build_app(endpoint, config, metrics)
+    def close() -> None:
+        holder.close()
+        if hasattr(kv, "close"):
+            kv.close()
+
+    def info() -> dict:
+        if kv is None:
+            return {}
+        return {"tables": sorted(map(str, kv.tables.tables)), "servers": len(kv.servers)} | kv.tables.counts
+
+    endpoint = Endpoint(run_batch, lambda: holder.current.step, lambda: holder.current.source, close, info)
+    routes = []
+    if kv is not None:
+        from paratrain.serve.remote import embeddings_route
+
+        routes.append(embeddings_route(kv))
+    app = build_app(endpoint, config, metrics, routes)
     app.state.holder = holder
     return app
