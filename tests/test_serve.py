@@ -232,6 +232,17 @@ def test_export_writes_safetensors_that_load_back(tmp_path):
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
     served = paratrain.serve.load(tmp_path / "ckpt" / "step-00000004", model=load_factory(f"{MODELS}:mlp")())
     assert not served.training and torch.equal(served[0].weight, model[0].weight)
+    from click.testing import CliRunner
+
+    from paratrain.launch.cli import main
+
+    result = CliRunner().invoke(main, ["export", str(tmp_path / "ckpt"), str(tmp_path / "cli.safetensors")])
+    assert result.exit_code == 0 and torch.equal(
+        paratrain.serve.load(tmp_path / "cli.safetensors")["0.bias"], model[0].bias
+    )
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(main, ["export", str(tmp_path / "empty"), str(tmp_path / "x.safetensors")])
+    assert result.exit_code == 1 and "no complete checkpoint in" in result.output
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         paratrain.serve.export(tmp_path / "empty", tmp_path / "x.safetensors")
     (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
