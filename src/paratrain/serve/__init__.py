@@ -14,7 +14,19 @@ stages.py (stages in processes), remote.py (read-only tables of a running job), 
 
 from __future__ import annotations
 
-from paratrain.serve.api import BadRequest, InputSpec, ServeConfig, ServeError
-from paratrain.serve.weights import export, load
+from typing import Any
 
 __all__ = ["BadRequest", "InputSpec", "ServeConfig", "ServeError", "export", "load"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `paratrain --help` and `paratrain launch` import serve/cli.py, which must not import torch.
+    if name in ("BadRequest", "InputSpec", "ServeConfig", "ServeError"):
+        from paratrain.serve import api
+
+        return getattr(api, name)
+    if name in ("export", "load"):
+        from paratrain.serve import weights
+
+        return getattr(weights, name)
+    raise AttributeError(f"module 'paratrain.serve' has no attribute {name!r}")
