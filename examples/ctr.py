@@ -27,6 +27,7 @@ of their "deep" rows) as training goes on, printing what it answered.
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -72,9 +73,9 @@ class ServingProbe:
     """`paratrain serve --join` on this job, started by worker 0, and the questions it is asked."""
 
     def __init__(self, checkpoint_dir: str, dense: torch.Tensor, ids: torch.Tensor) -> None:
-        from paratrain.testing import free_port
-
-        self.url = f"http://127.0.0.1:{free_port()}"
+        with socket.socket() as sock:  # a port free a moment ago
+            sock.bind(("127.0.0.1", 0))
+            self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.dense, self.ids = dense, ids
         argv = [sys.executable, "-c", "from paratrain.launch.cli import main; main()", "serve", "--join"]
         argv += [

@@ -50,7 +50,10 @@ def load_factory(spec: str) -> Factory:
         sys.modules[name] = module
         module_spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"--model {spec!r}: cannot import {module_name!r}: {exc}") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"--model {spec!r}: {module_name} has no callable {attr!r}")
@@ -106,10 +109,17 @@ class ModelHolder:
         if self.source.suffix == SAFETENSORS_SUFFIX or not self._is_output_folder():
             state, step = read_state(self.source)
             return self._build(state, step, str(self.source))
-        found = checkpoint.latest(self.source)
-        if found is None:
-            raise ServeError(f"no complete checkpoint in {self.source} to serve")
-        return self._build(checkpoint_state(found), found.step, str(found.path))
+        attempts = 3  # a commit with `keep` may prune the checkpoint just found
+        while True:
+            found = checkpoint.latest(self.source)
+            if found is None:
+                raise ServeError(f"no complete checkpoint in {self.source} to serve")
+            try:
+                return self._build(checkpoint_state(found), found.step, str(found.path))
+            except CheckpointError:
+                attempts -= 1
+                if attempts == 0:
+                    raise
 
     def _build(self, state: dict[str, torch.Tensor], step: int | None, source: str) -> Loaded:
         model = build(self.factory, self.kv)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -214,7 +215,7 @@ def embeddings_route(store: ReadOnlyStore) -> Route:
             raise BadRequest(
                 404, f"no table {key!r}; the model reads {sorted(map(str, store.tables.tables))}"
             )
-        rows = store.tables.lookup(key, ids)
+        rows = await run_in_threadpool(store.tables.lookup, key, ids)  # a blocking pull: off the loop
         return JSONResponse({"table": key, "ids": ids.tolist(), "rows": rows.tolist()})
 
     return Route("/embeddings", _answer_bad_requests(embeddings), methods=["POST"])
