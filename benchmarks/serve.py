@@ -1,7 +1,8 @@
 """`paratrain serve` under load: requests/s and latency with dynamic batching on and off, beside a
 plain loop calling the model one request at a time.
 
-    python benchmarks/serve.py [--requests 600] [--seconds 20] [--concurrency 1,8,32] [--plot serve.png]
+    python benchmarks/serve.py [--requests 600] [--seconds 20] [--rounds 3] [--concurrency 1,8,32]
+                               [--plot serve.png]
 
 The model: a small CNN (conv 1->32, conv 32->64, 3x3, each with ReLU and 2x2 max-pooling, fc
 3136->1024->10) on one 1x28x28 image per request, served from a checkpoint by `paratrain serve` in a
@@ -11,7 +12,8 @@ with one keep-alive HTTP/1.1 connection (http.client), sending requests back to 
 `requests` answers or `seconds` passed (after a warm-up), for c in `concurrency`. Batching off:
 --max-batch 1 (every request runs alone); on: --max-batch 32 --batch-wait-ms 5. The anchor: this
 process calling the model on one image at a time in a loop (one thread, no HTTP). Figures: answers
-per second, and the median and 99th percentile of each request's latency (send to full answer).
+per second, and the median and 99th percentile of each request's latency (send to full answer),
+each the median over `rounds` rounds in which the two modes alternate.
 The clients and the server share the machine's cores (the clients' own cost is in every figure).
 Also printed: the model's CPU time per image at batch 1 and 32 (thread time, one thread), which
 bounds what batching can gain on this machine.
@@ -61,6 +63,11 @@ def summary(latencies: list[float], elapsed_s: float) -> dict[str, float]:
         "p99_ms": 1e3 * percentile(latencies, 0.99),
         "n": len(latencies),
     }
+
+
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over the rounds."""
+    return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
 
 
 def plain_loop(requests: int, seconds: float) -> dict[str, float]:
@@ -172,6 +179,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=600, help="answers per figure (at most)")
     parser.add_argument("--seconds", type=float, default=20.0, help="time per figure (at most)")
     parser.add_argument("--concurrency", default="1,8,32", help="client counts, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every figure (the median counts)")
     parser.add_argument("--plot", metavar="PATH", help="also save a chart (needs matplotlib)")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -185,16 +193,18 @@ def main() -> None:
         checkpoint.commit(folder, 1, {})
         anchor = plain_loop(args.requests, args.seconds)
         anchor["cpu_ms"] = {b: model_cpu_ms_per_image(b) for b in (1, 32)}
-        results: dict[tuple[str, int], dict[str, float]] = {}
-        for mode in MODES:
-            port = free_port()
-            proc = start_server(mode, folder, port)
-            try:
-                for c in levels:
-                    results[mode, c] = load(port, c, args.requests, args.seconds)
-            finally:
-                proc.terminate()
-                proc.wait(60)
+        runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+        for _ in range(args.rounds):  # modes interleaved: a busy spell of the machine hits both
+            for mode in MODES:
+                port = free_port()
+                proc = start_server(mode, folder, port)
+                try:
+                    for c in levels:
+                        runs.setdefault((mode, c), []).append(load(port, c, args.requests, args.seconds))
+                finally:
+                    proc.terminate()
+                    proc.wait(60)
+        results = {key: median_run(values) for key, values in runs.items()}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     report(args, anchor, results, levels)
@@ -207,7 +217,7 @@ def report(args, anchor: dict, results: dict, levels: list[int]) -> None:  # noq
     print(
         f"small CNN, 1 image/request, server 1 torch thread, {os.cpu_count()} cores shared with the "
         f"clients (load average {load_avg:.1f} at the end); up to {args.requests} answers or "
-        f"{args.seconds:.0f} s per row"
+        f"{args.seconds:.0f} s per run, median of {args.rounds} rounds"
     )
     cpu = anchor["cpu_ms"]
     print(f"model CPU time per image, one thread: {cpu[1]:.3f} ms at batch 1, {cpu[32]:.3f} ms at batch 32")
