@@ -16,7 +16,8 @@ per second, and the median and 99th percentile of each request's latency (send t
 each the median over `rounds` rounds in which the two modes alternate.
 The clients and the server share the machine's cores (the clients' own cost is in every figure).
 Also printed: the model's CPU time per image at batch 1 and 32 (thread time, one thread), which
-bounds what batching can gain on this machine.
+bounds what batching can gain on this machine, and the server process's CPU time per answer (from
+/proc), which a busy machine distorts far less than requests/s.
 """
 
 from __future__ import annotations
@@ -119,7 +120,14 @@ def start_server(mode: str, checkpoint_dir: str, port: int) -> subprocess.Popen:
     raise RuntimeError(f"paratrain serve ({mode}) did not start (exit code {proc.poll()})")
 
 
-def load(port: int, concurrency: int, requests: int, seconds: float) -> dict[str, float]:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def load(port: int, concurrency: int, requests: int, seconds: float, server_pid: int) -> dict[str, float]:
     """`concurrency` clients back to back until `requests` answers or `seconds`; raises on any non-200."""
     body = torch.randn(1, 1, 28, 28).numpy().tobytes()
     headers = {
@@ -158,13 +166,16 @@ def load(port: int, concurrency: int, requests: int, seconds: float) -> dict[str
     for thread in threads:
         thread.start()
     time.sleep(1.0)  # every client warmed up (connections open)
+    server_cpu = cpu_s(server_pid)
     start[0] = time.perf_counter()
     go.set()
     for thread in threads:
         thread.join()
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed: {errors[:5]}")
-    return summary(latencies, time.perf_counter() - start[0])
+    figures = summary(latencies, time.perf_counter() - start[0])
+    figures["server_cpu_ms"] = 1e3 * (cpu_s(server_pid) - server_cpu) / len(latencies)
+    return figures
 
 
 def _post(conn: http.client.HTTPConnection, body: bytes, headers: dict[str, str]) -> int:
@@ -200,7 +211,9 @@ def main() -> None:
                 proc = start_server(mode, folder, port)
                 try:
                     for c in levels:
-                        runs.setdefault((mode, c), []).append(load(port, c, args.requests, args.seconds))
+                        runs.setdefault((mode, c), []).append(
+                            load(port, c, args.requests, args.seconds, proc.pid)
+                        )
                 finally:
                     proc.terminate()
                     proc.wait(60)
@@ -221,7 +234,8 @@ def report(args, anchor: dict, results: dict, levels: list[int]) -> None:  # noq
     )
     cpu = anchor["cpu_ms"]
     print(f"model CPU time per image, one thread: {cpu[1]:.3f} ms at batch 1, {cpu[32]:.3f} ms at batch 32")
-    print(f"{'setup':<28}{'clients':>8}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'x off':>8}{'x loop':>8}")
+    head = f"{'setup':<28}{'clients':>8}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'x off':>8}{'x loop':>8}"
+    print(f"{head}{'srv CPU ms/req':>16}")
     loop = anchor
     print(
         f"{'plain loop (no HTTP)':<28}{1:>8}{loop['rps']:>10.0f}{loop['p50_ms']:>9.2f}{loop['p99_ms']:>9.2f}"
@@ -233,7 +247,7 @@ def report(args, anchor: dict, results: dict, levels: list[int]) -> None:  # noq
             print(
                 f"{'serve, batching ' + mode:<28}{c:>8}{r['rps']:>10.0f}"
                 f"{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}"
-                f"{vs_off:>7.2f}x{r['rps'] / anchor['rps']:>7.2f}x"
+                f"{vs_off:>7.2f}x{r['rps'] / anchor['rps']:>7.2f}x{r['server_cpu_ms']:>16.2f}"
             )
     top = max(levels)
     on, off = results["on", top], results["off", top]
