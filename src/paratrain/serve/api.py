@@ -84,8 +84,10 @@ class InputSpec:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def describe(self) -> str:
-        return f"{self.name}: {self.dtype}[rows, {', '.join(map(str, self.shape))}]".replace(", ]", "]")
+    @property
+    def batch_shape(self) -> str:
+        """The shape a request carries, as text: "[rows, 3, 32, 32]"."""
+        return "[" + ", ".join(["rows", *map(str, self.shape)]) + "]"
 
 
 @dataclass(frozen=True)

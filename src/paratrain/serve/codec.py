@@ -75,11 +75,8 @@ def check(inputs: Inputs, specs: Sequence[InputSpec]) -> None:
                 422, f"input {name!r} has dtype {dtype_name(tensor.dtype)}; the model takes {spec.dtype}"
             )
         if tuple(tensor.shape[1:]) != spec.shape:
-            raise BadRequest(
-                422,
-                f"input {name!r} has shape {list(tensor.shape)}; the model takes [rows, "
-                f"{', '.join(map(str, spec.shape))}]".replace(", ]", "]"),
-            )
+            shape = list(tensor.shape)
+            raise BadRequest(422, f"input {name!r} has shape {shape}; the model takes {spec.batch_shape}")
 
 
 def _from_json(body: bytes, specs: Sequence[InputSpec]) -> Inputs:
