@@ -277,7 +277,7 @@ def test_the_batcher_groups_by_signature_within_the_limit_and_isolates_failures(
     assert runs == [4, 3, 1, 1, 1, 1]
 
 
-def start_cli(*args: str, timeout_s: float = 120) -> tuple[subprocess.Popen, str]:
+def start_cli(*args: str, timeout_s: float = 240) -> tuple[subprocess.Popen, str]:
     """`paratrain serve ARGS` in a process of its own; returns it and its URL once /healthz answers."""
     port = free_port()
     argv = [
@@ -302,7 +302,7 @@ def start_cli(*args: str, timeout_s: float = 120) -> tuple[subprocess.Popen, str
             time.sleep(0.2)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_a_model_split_across_processes_answers_as_the_whole_model(tmp_path):
     """`paratrain serve --stages 3`: stage i in process i, micro-batches of 4 rows in flight, the
     split balanced on the declared input; batched answers equal the whole model's, and stopping the
