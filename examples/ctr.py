@@ -143,6 +143,8 @@ def main() -> None:
     args = parser.parse_args()
 
     ctx = paratrain.init()  # the scheduler and the servers serve inside this call, then exit
+    if args.serve and not ctx.num_servers:
+        parser.error("--serve reads the tables from the job's servers: paratrain launch -w 2 -s 2 ...")
     torch.set_num_threads(1)
     folder = tempfile.mkdtemp(prefix="ctr-")
     if args.train is None:
