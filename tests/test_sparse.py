@@ -390,11 +390,30 @@ def test_generator_writes_criteo_lines_whose_ids_follow_a_power_law(tmp_path):
     assert again.read_bytes() == (tmp_path / "a.tsv").read_bytes()
 
 
+@pytest.mark.timeout(300)
 def test_ctr_example_learns_with_tables_on_two_servers_and_the_dense_part_by_all_reduce():
+    """... and with --serve, a serving process joined read-only to the same servers answers click
+    predictions while the job trains: its rows change as training goes on, rows never created read
+    as zeros, the dense part follows the checkpoints, and the job's rounds never wait for it."""
     outcome = run_job(
-        ROOT / "examples" / "ctr.py", workers=2, servers=2, args=["--rows", "16000"], timeout_s=120
+        ROOT / "examples" / "ctr.py", workers=2, servers=2, args=["--rows", "16000", "--serve"], timeout_s=240
     )
-    found = re.search(r"held-out AUC ([0-9.]+)", "\n".join(outcome.lines("worker", 0)))
+    lines = outcome.lines("worker", 0, "stdout")
+    found = re.search(r"held-out AUC ([0-9.]+)", "\n".join(lines))
     assert found, outcome.stdout
     assert float(found[1]) > 0.65
-    assert "strategy hybrid" in "\n".join(outcome.lines("worker", 0))
+    assert "strategy hybrid" in "\n".join(lines)
+    served = [line for line in lines if line.startswith("served at step")]
+    assert len(served) >= 3 and lines.index(served[0]) < next(
+        i for i, line in enumerate(lines) if "held-out AUC" in line
+    ), outcome.stdout
+    answers = [
+        re.search(r"model_step (\d+) clicks \[(.*)\] deep rows \[(.*)\] unseen row zero (\w+)", line)
+        for line in served
+    ]
+    assert all(a and a[4] == "True" for a in answers), served
+    clicks = [[float(v) for v in a[2].split(",")] for a in answers]
+    assert all(len(c) == 4 and all(0 < p < 1 for p in c) for c in clicks), served
+    rows = [[float(v) for v in a[3].split(",")] for a in answers]
+    assert rows[0] != rows[-1], served  # the servers kept training the rows the server reads
+    assert int(answers[-1][1]) > int(answers[0][1]), served  # a newer checkpoint's dense part

@@ -219,6 +219,7 @@ def test_a_pipeline_strategy_trains_through_train_step_alone():
         ref_opt.step()
         torch.testing.assert_close(loss, expected.detach())
     assert len(trainer.pipe.module.stages) == 3  # alone: every stage in this process
+    torch.testing.assert_close(trainer.eval_step(x[:8]), reference(x[:8]).detach())
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q)
     with pytest.raises(ValueError, match="needs Trainer\\(loss_fn=...\\)"):

@@ -80,6 +80,8 @@ for _ in trainer.epochs(100):
     if trainer.steps >= stop:
         break
 print(f"trained steps {resumed_at}..{trainer.steps}")
+x_eval = torch.randn(7, 8, generator=torch.Generator().manual_seed(5))
+outputs = trainer.eval_step(x_eval)  # forward only; pipelined: through the stages, on the last one
 trainer.close()
 if stop < steps:
     sys.exit(0)
@@ -122,4 +124,10 @@ diff = max((got[name] - value).abs().max().item() for name, value in expected.it
 moved = max((value - build()[0].state_dict()[name]).abs().max().item() for name, value in expected.items())
 assert moved > 10 * tol, f"the reference barely moved ({moved}): the check would prove nothing"
 assert diff <= tol, f"worker {ctx.rank}: parameters differ from the reference by {diff} > {tol}"
+if outputs is not None:  # None on a pipeline's other stages
+    with torch.no_grad():
+        out_diff = (outputs - replica_models[trainer.replica][0](x_eval)).abs().max().item()
+    assert out_diff <= 10 * tol, f"worker {ctx.rank}: eval_step differs from the reference by {out_diff}"
+elif not pipelined or trainer.pipe.is_last_stage:
+    raise AssertionError(f"worker {ctx.rank}: eval_step returned None")
 print(f"parity ok: max abs diff {diff:.2e} (parameters moved {moved:.2e})")

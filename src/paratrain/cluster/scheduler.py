@@ -10,6 +10,8 @@ Protocol (requests carry an id and get a reply; heartbeats are one-way):
     barrier   {group: "workers" | "all", name, data?}          -> replied when the group arrived,
               with every worker's data: {data: [[rank, data], ...]} (a small all-gather)
     finish    {}                                               a worker is done; replied at once
+    roster    {}                                               from a read-only client that is no
+              node (a serving process): {servers, workers} once the job started; no membership
 
 and, from the scheduler, one-way notices: `abort {reason}` (some node failed: stop now) and
 `shutdown {}` (every worker finished: servers exit cleanly).
@@ -191,6 +193,8 @@ class Scheduler(Handler):
             self._finish(request)
         elif op == "peer_lost":
             self._peer_lost(request)
+        elif op == "roster":
+            self._roster_query(request)
         else:
             request.fail(f"unknown op {op!r}")
 
@@ -258,6 +262,14 @@ class Scheduler(Handler):
             "servers": [[n.host, n.port] for n in nodes if n.role == "server"],
             "workers": [[n.host, n.pid] for n in nodes if n.role == "worker"],
         }
+
+    def _roster_query(self, request: Request) -> None:
+        """Where the servers are, for a client that reads from them without joining the job: it
+        takes no rank, is in no barrier or round, and its disconnecting ends nothing."""
+        if not self._started:
+            request.fail("the job has not started: not every node has registered yet")
+            return
+        request.reply(self._roster())
 
     def _barrier(self, request: Request) -> None:
         group, name = request.meta.get("group", "workers"), str(request.meta.get("name", ""))

@@ -424,6 +424,17 @@ _CONVENTIONS: tuple[tuple[str, tuple[str, ...], _Reader], ...] = (
 )
 
 
+def client_credentials(env: Mapping[str, str] | None = None) -> tuple[str, int, bytes]:
+    """(scheduler host, port, job secret) from PARATRAIN_SCHEDULER and PARATRAIN_SECRET(_FILE), for
+    a process that talks to a running job without being one of its nodes (a serving process)."""
+    env = os.environ if env is None else env
+    address = _get(env, "PARATRAIN_SCHEDULER")
+    if address is None:
+        raise ValueError("PARATRAIN_SCHEDULER is not set: the running job's scheduler address (host:port)")
+    host, port = _parse_address("PARATRAIN_SCHEDULER", address)
+    return host, port, _read_secret(env)
+
+
 # ---- the secret --------------------------------------------------------------------------------
 
 

@@ -197,3 +197,13 @@ def _no_such_option(ctx: click.Context, given: str) -> click.NoSuchOption:
     known = [opt for param in ctx.command.params for opt in (*param.opts, *param.secondary_opts)]
     near = difflib.get_close_matches(name, [opt for opt in known if opt.startswith("-")], n=1)
     return click.NoSuchOption(name, possibilities=near, ctx=ctx)
+
+
+def _add_serving_commands() -> None:
+    from paratrain.serve.cli import export, serve
+
+    main.add_command(serve)
+    main.add_command(export)
+
+
+_add_serving_commands()

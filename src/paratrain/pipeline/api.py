@@ -154,6 +154,13 @@ class StagePipeline(ABC):
         """See the class docstring. The first stage needs `inputs`, the last `targets`; others
         ignore them (every rank may pass the whole batch)."""
 
+    def forward(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward only (evaluation, serving): `inputs` cut into `micro_batches` micro-batches run
+        through every stage with no autograd and the stage modules in eval mode (restored after);
+        returns the outputs of the whole batch on the last stage and None elsewhere. Every stage
+        calls it at the same point of its loop (the first stage needs `inputs`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no forward-only pass")
+
     def sync_gradients(self) -> None:  # noqa: B027 (a no-op unless there are replicas)
         """Average this stage's gradients over its replicas (step() calls it; no-op alone)."""
 

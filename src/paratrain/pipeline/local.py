@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from paratrain.pipeline.api import PipelineConfig, StagePipeline, StepStats
-from paratrain.pipeline.stage import LossFn, split_micro_batches
+from paratrain.pipeline.stage import LossFn, eval_mode, split_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -80,3 +80,9 @@ class LocalPipeline(StagePipeline):
         stages = len(self.module.stages)
         self.last_stats = StepStats(wall_s, wall_s / stages, min(1, m))
         return torch.stack(losses).sum()  # in the loss's dtype
+
+    def forward(self, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """See StagePipeline.forward: the micro-batches one after the other through every stage."""
+        xs = split_micro_batches(inputs, self.config.micro_batches, "inputs")
+        with eval_mode(self.module), torch.no_grad():
+            return torch.cat([self.module(x) for x in xs])

@@ -18,6 +18,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from paratrain.pipeline import p2p
 from paratrain.pipeline.api import PipelineConfig, PipelineError, StagePipeline, StepStats
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,18 @@ def split_micro_batches(batch: torch.Tensor, micro_batches: int, what: str) -> t
             f"{what} of shape {tuple(batch.shape)} has fewer rows than micro_batches={micro_batches}"
         )
     return torch.tensor_split(batch, micro_batches)
+
+
+@contextmanager
+def eval_mode(module: nn.Module):  # noqa: ANN201
+    """`module` in eval mode for the block, its own training flags restored after."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in flags:
+            m.training = training
 
 
 class Clock:
@@ -123,6 +136,31 @@ class DistributedStage(StagePipeline):
         )
         self.steps += 1
         return loss
+
+    def forward(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
+        """See StagePipeline.forward: micro-batch i goes stage to stage as training's forward does
+        (the same point-to-point messages), with nothing kept for a backward."""
+        xs = split_micro_batches(inputs, self.config.micro_batches, "inputs") if self.is_first_stage else None
+        with eval_mode(self.module), torch.no_grad():
+            return self._guarded(lambda: self._forward_only(xs))
+
+    def _forward_only(self, xs: tuple[torch.Tensor, ...] | None) -> torch.Tensor | None:
+        pending: p2p.Pending = []
+        outputs = []
+        for i in range(self.config.micro_batches):
+            self._at = f"forward-only F{i}"
+            if self.is_first_stage:
+                x = xs[i].to(self.device)
+            else:
+                x = p2p.recv_activation(self.placement.prev_rank, self.device)
+            out = self.module(x)
+            if self.is_last_stage:
+                outputs.append(out)
+            else:
+                p2p.send_activation(out, self.placement.next_rank, pending)
+        self._at = "the end of the forward-only pass (waiting for sends)"
+        p2p.wait_all(pending)
+        return torch.cat(outputs) if self.is_last_stage else None
 
     def _guarded(self, fn: Callable[[], T]) -> T:
         """fn(), with any exception but a PipelineError turned into one naming this stage."""

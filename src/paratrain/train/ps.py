@@ -139,7 +139,7 @@ class PSEngine:
             return out.zero_()  # every key joins every round
         if p.grad.is_sparse:
             raise ValueError(
-                f"parameter {self.keys[i]!r} has a sparse gradient; use kvstore.embedding's "
+                f"parameter {self.keys[i]!r} has a sparse gradient; use kvstore.worker.embedding's "
                 "DistributedEmbedding for sparse tables"
             )
         if out.dtype == p.grad.dtype and p.grad.device.type == "cpu":

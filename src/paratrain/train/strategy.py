@@ -39,7 +39,7 @@ class Strategy:
     architecture: str = "collective"
     """local: no communication (one process, or independent workers); collective: gradients averaged by
     all-reduce (torch DDP); ps: parameters on the servers (the kvstore); hybrid: dense parameters by
-    all-reduce, embedding tables (kvstore.embedding.DistributedEmbedding) on the servers."""
+    all-reduce, embedding tables (kvstore.worker.embedding.DistributedEmbedding) on the servers."""
     consistency: str = "sync"
     """ps, and hybrid's embedding tables. sync, async (each worker's push is applied on arrival) or
     bounded (see staleness). The names are kvstore/consistency.py's policies."""

@@ -62,7 +62,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def sparse_modules(model: nn.Module) -> list[nn.Module]:
-    """Modules whose tables live on the servers and push their own gradients (kvstore.embedding)."""
+    """Modules whose tables live on the servers and push their own gradients (kvstore.worker.embedding)."""
     return [m for m in unwrap(model).modules() if getattr(m, "paratrain_sparse", False)]
 
 
@@ -297,6 +297,20 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad()
         return loss
+
+    def eval_step(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The model's outputs for a batch, forward only (no autograd, the model in eval mode for
+        the call), under any strategy. Pipelined, every worker calls it at the same point: the
+        batch runs as micro-batches through the stages, and the outputs come back on the last
+        stage (None on the others); the batch needs at least micro_batches rows."""
+        if not self.pipelined:
+            from paratrain.pipeline.stage import eval_mode
+
+            with eval_mode(self.model), torch.no_grad():
+                return self.model(inputs)
+        if self.pipe is None:
+            self._build_pipeline(inputs)
+        return self.pipe.forward(inputs)
 
     def _build_pipeline(self, inputs: torch.Tensor) -> None:
         """Cut the model into stages (balanced on a micro-batch of the first batch) and keep only this

@@ -1,0 +1,285 @@
+"""`paratrain serve` under load: requests/s and latency with dynamic batching on and off, beside a
+plain loop calling the model one request at a time.
+
+    python benchmarks/serve.py [--requests 600] [--seconds 20] [--rounds 3] [--concurrency 1,8,32]
+                               [--plot serve.png]
+
+The model: a small CNN (conv 1->32, conv 32->64, 3x3, each with ReLU and 2x2 max-pooling, fc
+3136->1024->10) on one 1x28x28 image per request, served from a checkpoint by `paratrain serve` in a
+process of its own with one torch thread, on 127.0.0.1. Requests carry the raw float32 bytes
+(X-Dtype/X-Shape headers) and ask for raw bytes back. Clients: `c` threads in this process, each
+with one keep-alive HTTP/1.1 connection (http.client), sending requests back to back until
+`requests` answers or `seconds` passed (after a warm-up), for c in `concurrency`. Batching off:
+--max-batch 1 (every request runs alone); on: --max-batch 32 --batch-wait-ms 5. The anchor: this
+process calling the model on one image at a time in a loop (one thread, no HTTP). Figures: answers
+per second, and the median and 99th percentile of each request's latency (send to full answer),
+each the median over `rounds` rounds in which the two modes alternate.
+The clients and the server share the machine's cores (the clients' own cost is in every figure).
+Also printed: the model's CPU time per image at batch 1 and 32 (thread time, one thread), which
+bounds what batching can gain on this machine, and the server process's CPU time per answer (from
+/proc), which a busy machine distorts far less than requests/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+MODES = {"off": ["--max-batch", "1"], "on": ["--max-batch", "32", "--batch-wait-ms", "5"]}
+
+
+def small_cnn() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 7 * 7, 1024), nn.ReLU(), nn.Linear(1024, 10),
+    )  # fmt: skip
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(latencies: list[float], elapsed_s: float) -> dict[str, float]:
+    return {
+        "rps": len(latencies) / elapsed_s,
+        "p50_ms": 1e3 * statistics.median(latencies),
+        "p99_ms": 1e3 * percentile(latencies, 0.99),
+        "n": len(latencies),
+    }
+
+
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over the rounds."""
+    return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+
+
+def plain_loop(requests: int, seconds: float) -> dict[str, float]:
+    """The anchor: one image at a time through the model in this process, one thread."""
+    torch.set_num_threads(1)
+    model = small_cnn().eval()
+    x = torch.randn(1, 1, 28, 28)
+    latencies = []
+    with torch.inference_mode():
+        for _ in range(20):
+            model(x)
+        start = time.perf_counter()
+        while len(latencies) < requests and time.perf_counter() - start < seconds:
+            t = time.perf_counter()
+            model(x)
+            latencies.append(time.perf_counter() - t)
+    return summary(latencies, time.perf_counter() - start)
+
+
+def model_cpu_ms_per_image(batch: int, runs: int = 30) -> float:
+    """Median thread CPU time per image of one forward of `batch` images (one thread)."""
+    torch.set_num_threads(1)
+    model, x = small_cnn().eval(), torch.randn(batch, 1, 28, 28)
+    times = []
+    with torch.inference_mode():
+        for i in range(runs + 5):
+            start = time.thread_time()
+            model(x)
+            if i >= 5:
+                times.append(time.thread_time() - start)
+    return 1e3 * statistics.median(times) / batch
+
+
+def start_server(mode: str, checkpoint_dir: str, port: int) -> subprocess.Popen:
+    argv = [sys.executable, "-c", "from paratrain.launch.cli import main; main()", "serve"]
+    argv += ["--model", f"{os.path.abspath(__file__)}:small_cnn", "--port", str(port), "--threads", "1"]
+    argv += ["--input", "inputs:float32:1x28x28", "--reload-interval", "0", *MODES[mode], checkpoint_dir]
+    proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5).close()
+            return proc
+        except (urllib.error.URLError, ConnectionError):
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"paratrain serve ({mode}) did not start (exit code {proc.poll()})")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def load(port: int, concurrency: int, requests: int, seconds: float, server_pid: int) -> dict[str, float]:
+    """`concurrency` clients back to back until `requests` answers or `seconds`; raises on any non-200."""
+    body = torch.randn(1, 1, 28, 28).numpy().tobytes()
+    headers = {
+        "content-type": "application/octet-stream",
+        "x-dtype": "float32",
+        "x-shape": "1,1,28,28",
+        "accept": "application/octet-stream",
+    }
+    latencies: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    go = threading.Event()
+    start = [0.0]
+
+    def client(warmup: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            for _ in range(warmup):
+                _post(conn, body, headers)
+            go.wait()
+            while True:
+                with lock:
+                    if len(latencies) >= requests or time.perf_counter() - start[0] > seconds:
+                        return
+                t = time.perf_counter()
+                status = _post(conn, body, headers)
+                elapsed = time.perf_counter() - t
+                with lock:
+                    latencies.append(elapsed)
+                    if status != 200:
+                        errors.append(str(status))
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=client, args=(5,)) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)  # every client warmed up (connections open)
+    server_cpu = cpu_s(server_pid)
+    start[0] = time.perf_counter()
+    go.set()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[:5]}")
+    figures = summary(latencies, time.perf_counter() - start[0])
+    figures["server_cpu_ms"] = 1e3 * (cpu_s(server_pid) - server_cpu) / len(latencies)
+    return figures
+
+
+def _post(conn: http.client.HTTPConnection, body: bytes, headers: dict[str, str]) -> int:
+    conn.request("POST", "/predict", body, headers)
+    reply = conn.getresponse()
+    reply.read()
+    return reply.status
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=600, help="answers per figure (at most)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="time per figure (at most)")
+    parser.add_argument("--concurrency", default="1,8,32", help="client counts, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every figure (the median counts)")
+    parser.add_argument("--plot", metavar="PATH", help="also save a chart (needs matplotlib)")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    from paratrain import checkpoint
+    from paratrain.testing import free_port
+
+    folder = tempfile.mkdtemp(prefix="serve-bench-")
+    try:
+        staging = checkpoint.staging_dir(folder, 1)
+        checkpoint.save_file(staging / "model.pt", {"model": small_cnn().state_dict()})
+        checkpoint.commit(folder, 1, {})
+        anchor = plain_loop(args.requests, args.seconds)
+        anchor["cpu_ms"] = {b: model_cpu_ms_per_image(b) for b in (1, 32)}
+        runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+        for _ in range(args.rounds):  # modes interleaved: a busy spell of the machine hits both
+            for mode in MODES:
+                port = free_port()
+                proc = start_server(mode, folder, port)
+                try:
+                    for c in levels:
+                        runs.setdefault((mode, c), []).append(
+                            load(port, c, args.requests, args.seconds, proc.pid)
+                        )
+                finally:
+                    proc.terminate()
+                    proc.wait(60)
+        results = {key: median_run(values) for key, values in runs.items()}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    report(args, anchor, results, levels)
+    if args.plot:
+        plot(args.plot, anchor, results, levels)
+
+
+def report(args, anchor: dict, results: dict, levels: list[int]) -> None:  # noqa: ANN001
+    load_avg = os.getloadavg()[0]
+    print(
+        f"small CNN, 1 image/request, server 1 torch thread, {os.cpu_count()} cores shared with the "
+        f"clients (load average {load_avg:.1f} at the end); up to {args.requests} answers or "
+        f"{args.seconds:.0f} s per run, median of {args.rounds} rounds"
+    )
+    cpu = anchor["cpu_ms"]
+    print(f"model CPU time per image, one thread: {cpu[1]:.3f} ms at batch 1, {cpu[32]:.3f} ms at batch 32")
+    head = f"{'setup':<28}{'clients':>8}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'x off':>8}{'x loop':>8}"
+    print(f"{head}{'srv CPU ms/req':>16}")
+    loop = anchor
+    print(
+        f"{'plain loop (no HTTP)':<28}{1:>8}{loop['rps']:>10.0f}{loop['p50_ms']:>9.2f}{loop['p99_ms']:>9.2f}"
+    )
+    for mode in MODES:
+        for c in levels:
+            r = results[mode, c]
+            vs_off = r["rps"] / results["off", c]["rps"]
+            print(
+                f"{'serve, batching ' + mode:<28}{c:>8}{r['rps']:>10.0f}"
+                f"{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}"
+                f"{vs_off:>7.2f}x{r['rps'] / anchor['rps']:>7.2f}x{r['server_cpu_ms']:>16.2f}"
+            )
+    top = max(levels)
+    on, off = results["on", top], results["off", top]
+    verdict = "met" if on["rps"] >= 4 * off["rps"] and on["p99_ms"] <= off["p99_ms"] else "NOT met"
+    print(
+        f"target at {top} clients (batching on >= 4x the req/s of off, p99 no worse): {verdict} "
+        f"({on['rps'] / off['rps']:.2f}x, p99 {on['p99_ms']:.1f} vs {off['p99_ms']:.1f} ms)"
+    )
+
+
+def plot(path: str, anchor: dict, results: dict, levels: list[int]) -> None:  # noqa: ANN001
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}")
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in MODES:
+        left.plot(levels, [results[mode, c]["rps"] for c in levels], marker="o", label=f"batching {mode}")
+        right.plot(levels, [results[mode, c]["p99_ms"] for c in levels], marker="o", label=f"batching {mode}")
+    left.axhline(anchor["rps"], color="gray", linestyle="--", label="plain loop")
+    left.set(xlabel="concurrent clients", ylabel="requests/s", xscale="log", title="throughput")
+    right.set(xlabel="concurrent clients", ylabel="p99 latency (ms)", xscale="log", title="p99 latency")
+    left.legend()
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"plot written to {path}")
+
+
+if __name__ == "__main__":
+    main()

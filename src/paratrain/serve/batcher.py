@@ -1,0 +1,167 @@
+"""Dynamic batching: requests that arrive close together run through the model as one batch.
+
+`Batcher.submit(inputs)` queues one request (named tensors, [rows, ...] each) and returns a Future
+of (its output rows, the batch's tag). One thread takes the oldest request, waits up to
+`batch_wait_s` from its arrival for more requests of the same signature (names, dtypes, row
+shapes) until `max_batch` rows are queued, concatenates them, runs `run_batch` once and hands each
+request its own slice of the output. Requests of another signature wait for the next batch, in
+order. If a batch of several requests fails, each is run alone, so a bad request fails only itself
+(a `ModelInputError` for it); a model that fails alone on every request fails them all. A
+ParatrainError (a server or stage process gone) fails the whole batch at once.
+
+Why a thread and not asyncio: the model runs outside the event loop anyway (torch releases the GIL
+in its kernels), and a thread with a condition variable keeps the batching policy in one loop that a
+unit test can drive without HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from paratrain.errors import ParatrainError
+from paratrain.serve.api import dtype_name
+
+logger = logging.getLogger(__name__)
+
+Inputs = dict[str, torch.Tensor]
+RunBatch = Callable[[Inputs], tuple[torch.Tensor, object]]
+"""Runs one batch: (output rows, a tag handed to every request of the batch, e.g. the model's step)."""
+
+
+class ModelInputError(Exception):
+    """The model raised on this request alone: the request, not the server, is at fault."""
+
+
+@dataclass
+class Item:
+    inputs: Inputs
+    rows: int
+    signature: tuple
+    arrived: float = field(default_factory=time.monotonic)
+    future: Future = field(default_factory=Future)
+
+
+def signature(inputs: Inputs) -> tuple:
+    return tuple(sorted((name, t.dtype, tuple(t.shape[1:])) for name, t in inputs.items()))
+
+
+def describe(inputs: Inputs) -> str:
+    return ", ".join(f"{name}: {dtype_name(t.dtype)}{list(t.shape)}" for name, t in inputs.items())
+
+
+class Batcher:
+    """See the module docstring. `on_batch(rows, requests)` is told of every batch run (metrics)."""
+
+    def __init__(
+        self,
+        run_batch: RunBatch,
+        max_batch: int,
+        batch_wait_s: float,
+        on_batch: Callable[[int, int], None] | None = None,
+        name: str = "batcher",
+    ) -> None:
+        self.run_batch, self.max_batch, self.batch_wait_s = run_batch, max_batch, batch_wait_s
+        self.on_batch = on_batch
+        self._queue: deque[Item] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, inputs: Inputs) -> Future:
+        rows = next(iter(inputs.values())).shape[0]
+        item = Item(inputs, rows, signature(inputs))
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the batcher is closed")
+            self._queue.append(item)
+            self._cond.notify()
+        return item.future
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Run what is queued, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            self._run(batch)
+
+    def _next_batch(self) -> list[Item] | None:
+        with self._cond:
+            while not self._queue:
+                if self._closed:
+                    return None
+                self._cond.wait()
+            first = self._queue.popleft()
+            batch, rows = [first], first.rows
+            deadline = first.arrived + self.batch_wait_s
+            while rows < self.max_batch:
+                taken = self._take_matching(first.signature, self.max_batch - rows)
+                if taken is not None:
+                    batch.append(taken)
+                    rows += taken.rows
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    break
+                self._cond.wait(left)
+            return batch
+
+    def _take_matching(self, sig: tuple, room: int) -> Item | None:
+        """The oldest queued request of signature `sig` with at most `room` rows (holds the lock)."""
+        for i, item in enumerate(self._queue):
+            if item.signature == sig and item.rows <= room:
+                del self._queue[i]
+                return item
+        return None
+
+    def _run(self, batch: list[Item]) -> None:
+        inputs = (
+            batch[0].inputs
+            if len(batch) == 1
+            else {name: torch.cat([item.inputs[name] for item in batch]) for name in batch[0].inputs}
+        )
+        rows = sum(item.rows for item in batch)
+        try:
+            output, tag = self._forward(inputs, rows)
+        except ParatrainError as exc:  # the system failed (a server or stage is gone), not a request
+            for item in batch:
+                item.future.set_exception(exc)
+            return
+        except Exception as exc:
+            if len(batch) == 1:
+                batch[0].future.set_exception(
+                    ModelInputError(f"the model failed on {describe(inputs)}: {type(exc).__name__}: {exc}")
+                )
+                return
+            logger.info("a batch of %d requests failed (%s); running each alone", len(batch), exc)
+            for item in batch:
+                self._run([item])
+            return
+        if self.on_batch is not None:
+            self.on_batch(rows, len(batch))
+        at = 0
+        for item in batch:
+            item.future.set_result((output[at : at + item.rows], tag))
+            at += item.rows
+
+    def _forward(self, inputs: Inputs, rows: int) -> tuple[torch.Tensor, object]:
+        output, tag = self.run_batch(inputs)
+        if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != rows:
+            got = f"shape {list(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
+            raise TypeError(f"the model must return one tensor with a row per input row ({rows}); got {got}")
+        return output, tag

@@ -1,0 +1,160 @@
+"""The served model: built by the user's factory, weighted from a checkpoint, swapped on reload.
+
+`load_factory("pkg.module:make_model")` (or "path/to/file.py:make_model") imports the factory; a
+factory that takes a `kv` parameter is given the serving process's read-only tables (remote.py).
+`ModelHolder` keeps the current `Loaded` model. Given an output folder it checks every
+`reload_interval_s` for a newer complete checkpoint, builds a fresh model from it beside the current
+one and swaps the reference: a batch that started keeps the model it took, so no request fails or
+sees half-loaded weights. A checkpoint pruned or unreadable mid-load is skipped until the next check.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain import checkpoint
+from paratrain.checkpoint.store import META
+from paratrain.errors import CheckpointError
+from paratrain.serve.api import ServeError
+from paratrain.serve.weights import SAFETENSORS_SUFFIX, checkpoint_state, read_state
+
+logger = logging.getLogger(__name__)
+
+Factory = Callable[..., nn.Module]
+
+
+def load_factory(spec: str) -> Factory:
+    """The callable named by `module:attr` or `path/file.py:attr`."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--model {spec!r} must be MODULE:FACTORY or FILE.py:FACTORY")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise ValueError(f"--model {spec!r}: {path} is not a file")
+        name = f"_paratrain_serve_{path.stem}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"--model {spec!r}: cannot import {module_name!r}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"--model {spec!r}: {module_name} has no callable {attr!r}")
+    return factory
+
+
+def build(factory: Factory, kv: Any = None) -> nn.Module:
+    """A fresh model from `factory` (given `kv` if it takes one), in eval mode."""
+    takes_kv = "kv" in inspect.signature(factory).parameters
+    model = factory(kv=kv) if takes_kv else factory()
+    if not isinstance(model, nn.Module):
+        raise ServeError(f"the model factory returned a {type(model).__name__}, not an nn.Module")
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class Loaded:
+    model: nn.Module
+    step: int | None
+    """The training step of its checkpoint (None: unknown, e.g. a safetensors file without it)."""
+    source: str
+
+
+class ModelHolder:
+    """The current model for `source` (a .safetensors file, a checkpoint folder or an output folder);
+    see the module docstring. `on_reload(loaded)` is told of every swap."""
+
+    def __init__(
+        self,
+        factory: Factory,
+        source: str | Path,
+        *,
+        reload_interval_s: float = 2.0,
+        kv: Any = None,
+        on_reload: Callable[[Loaded], None] | None = None,
+    ) -> None:
+        self.factory, self.source, self.kv = factory, Path(source), kv
+        self.on_reload = on_reload
+        self.watching = self._is_output_folder() and reload_interval_s > 0
+        self.current = self._load_first()
+        self._stop = threading.Event()
+        self._thread = None
+        if self.watching:
+            self._thread = threading.Thread(
+                target=self._watch, args=(reload_interval_s,), name="model-reload", daemon=True
+            )
+            self._thread.start()
+
+    def _is_output_folder(self) -> bool:
+        return self.source.is_dir() and not (self.source / META).is_file()
+
+    def _load_first(self) -> Loaded:
+        if self.source.suffix == SAFETENSORS_SUFFIX or not self._is_output_folder():
+            state, step = read_state(self.source)
+            return self._build(state, step, str(self.source))
+        attempts = 3  # a commit with `keep` may prune the checkpoint just found
+        while True:
+            found = checkpoint.latest(self.source)
+            if found is None:
+                raise ServeError(f"no complete checkpoint in {self.source} to serve")
+            try:
+                return self._build(checkpoint_state(found), found.step, str(found.path))
+            except CheckpointError:
+                attempts -= 1
+                if attempts == 0:
+                    raise
+
+    def _build(self, state: dict[str, torch.Tensor], step: int | None, source: str) -> Loaded:
+        model = build(self.factory, self.kv)
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as exc:
+            raise ServeError(f"the weights in {source} do not fit the factory's model: {exc}") from None
+        logger.info("serving the model of %s (step %s)", source, step)
+        return Loaded(model, step, source)
+
+    def refresh(self) -> bool:
+        """Load the output folder's newest checkpoint if it is newer than the current one."""
+        found = checkpoint.latest(self.source)
+        if found is None or (self.current.step is not None and found.step <= self.current.step):
+            return False
+        try:
+            loaded = self._build(checkpoint_state(found), found.step, str(found.path))
+        except (CheckpointError, OSError) as exc:  # pruned or replaced while read: try again later
+            logger.info("skipping checkpoint %s for now: %s", found.path, exc)
+            return False
+        self.current = loaded
+        if self.on_reload is not None:
+            self.on_reload(loaded)
+        return True
+
+    def _watch(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.refresh()
+            except Exception:
+                logger.exception(
+                    "reloading from %s failed; still serving step %s", self.source, self.current.step
+                )
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10.0)
