@@ -154,7 +154,7 @@ def test_a_job_is_listed_followed_read_while_checkpointing_and_stopped(tmp_path)
         if follower.poll() is None:
             follower.kill()
     record = jobs.read_record(folder)
-    assert record.state == "stopped" and record.exit_code == 130
+    assert record.state == "stopped" and record.exit_code == 143  # SIGTERM, as `paratrain stop` sends
     assert "interrupted by SIGTERM" in record.failure and record.ended >= record.started > 0
     assert_all_gone(pids + record.extra["pids"], wait_s=10)
     assert "already stopped" in _paratrain(tmp_path, "stop", job_id).stdout

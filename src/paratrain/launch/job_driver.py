@@ -28,7 +28,7 @@ from typing import IO, Any
 import yaml
 
 from paratrain.launch.api import IDENTITY_VARS, LaunchConfig
-from paratrain.launch.jobs import EXIT_INTERRUPTED, JobRecord, read_record, update_record
+from paratrain.launch.jobs import EXIT_INTERRUPTED, EXIT_TERMINATED, JobRecord, read_record, update_record
 from paratrain.launch.jobspec import JobSpec, launch_config
 from paratrain.launch.ray_process import _WRAPPER
 from paratrain.launch.report import JobResult
@@ -116,9 +116,7 @@ def drive(folder: Path) -> int:
         else:
             result = _run_local(config, logs)
     except _Stopped:
-        result = JobResult(
-            EXIT_INTERRUPTED, None, "paratrain: stopped before every process had started\n", []
-        )
+        result = JobResult(EXIT_TERMINATED, None, "paratrain: stopped before every process had started\n", [])
     finally:
         (folder / "training.done").touch()
     update_record(folder, extra={"pids": result.pids})
@@ -143,7 +141,8 @@ def _raise_stopped(signum: int, frame: Any) -> None:
 
 
 def _record_end(folder: Path, record: JobRecord, exit_code: int, report: str) -> None:
-    state = "succeeded" if exit_code == 0 else "stopped" if exit_code == EXIT_INTERRUPTED else "failed"
+    stopped = exit_code in (EXIT_INTERRUPTED, EXIT_TERMINATED)
+    state = "succeeded" if exit_code == 0 else "stopped" if stopped else "failed"
     update_record(folder, state=state, ended=time.time(), exit_code=exit_code, failure=report)
 
 
@@ -258,7 +257,7 @@ class Evaluator:
             if self._stop_asked:
                 self._stop()
                 return (
-                    EXIT_INTERRUPTED,
+                    EXIT_TERMINATED,
                     "paratrain: stopped while the evaluator was scoring the last checkpoints\n",
                 )
             if returncode is None:

@@ -34,7 +34,8 @@ from typing import Any
 
 STATES = ("pending", "running", "succeeded", "failed", "stopped")
 FINAL = frozenset({"succeeded", "failed", "stopped"})
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # SIGINT, as a shell reports it
+EXIT_TERMINATED = 143  # SIGTERM (what `paratrain stop` sends)
 _ID = re.compile(r"^[a-z][a-z0-9-]*-\d{8}-\d{6}-[0-9a-f]{4}$")
 
 
