@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -97,6 +98,8 @@ class Shard:
     buffer open for its pushes."""
     value_buffer: int = 0
     opened: dict[int, int] = field(default_factory=dict)
+    read: dict[int, int] = field(default_factory=dict)
+    """Per worker rank: the version its last pull got (a push's staleness counts from it)."""
 
     def buffer(self) -> torch.Tensor:
         with self.cond:
@@ -160,6 +163,8 @@ class KVServer(Handler):
         self._pending: list[PendingPull] = []
         self._arena: Arena | None = None  # shared shards, made on the first same-host init
         self.tables = SparseTables(self)  # sparse tables: ops sparse_* (sparse.py)
+        self.staleness: Counter[int] = Counter()
+        """Pushed slices by how many updates their key took since the pusher's pull (report.py)."""
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
@@ -324,6 +329,8 @@ class KVServer(Handler):
                 self._check_round(shard, int(meta["clocks"][i]), rank, grad is None)
             work.append((i, shard, grad))
         for i, shard, grad in work:
+            behind = shard.version if self.mode == "async" else int(meta["clocks"][i])
+            self.staleness[max(0, behind - shard.read.get(rank, 0))] += 1
             shard.counts["pushes"] += 1
             shard.counts["bytes_in"] += shard.value.numel() * shard.value.element_size()
             if self.mode == "async":
@@ -473,7 +480,9 @@ class KVServer(Handler):
                 values.append(shard.value)
         try:
             pull.request.reply({"versions": [s.version for s in sent]}, values)  # readers see theirs
+            rank = pull.request.meta.get("rank", -1)
             for shard in pull.shards:
+                shard.read[rank] = shard.version
                 shard.counts["pulls"] += 1
                 shard.counts["bytes_out"] += shard.value.numel() * shard.value.element_size()
         finally:

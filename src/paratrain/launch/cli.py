@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import click
 
 from paratrain import __version__
 from paratrain.launch.api import BACKENDS, LaunchConfig
+from paratrain.launch.observe_cli import dashboard_config, observe_env, observe_options, trace
 
 
 @click.group()
@@ -102,6 +104,7 @@ def main() -> None:
     help="ray, slurm, k8s: GPUs reserved for each worker.",
 )
 @click.option("--dry-run", is_flag=True, help="slurm, k8s: print the sbatch script or manifests only.")
+@observe_options
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
@@ -125,6 +128,7 @@ def launch(
     dry_run: bool,
     script: str,
     script_args: tuple[str, ...],
+    **observe: Any,
 ) -> None:
     """Run SCRIPT as a scheduler, SERVERS servers and WORKERS workers."""
     logging.basicConfig(level=logging.INFO, format="paratrain: %(message)s")
@@ -138,6 +142,7 @@ def launch(
             num_servers=servers,
             strategy=strategy,
             timeout_s=timeout_s,
+            env=observe_env(observe, local=backend == "local"),
         )
     except (ValueError, TypeError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -149,7 +154,7 @@ def launch(
     if backend == "local":
         from paratrain.launch.local import run_launch
 
-        ctx.exit(run_launch(config, host=host))
+        ctx.exit(run_launch(config, host=host, dashboard=dashboard_config(observe)))
     if backend == "ray":
         from paratrain.launch.ray import RayOptions, run_ray_job
 
@@ -165,3 +170,6 @@ def launch(
         raise click.UsageError("--backend k8s needs --image (the container image every pod runs)")
     options = K8sOptions(image=image or "IMAGE", namespace=namespace, dry_run=dry_run, **resources)
     ctx.exit(run_k8s_job(config, options))
+
+
+main.add_command(trace)

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 from paratrain import checkpoint
 from paratrain.data import ShardedLoader
 from paratrain.metrics import NullMetrics, Progress, open_metrics
+from paratrain.train.observe import StepObserver
 from paratrain.train.strategy import Strategy, resolve_strategy
 
 logger = logging.getLogger(__name__)
@@ -154,7 +155,8 @@ class Trainer:
     or a ShardedLoader. Checkpoints every `checkpoint_every` steps into `checkpoint_dir` (keeping the
     last `keep`); with `resume`, a run whose checkpoint_dir holds a checkpoint continues from it.
     Metrics (loss, samples/s, lr) go to `metrics_dir` as JSON lines and TensorBoard scalars, and a
-    progress line on worker 0."""
+    progress line on worker 0. With `trace_dir` (or `paratrain launch --trace DIR`), each worker
+    writes a Chrome-trace timeline of its steps there (train/observe.py)."""
 
     def __init__(
         self,
@@ -173,6 +175,7 @@ class Trainer:
         loss_fn: Any = None,
         seed: int = 0,
         ctx: Any = None,
+        trace_dir: str | Path | None = None,
     ) -> None:
         import paratrain
 
@@ -216,6 +219,8 @@ class Trainer:
             logger.info("resumed from %s at step %d", found.path, self.steps)
         self.model = self.engine.model
         self.model.register_forward_pre_hook(_BeforeForward(self))
+        self.observe = StepObserver(self.ctx, self.strategy, trace_dir)
+        self.observe.attach(self.model)
         _make_distributed(optimizer, self)
         self.sparse = sparse_modules(model)
         lead = self.rank == 0
@@ -283,7 +288,8 @@ class Trainer:
 
     def step(self, loss: torch.Tensor) -> None:
         """backward, optimizer step (every accumulation_steps calls) and zero_grad; logs the loss."""
-        loss.backward()
+        with self.observe.backward():
+            loss.backward()
         self._scalars["loss"] = loss.detach()
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -312,7 +318,8 @@ class Trainer:
                     for p in group["params"]:
                         if p.grad is not None:
                             p.grad.div_(k)
-        result = self.engine.step(self.optimizer, local_step)
+        with self.observe.optimizer():
+            result = self.engine.step(self.optimizer, local_step)
         self.steps += 1
         self._after_step()
         return result
@@ -321,6 +328,7 @@ class Trainer:
         scalars = {k: float(v) for k, v in self._scalars.items()}
         samples, self._samples = self._samples * self.replicas, 0
         self.progress.update(steps=1, samples=samples, **scalars)
+        self.observe.step_done(samples // self.replicas, scalars.get("loss"), self.engine)
         if self.steps % self.log_every == 0:
             rate = self.progress.samples_per_s
             lr = self.optimizer.param_groups[0].get("lr")
