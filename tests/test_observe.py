@@ -157,3 +157,30 @@ def test_merge_names_what_is_wrong(tmp_path: Path) -> None:
     (tmp_path / "trace-x.json").write_text("[\n{}\n")
     with pytest.raises(ValueError, match="trace-x.json"):
         merge_traces(tmp_path)
+
+
+def test_trainer_trace_dir_writes_a_timeline_and_telemetry(tmp_path: Path) -> None:
+    import torch
+    from torch import nn
+
+    from paratrain.metrics.telemetry import worker_telemetry
+    from paratrain.metrics.trace import close_tracer
+    from paratrain.node import Context
+    from paratrain.train import Trainer
+
+    model = nn.Linear(4, 1)
+    before = worker_telemetry().report()["steps"]
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), ctx=Context("worker", 0, 1, 0), trace_dir=tmp_path
+    )
+    try:
+        for _ in range(3):
+            trainer.step(trainer.model(torch.randn(8, 4)).pow(2).mean())
+    finally:
+        close_tracer()
+    meta, events = read_trace(tmp_path / "trace-worker0.json")
+    assert meta["role"] == "worker" and meta["clock_offset_s"] == 0.0
+    names = [e["name"] for e in events]
+    assert names.count("forward") == names.count("backward") == names.count("optimizer step") == 3
+    report = worker_telemetry().report()
+    assert report["steps"] == before + 3 and report["loss"] is not None and report["strategy"] == "local"

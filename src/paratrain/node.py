@@ -88,14 +88,15 @@ def _setup_logging(spec: ClusterSpec) -> None:
     )
 
 
-def _schedule(spec: ClusterSpec, config: JobConfig) -> int:
+def _schedule(spec: ClusterSpec, config: JobConfig, embedded: bool = False) -> int:
     """The scheduler, with the dashboard (PARATRAIN_DASHBOARD) and its timeline
-    (PARATRAIN_TRACE_DIR) where the launcher asked for them (metrics/observe.py)."""
+    (PARATRAIN_TRACE_DIR) where the launcher asked for them (metrics/observe.py). Embedded in a
+    worker or server, the process's timeline is that node's."""
     from paratrain.metrics import observe
 
     scheduler = Scheduler(spec, config)
     dashboard = observe.start_dashboard(scheduler, spec.secret, os.environ)
-    trace = observe.start_trace(os.environ, "scheduler", 0)
+    trace = observe.tracer() if embedded else observe.start_trace(os.environ, "scheduler", 0)
     try:
         with trace.range("job"):
             return scheduler.run()
@@ -109,7 +110,7 @@ def _start_embedded_scheduler(spec: ClusterSpec, config: JobConfig) -> threading
     runs it in a thread (see cluster/spec.py)."""
     if not spec.embedded_scheduler:
         return None
-    thread = threading.Thread(target=_schedule, args=(spec, config), name="scheduler", daemon=True)
+    thread = threading.Thread(target=_schedule, args=(spec, config, True), name="scheduler", daemon=True)
     thread.start()
     return thread
 

@@ -61,6 +61,15 @@ def observe_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def dashboard_config(options: dict[str, Any]) -> DashboardConfig | None:
     if not options["dashboard_on"]:
         return None
+    try:
+        import prometheus_client  # noqa: F401
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise click.UsageError(
+            f"--dashboard needs {exc.name}: pip install 'paratrain[dashboard]' (starlette, uvicorn, "
+            "prometheus-client)"
+        ) from None
     return DashboardConfig(
         host=options["dashboard_host"], port=options["dashboard_port"], linger_s=options["dashboard_linger"]
     )

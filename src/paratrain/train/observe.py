@@ -26,7 +26,7 @@ from paratrain.metrics.trace import open_tracer, tracer
 class StepObserver:
     def __init__(self, ctx: Any, strategy: Any, trace_dir: str | Path | None = None) -> None:
         self.telemetry = worker_telemetry()
-        self.telemetry.strategy = _describe(strategy)
+        self.telemetry.strategy = _describe(strategy) if getattr(ctx, "distributed", False) else "local"
         if trace_dir is not None:
             link = getattr(ctx, "link", None)
             offset = link.clock_offset() if link is not None else 0.0
