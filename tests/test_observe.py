@@ -184,3 +184,77 @@ def test_trainer_trace_dir_writes_a_timeline_and_telemetry(tmp_path: Path) -> No
     assert names.count("forward") == names.count("backward") == names.count("optimizer step") == 3
     report = worker_telemetry().report()
     assert report["steps"] == before + 3 and report["loss"] is not None and report["strategy"] == "local"
+
+
+class FakeRequest:
+    """A frame as KVServer.handle sees it, from a worker on another host; keeps the reply."""
+
+    def __init__(self, op: str, meta: dict, tensors: list | None = None) -> None:
+        from types import SimpleNamespace
+
+        self.op, self.meta, self.tensors = op, meta, tensors or []
+        self.header = SimpleNamespace(op=op, meta=meta, at=None)
+        self.conn = SimpleNamespace(recv_ring=None)
+        self.replies: list = []
+
+    def reply(self, meta: dict | None = None, tensors: list | tuple = ()) -> None:
+        self.replies.append(meta)
+
+    def fail(self, message: str) -> None:
+        raise AssertionError(message)
+
+
+def _kv_server(mode: str):  # noqa: ANN202
+    import torch
+
+    from paratrain.kvstore.server import KVServer
+
+    kv = KVServer(0, intra_op_threads=None)
+    kv.handle(FakeRequest("configure", {"mode": mode, "members": [0, 1]}))
+    ident = {
+        "keys": ["w"],
+        "starts": [0],
+        "stops": [4],
+        "shapes": [[4]],
+        "dtypes": ["float32"],
+        "numels": [4],
+    }
+    kv.handle(FakeRequest("init", ident, [torch.zeros(4)]))
+    return kv
+
+
+def _push(kv, rank: int, clock: int = 0) -> None:  # noqa: ANN001
+    import torch
+
+    meta = {"keys": ["w"], "starts": [0], "stops": [4], "clocks": [clock], "rank": rank}
+    kv.handle(FakeRequest("push", meta, [torch.ones(4)]))
+
+
+def _pull(kv, rank: int) -> None:  # noqa: ANN001
+    kv.handle(
+        FakeRequest("pull", {"keys": ["w"], "starts": [0], "stops": [4], "min_versions": [0], "rank": rank})
+    )
+
+
+def test_server_counts_how_stale_each_push_is_and_reports_it() -> None:
+    from paratrain.kvstore.report import server_report
+
+    kv = _kv_server("async")
+    _pull(kv, 0)  # worker 0 reads version 0
+    _push(kv, 1)  # 0 behind (worker 1 never pulled: it starts from the initial value)
+    _push(kv, 1)  # 1 behind
+    _push(kv, 0)  # 2 behind: two updates since worker 0's pull
+    report = server_report(kv)
+    assert report["staleness"] == [[0, 1], [1, 1], [2, 1]]
+    assert (report["pushes"], report["pulls"], report["bytes_in"], report["bytes_out"]) == (3, 1, 48, 16)
+    (key,) = report["keys"]
+    assert key == {"key": "w", "pushes": 3, "pulls": 1, "bytes_in": 48, "bytes_out": 16, "version": 3}
+
+    bounded = _kv_server("rounds")
+    _push(bounded, 0, clock=0)
+    _push(bounded, 1, clock=0)  # round 0 applied: version 1
+    _pull(bounded, 0)  # worker 0 reads version 1
+    _push(bounded, 0, clock=1)  # computed on version 1 for round 1: 0 behind
+    _push(bounded, 0, clock=2)  # a step ahead without a pull: 1 behind
+    assert server_report(bounded)["staleness"] == [[0, 3], [1, 1]]
+    assert server_report(bounded)["open_rounds"] == 2

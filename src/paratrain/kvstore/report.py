@@ -14,6 +14,8 @@ from typing import Any
 from paratrain.metrics.telemetry import process_figures
 
 TOP_KEYS = 20
+NAME_CHARS = 120
+"""Key names are cut to this length: the report rides on a heartbeat, whose header is capped."""
 COUNTS = ("pushes", "pulls", "bytes_in", "bytes_out")
 
 
@@ -25,7 +27,8 @@ def server_report(server: Any, top: int = TOP_KEYS) -> dict[str, Any]:
     for shard in shards:
         counts = dict(shard.counts)  # a copy: the serving threads keep counting
         entry = keys.setdefault(
-            shard.key, {"key": str(shard.key), **dict.fromkeys(COUNTS, 0), "version": shard.version}
+            shard.key,
+            {"key": str(shard.key)[:NAME_CHARS], **dict.fromkeys(COUNTS, 0), "version": shard.version},
         )
         entry["pushes"] = max(entry["pushes"], counts["pushes"])
         entry["pulls"] = max(entry["pulls"], counts["pulls"])
@@ -46,4 +49,5 @@ def server_report(server: Any, top: int = TOP_KEYS) -> dict[str, Any]:
 
 def _tables(server: Any) -> list[dict[str, Any]]:
     tables = dict(server.tables.tables)
-    return [{"key": str(key), "rows": int(table.rows.count)} for key, table in tables.items()]
+    rows = [{"key": str(key)[:NAME_CHARS], "rows": int(table.rows.count)} for key, table in tables.items()]
+    return sorted(rows, key=lambda t: t["rows"], reverse=True)[:TOP_KEYS]
