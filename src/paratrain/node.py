@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +71,7 @@ def init(config: JobConfig | None = None) -> Context:
         _setup_logging(spec)
         logger.info("starting: %s %s", spec, config)
         if spec.role == "scheduler":
-            sys.exit(_schedule(spec, config))
+            sys.exit(_schedule(spec, config)())
         if spec.role == "server":
             sys.exit(_serve(spec, config))
         _context = _join_as_worker(spec, config)
@@ -88,21 +89,25 @@ def _setup_logging(spec: ClusterSpec) -> None:
     )
 
 
-def _schedule(spec: ClusterSpec, config: JobConfig, embedded: bool = False) -> int:
-    """The scheduler, with the dashboard (PARATRAIN_DASHBOARD) and its timeline
-    (PARATRAIN_TRACE_DIR) where the launcher asked for them (metrics/observe.py). Embedded in a
-    worker or server, the process's timeline is that node's."""
+def _schedule(spec: ClusterSpec, config: JobConfig, embedded: bool = False) -> Callable[[], int]:
+    """The scheduler, bound and ready to run, with the dashboard (PARATRAIN_DASHBOARD) and its
+    timeline (PARATRAIN_TRACE_DIR) where the launcher asked for them (metrics/observe.py). Embedded
+    in a worker or server, the process's timeline is that node's."""
     from paratrain.metrics import observe
 
     scheduler = Scheduler(spec, config)
     dashboard = observe.start_dashboard(scheduler, spec.secret, os.environ)
     trace = observe.tracer() if embedded else observe.start_trace(os.environ, "scheduler", 0)
-    try:
-        with trace.range("job"):
-            return scheduler.run()
-    finally:
-        if dashboard is not None:
-            dashboard.linger_then_close()
+
+    def run() -> int:
+        try:
+            with trace.range("job"):
+                return scheduler.run()
+        finally:
+            if dashboard is not None:
+                dashboard.linger_then_close()
+
+    return run
 
 
 def _start_embedded_scheduler(spec: ClusterSpec, config: JobConfig) -> threading.Thread | None:
@@ -110,7 +115,7 @@ def _start_embedded_scheduler(spec: ClusterSpec, config: JobConfig) -> threading
     runs it in a thread (see cluster/spec.py)."""
     if not spec.embedded_scheduler:
         return None
-    thread = threading.Thread(target=_schedule, args=(spec, config, True), name="scheduler", daemon=True)
+    thread = threading.Thread(target=_schedule(spec, config, embedded=True), name="scheduler", daemon=True)
     thread.start()
     return thread
 
