@@ -281,19 +281,33 @@ def main() -> None:
     )
     print(setup)
     anchor_short = "x DDP" if anchor_name == "torch DDP (gloo)" else f"x {anchor_name}"
-    head, rows = ["run", "samples/s", anchor_short, "spread"], []
+    head, rows = ["run", "samples/s", anchor_short, "spread", "paired", "paired range"], []
     for name, rate in rates.items():
         ok = isinstance(rate, float) and isinstance(anchor, float)
         shown = f"{rate:9.0f}" if isinstance(rate, float) else f"{rate:>9}"
         values = measured[name]
         spread = f"{(max(values) - min(values)) / statistics.median(values):.1%}" if len(values) > 1 else "-"
+        paired = _paired(values, measured[anchor_name])
         rows.append([name, shown, f"{rate / anchor:.3f}" if ok else "-", spread])
+        rows[-1] += (
+            [f"{statistics.median(paired):.3f}", f"{min(paired):.3f}..{max(paired):.3f}"]
+            if paired
+            else ["-"] * 2
+        )
     for line in _plot.format_table(head, rows):
         print(line)
-    print("spread: (max - min) / median of the rounds' figures: how noisy this machine was")
+    print(
+        "spread: (max - min) / median of the rounds' figures, how noisy this machine was; paired: the "
+        f"median (and range) of each round's ratio to {anchor_name} measured just before it"
+    )
     _plot.save_table("train", setup, head, rows)
     if args.plot:
         plot(args.plot, rates)
+
+
+def _paired(values: list[float], anchor: list[float]) -> list[float]:
+    """Per round, a run's figure over the anchor's of the same round (where both ran every round)."""
+    return [v / a for v, a in zip(values, anchor)] if len(values) == len(anchor) > 0 else []
 
 
 def plot(path: str, rates: dict[str, float | str]) -> None:

@@ -127,6 +127,9 @@ class NullTracer:
     def add(self, name: str, start_us: float, dur_us: float, args: dict | None = None) -> None:
         pass
 
+    def flush(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
