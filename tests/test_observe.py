@@ -258,3 +258,33 @@ def test_server_counts_how_stale_each_push_is_and_reports_it() -> None:
     _push(bounded, 0, clock=2)  # a step ahead without a pull: 1 behind
     assert server_report(bounded)["staleness"] == [[0, 3], [1, 1]]
     assert server_report(bounded)["open_rounds"] == 2
+
+
+def test_ddp_all_reduce_ranges_keep_ddp_gradients(tmp_path: Path) -> None:
+    """While tracing, a DDP model's buckets go through a timing comm hook: same gradients."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from paratrain.metrics.trace import close_tracer, open_tracer
+    from paratrain.testing import free_port
+    from paratrain.train.observe import StepObserver
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain, x = nn.Linear(4, 2), torch.randn(3, 4)
+        traced = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+        traced.module.load_state_dict(plain.state_dict())
+        open_tracer(tmp_path, role="worker", rank=0)
+        StepObserver(SimpleNamespace(rank=0, link=None, distributed=True), None).attach(traced)
+        plain(x).sum().backward()
+        traced(x).sum().backward()
+        assert torch.equal(plain.weight.grad, traced.module.weight.grad)
+    finally:
+        close_tracer()
+        dist.destroy_process_group()
+    names = {e["name"] for e in read_trace(tmp_path / "trace-worker0.json")[1]}
+    assert {"all_reduce", "forward"} <= names

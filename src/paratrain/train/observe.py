@@ -86,7 +86,7 @@ class _Hook:
         return self
 
 
-def _timed_all_reduce(state: Any, bucket: Any) -> Any:
+def _timed_all_reduce(state, bucket):  # noqa: ANN001, ANN201 (DDP checks real annotations, not strings)
     """DDP's default all-reduce (mean), with a range from its start to its completion."""
     import torch.distributed as dist
 
