@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
+import _plot  # noqa: E402
 from transport_fuzz import PingHandler, fuzz_server  # noqa: E402
 
 from paratrain.transport.rpc import RpcClient, RpcServer  # noqa: E402
@@ -71,9 +72,15 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=100_000)
     parser.add_argument("--seeds", default="7")
     args = parser.parse_args()
+    rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
         stats = run(seed, args.frames)
         print(f"seed {seed}: " + " ".join(f"{k}={v}" for k, v in sorted(stats.items())), flush=True)
+        rows.append((f"seed {seed}", dict(sorted(stats.items()))))
+    head = ["run", *rows[0][1]]
+    _plot.save_table(
+        "fuzz", f"{args.frames} fuzzed frames per seed", head, [[n, *map(str, s.values())] for n, s in rows]
+    )
     print("every bad frame was refused and every good one answered; the server still serves")
 
 

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import _anchors  # noqa: E402
 import _jobs  # noqa: E402
+import _plot  # noqa: E402
 import kvstore as kv_bench  # noqa: E402
 
 RESULT = re.compile(
@@ -216,14 +217,16 @@ def print_table(args: argparse.Namespace, rows: dict[int, dict]) -> None:
 
     shape = LinkShape(args.rate)
     widths = [max(len(line[i]) for line in table) for i in range(len(head))]
-    print(
+    setup = (
         f"{args.mb} MB in {args.tensors} float32 tensors, dist_sync pushpull, one process per simulated "
         f"host, links {args.rate} each way (tbf burst {shape.burst_bytes >> 10} KiB, limit "
         f"{shape.limit_bytes >> 20} MiB), {os.cpu_count()} cores, torch {torch.__version__}, median of "
         f"{args.iters} iterations"
     )
+    print(setup)
     for line in table:
         print(" | ".join(text.rjust(width) for text, width in zip(line, widths, strict=True)))
+    _plot.save_table("hosts", setup, head, table[1:])
 
 
 def plot(path: str, args: argparse.Namespace, rows: dict[int, dict]) -> None:

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import _anchors  # noqa: E402
 import _jobs  # noqa: E402
+import _plot  # noqa: E402
 
 RESULT = re.compile(r"KVBENCH rank=(\d+) per_iter_s=([0-9.eE+-]+) sum_ok=(\d)")
 NUM_WORKERS = 2
@@ -119,12 +120,14 @@ def print_table(args: argparse.Namespace, gloo: float | str, rows: dict[int, dic
             + [ratio(mine, theirs) for mine in (ours, shm) for theirs in (gloo, row["rpc"])]
         )
     widths = [max(len(line[i]) for line in table) for i in range(len(head))]
-    print(
+    setup = (
         f"{args.mb} MB in {args.tensors} float32 tensors, {NUM_WORKERS} workers, loopback, "
         f"{os.cpu_count()} cores, torch {torch.__version__}, median of {args.iters} iterations"
     )
+    print(setup)
     for line in table:
         print(" | ".join(text.rjust(width) for text, width in zip(line, widths, strict=True)))
+    _plot.save_table("kvstore", setup, head, table[1:])
 
 
 def plot(path: str, gloo: float | str, rows: dict[int, dict]) -> None:

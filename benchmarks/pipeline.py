@@ -33,6 +33,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+import _plot  # noqa: E402
+
 RESULT = re.compile(r"PIPEBENCH (\S+)")
 STAGES, MICRO_BATCHES, SCHEDULES = (2, 4), (4, 8, 16), ("gpipe", "1f1b")
 THROUGHPUT_RUNS = (("gpipe", 8), ("1f1b", 8), ("1f1b", 4))
@@ -173,6 +175,7 @@ def print_bubbles(args: argparse.Namespace, records: list[list[str]]) -> None:
                 cells.append(f"{statistics.fmean(values):.3f}" if values and len(values) == p else "failed")
             rows.append([str(p), str(m), f"{ideal_bubble(p, m):.3f}", *cells])
     print_rows(rows)
+    _plot.save_table("pipeline-bubble", "bubble fraction per p stages, m micro-batches", rows[0], rows[1:], 2)
     if max(STAGES) > (os.cpu_count() or 1):
         print(f"(p > {os.cpu_count()} cores: a stage waiting for a CPU counts as bubble)")
 
@@ -222,6 +225,9 @@ def main() -> None:
             cells = [f"{value:.0f}", f"{value / whole[1]:.2f}", f"{value / same:.2f}" if same else "-"]
         rows.append([name, shape, *cells])
     print_rows(rows)
+    _plot.save_table(
+        "pipeline-throughput", f"MLP of {args.depth} x Linear({args.width})", rows[0], rows[1:], 2
+    )
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import _anchors  # noqa: E402
 import _jobs  # noqa: E402
+import _plot  # noqa: E402
 
 RESULT = re.compile(r"SPARSEBENCH rank=(\d+) steps_per_s=([0-9.eE+-]+) unique=([0-9.]+)")
 NUM_WORKERS, NUM_SERVERS, BATCH, FIELDS = 2, 2, 1024, 26
@@ -268,12 +269,14 @@ def print_table(args: argparse.Namespace, unique: float, rows: dict[str, tuple])
     for line, name in zip(table[1:], rows, strict=True):
         if figures[name] is not None and rpc_rate:
             line[3] = f"{figures[name] / rpc_rate:.2f}"
-    print(
+    setup = (
         f"{args.rows:,} x {args.dim} float32 table, {NUM_WORKERS} workers, {NUM_SERVERS} servers, loopback, "
         f"batches {BATCH} x {FIELDS} ids, Zipf({args.exponent}), ~{unique:,.0f} unique ids a batch, "
         f"Adagrad on the servers; {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{args.iters} timed steps after {args.warmup}"
     )
+    print(setup)
+    _plot.save_table("sparse", setup, ["run", *table[0][1:]], table[1:])
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
     for line in table:
         print(

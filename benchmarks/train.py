@@ -13,6 +13,12 @@ elapsed time for `iters` steps after `warmup` untimed ones), the median of `roun
   gradients, the server averages both, steps, and replies to both with the new weights.
 - paratrain collective, ps sync, ps async: 2 workers through paratrain.Trainer (and 1 server for ps),
   launched as a paratrain job (this file again, in --paratrain-role mode).
+- paratrain ps sync + dashboard: the same ps sync job with the live dashboard on, its /api/state and
+  /metrics read every second while it runs (an open tab and a Prometheus scrape): the dashboard's
+  cost is its ratio to "paratrain ps sync" (interleaved in the same rounds).
+
+`--runs` picks some of them (comma-separated names) for more rounds of a narrower comparison. The
+table and a plot of it are saved under runs/bench/ (benchmarks/_plot.py).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import _anchors  # noqa: E402
 import _jobs  # noqa: E402
+import _plot  # noqa: E402
 
 BATCH = 64
 WORKERS = 2
@@ -202,10 +209,14 @@ def paratrain_role(args: argparse.Namespace) -> None:
     trainer.close()
 
 
-def paratrain_job(args: argparse.Namespace, strategy: str, servers: int) -> float | str:
+def paratrain_job(
+    args: argparse.Namespace, strategy: str, servers: int, dashboard: bool = False
+) -> float | str:
     role_args = ["--paratrain-role", "--strategy", strategy, "--warmup", str(args.warmup)]
     role_args += ["--iters", str(args.iters)]
-    found = _jobs.run_role_job(os.path.abspath(__file__), role_args, WORKERS, servers, args.timeout, RESULT)
+    found = _jobs.run_role_job(
+        os.path.abspath(__file__), role_args, WORKERS, servers, args.timeout, RESULT, dashboard=dashboard
+    )
     return "failed" if found is None else max(float(seconds) for _, seconds, _ in found)
 
 
@@ -217,6 +228,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each; the median is shown")
     parser.add_argument("--timeout", type=float, default=300.0, help="limit per measurement (s)")
     parser.add_argument("--plot", metavar="PATH", help="also save a bar chart (needs matplotlib)")
+    parser.add_argument(
+        "--runs", help="only these runs (comma-separated names), e.g. for the dashboard's cost"
+    )
     parser.add_argument("--paratrain-role", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -234,7 +248,17 @@ def main() -> None:
         "paratrain collective": (WORKERS, lambda: paratrain_job(args, "collective", 0)),
         "paratrain ps sync": (WORKERS, lambda: paratrain_job(args, "dist_sync", 1)),
         "paratrain ps async": (WORKERS, lambda: paratrain_job(args, "dist_async", 1)),
+        "paratrain ps sync + dashboard": (
+            WORKERS,
+            lambda: paratrain_job(args, "dist_sync", 1, dashboard=True),
+        ),
     }
+    if args.runs:
+        wanted = [name.strip() for name in args.runs.split(",")]
+        unknown = [name for name in wanted if name not in runs]
+        if unknown:
+            parser.error(f"--runs: unknown {unknown}; the runs are {list(runs)}")
+        runs = {name: runs[name] for name in wanted}
     measured: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):  # rounds interleave the runs, so a busy spell hits all of them
         for name, (workers, run) in runs.items():
@@ -248,20 +272,42 @@ def main() -> None:
     rates: dict[str, float | str] = {
         name: statistics.median(values) if values else "failed" for name, values in measured.items()
     }
-    anchor = rates["torch DDP (gloo)"]
-    print(
+    anchor_name = "torch DDP (gloo)" if "torch DDP (gloo)" in rates else next(iter(rates))
+    anchor = rates[anchor_name]
+    setup = (
         f"small CNN (conv 3->32, conv 32->64, fc 4096->256->10), batch {BATCH} per worker, "
         f"{WORKERS} workers, 1 thread each, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{args.iters} steps after {args.warmup}, median of {args.rounds} rounds"
     )
-    width = max(map(len, rates))
-    print(f"{'run':<{width}} | samples/s | x DDP")
+    print(setup)
+    anchor_short = "x DDP" if anchor_name == "torch DDP (gloo)" else f"x {anchor_name}"
+    head, rows = ["run", "samples/s", anchor_short, "spread", "paired", "paired range"], []
     for name, rate in rates.items():
         ok = isinstance(rate, float) and isinstance(anchor, float)
         shown = f"{rate:9.0f}" if isinstance(rate, float) else f"{rate:>9}"
-        print(f"{name:<{width}} | {shown} | {rate / anchor:.2f}" if ok else f"{name:<{width}} | {shown} | -")
+        values = measured[name]
+        spread = f"{(max(values) - min(values)) / statistics.median(values):.1%}" if len(values) > 1 else "-"
+        paired = _paired(values, measured[anchor_name])
+        rows.append([name, shown, f"{rate / anchor:.3f}" if ok else "-", spread])
+        rows[-1] += (
+            [f"{statistics.median(paired):.3f}", f"{min(paired):.3f}..{max(paired):.3f}"]
+            if paired
+            else ["-"] * 2
+        )
+    for line in _plot.format_table(head, rows):
+        print(line)
+    print(
+        "spread: (max - min) / median of the rounds' figures, how noisy this machine was; paired: the "
+        f"median (and range) of each round's ratio to {anchor_name} measured just before it"
+    )
+    _plot.save_table("train", setup, head, rows)
     if args.plot:
         plot(args.plot, rates)
+
+
+def _paired(values: list[float], anchor: list[float]) -> list[float]:
+    """Per round, a run's figure over the anchor's of the same round (where both ran every round)."""
+    return [v / a for v, a in zip(values, anchor)] if len(values) == len(anchor) > 0 else []
 
 
 def plot(path: str, rates: dict[str, float | str]) -> None:

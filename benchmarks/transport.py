@@ -23,6 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+import _plot  # noqa: E402
+
 from paratrain.transport.rpc import Handler, Request, RpcClient, RpcServer  # noqa: E402
 
 SECRET = bytes(range(32))  # the spawned server imports this module again: no random here
@@ -181,6 +183,7 @@ def main() -> None:
         f"{'':>6} | {'tcp':>7} {'paratrain':>9} {'ratio':>5} {'shm':>7} | "
         f"{'tcp':>8} {'paratrain':>9} {'ratio':>6} {'shm':>8}"
     )
+    rows = []
     for size in sizes:
         tcp_bw, our_bw, shm_bw = (r[size, False] * size / 1e9 for r in (tcp, ours, shm))
         tcp_rt, our_rt, shm_rt = (r[size, True] for r in (tcp, ours, shm))
@@ -188,6 +191,13 @@ def main() -> None:
             f"{human(size):>6} | {tcp_bw:7.3f} {our_bw:9.3f} {our_bw / tcp_bw:5.2f} {shm_bw:7.3f} | "
             f"{tcp_rt:8.0f} {our_rt:9.0f} {our_rt / tcp_rt:6.2f} {shm_rt:8.0f}"
         )
+        rows.append(
+            [human(size), f"{tcp_bw:.3f}", f"{our_bw:.3f}", f"{our_bw / tcp_bw:.2f}", f"{shm_bw:.3f}"]
+        )
+        rows[-1] += [f"{tcp_rt:.0f}", f"{our_rt:.0f}", f"{our_rt / tcp_rt:.2f}", f"{shm_rt:.0f}"]
+    head = ["size", "tcp GB/s", "paratrain GB/s", "paratrain/tcp GB/s", "shm GB/s"]
+    head += ["tcp trips/s", "paratrain trips/s", "paratrain/tcp trips/s", "shm trips/s"]
+    _plot.save_table("transport", f"loopback, 2 processes, {os.cpu_count()} cores", head, rows)
 
 
 if __name__ == "__main__":

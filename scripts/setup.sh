@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 bash scripts/setup_slurm.sh  # system packages the Slurm tests need (as root; quick when present)
+bash scripts/setup_chromium.sh  # the browser the dashboard tests drive (as root; quick when present)
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
 from paratrain.cluster.agent import SchedulerLink
@@ -43,7 +45,7 @@ def init(config: JobConfig | None = None) -> Context:
         _setup_logging(spec)
         logger.info("starting: %s %s", spec, config)
         if spec.role == "scheduler":
-            sys.exit(Scheduler(spec, config).run())
+            sys.exit(_schedule(spec, config)())
         if spec.role == "server":
             sys.exit(_serve(spec, config))
         _context = _join_as_worker(spec, config)
@@ -61,30 +63,55 @@ def _setup_logging(spec: ClusterSpec) -> None:
     )
 
 
+def _schedule(spec: ClusterSpec, config: JobConfig, embedded: bool = False) -> Callable[[], int]:
+    """The scheduler, bound and ready to run, with the dashboard (PARATRAIN_DASHBOARD) and its
+    timeline (PARATRAIN_TRACE_DIR) where the launcher asked for them (metrics/observe.py). Embedded
+    in a worker or server, the process's timeline is that node's."""
+    from paratrain.metrics import observe
+
+    scheduler = Scheduler(spec, config)
+    dashboard = observe.start_dashboard(scheduler, spec.secret, os.environ)
+    trace = observe.tracer() if embedded else observe.start_trace(os.environ, "scheduler", 0)
+
+    def run() -> int:
+        try:
+            with trace.range("job"):
+                return scheduler.run()
+        finally:
+            if dashboard is not None:
+                dashboard.linger_then_close()
+
+    return run
+
+
 def _start_embedded_scheduler(spec: ClusterSpec, config: JobConfig) -> threading.Thread | None:
     """Where no scheduler process exists (TF_CONFIG, torchrun, Slurm, MPI), one worker or server
     runs it in a thread (see cluster/spec.py)."""
     if not spec.embedded_scheduler:
         return None
-    scheduler = Scheduler(spec, config)
-    thread = threading.Thread(target=scheduler.run, name="scheduler", daemon=True)
+    thread = threading.Thread(target=_schedule(spec, config, embedded=True), name="scheduler", daemon=True)
     thread.start()
     return thread
 
 
 def _serve(spec: ClusterSpec, config: JobConfig) -> int:
+    from paratrain.kvstore.report import server_report
     from paratrain.kvstore.server.server import KVServer  # servers serve the kvstore (and "ping")
+    from paratrain.metrics import observe
 
     scheduler_thread = _start_embedded_scheduler(spec, config)
+    kv = KVServer(spec.rank or 0)
+    trace = observe.start_trace(os.environ, "server", spec.rank or 0)
     server = RpcServer(
         spec.secret,
-        KVServer(spec.rank or 0),
+        observe.traced(kv, trace),
         host=spec.host,
         config=config.transport,
         name=f"server {spec.rank}",
     ).start()
-    link = SchedulerLink(spec, config)
+    link = SchedulerLink(spec, config, report=lambda: server_report(kv))
     link.register("server", port=server.port)
+    observe.align_trace(trace, link)
     link.shutdown.wait()
     server.close()
     link.close()
@@ -94,9 +121,13 @@ def _serve(spec: ClusterSpec, config: JobConfig) -> int:
 
 
 def _join_as_worker(spec: ClusterSpec, config: JobConfig) -> Context:
+    from paratrain.metrics import observe
+    from paratrain.metrics.telemetry import worker_telemetry
+
     scheduler_thread = _start_embedded_scheduler(spec, config)
-    link = SchedulerLink(spec, config)
+    link = SchedulerLink(spec, config, report=worker_telemetry().report)
     roster = link.register("worker")
+    observe.align_trace(observe.start_trace(os.environ, "worker", roster.rank), link)
     _install_exit_hooks(link, scheduler_thread, config)
     return Context(
         role="worker",

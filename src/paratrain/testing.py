@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from paratrain.launch.local import ChildFailure, LocalJobConfig, Placement, run_local_job
+from paratrain.metrics.dashboard import DashboardConfig
 from paratrain.testing_hosts import LinkShape, SimulatedHosts, hosts_unavailable, shaping_unavailable
 
 __all__ = [
@@ -70,15 +71,23 @@ class JobOutcome:
 class _Capture(io.StringIO):
     """A text stream that keeps everything written and files each prefixed line by child."""
 
-    def __init__(self, stream: str, by_child: dict[tuple[str, int], list[tuple[str, str]]]) -> None:
+    def __init__(
+        self,
+        stream: str,
+        by_child: dict[tuple[str, int], list[tuple[str, str]]],
+        watch: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__()
         self._stream = stream
         self._by_child = by_child
+        self._watch = watch
         self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
         with self._lock:
             for line in text.splitlines():
+                if self._watch is not None:
+                    self._watch(line)
                 match = _LINE.match(line)
                 if match:
                     key = (match[1], int(match[2]))
@@ -99,13 +108,16 @@ def run_job(
     exit_grace_s: float = 30.0,
     hosts: SimulatedHosts | None = None,
     place: Mapping[str, Sequence[int]] | None = None,
+    dashboard: DashboardConfig | None = None,
+    watch: Callable[[str], None] | None = None,
 ) -> JobOutcome:
     """Runs `script` (a path, or Python source if it contains a newline) as a job of `workers`
     workers, `servers` servers and a scheduler on 127.0.0.1, and checks what it left behind.
 
     With `hosts`, the processes run on those simulated hosts instead: `place` names the host index
     of each rank per role ({"scheduler": [0], "server": [0, 1], "worker": [1, 2, 3]}); by default
-    `place_on_hosts` spreads them.
+    `place_on_hosts` spreads them. `dashboard`: serve the job's dashboard (its URL is a line of
+    stdout); `watch` is called with every line of output as it comes (from the printing thread).
 
     Raises AssertionError if a child process survived the job, if the scheduler's port is still
     listening, or if the job's success does not match `expect` (None: either is fine).
@@ -124,9 +136,10 @@ def run_job(
             placements=_placements(hosts, place or place_on_hosts(hosts.count, servers, workers))
             if hosts is not None
             else {},
+            dashboard=dashboard,
         )
         by_child: dict[tuple[str, int], list[tuple[str, str]]] = {}
-        out, err = _Capture("stdout", by_child), _Capture("stderr", by_child)
+        out, err = _Capture("stdout", by_child, watch), _Capture("stderr", by_child, watch)
         result = run_local_job(config, out=out, err=err)
     outcome = JobOutcome(
         exit_code=result.exit_code,

@@ -11,6 +11,8 @@ import logging
 import os
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +37,13 @@ class Roster:
 
 
 class SchedulerLink:
-    def __init__(self, spec: ClusterSpec, config: JobConfig) -> None:
+    def __init__(
+        self, spec: ClusterSpec, config: JobConfig, report: Callable[[], dict] | None = None
+    ) -> None:
+        """`report`: what each heartbeat carries (this process's figures for the dashboard)."""
         self.spec = spec
         self.config = config
+        self.report = report
         self.shutdown = threading.Event()
         self._leaving = False
         self._stop = threading.Event()
@@ -124,9 +130,32 @@ class SchedulerLink:
             if launcher is not None and os.getppid() != launcher:
                 _exit_aborted(f"the launcher (pid {launcher}) is gone")
             try:
-                self.client.send("heartbeat")
+                self.client.send("heartbeat", self._report())
             except TransportError:
                 return  # _closed reports it
+
+    def _report(self) -> dict | None:
+        if self.report is None:
+            return None
+        try:
+            return {"report": self.report()}
+        except Exception as exc:  # figures are best effort: never let them stop the heartbeats
+            logger.warning("could not gather this process's figures: %r", exc)
+            return None
+
+    def clock_offset(self, samples: int = 5) -> float:
+        """The scheduler's wall clock minus this one, in seconds, from the quickest of `samples`
+        round trips (its error is at most half that round trip)."""
+        best: tuple[float, float] | None = None
+        for _ in range(samples):
+            sent = time.time()
+            reply = self.client.call("clock", {}, timeout_s=self.config.barrier_timeout_s)
+            received = time.time()
+            offset = reply.meta["time"] - (sent + received) / 2
+            if best is None or received - sent < best[0]:
+                best = (received - sent, offset)
+        assert best is not None
+        return best[1]
 
     def _notice(self, header: Header, _tensors: list) -> None:
         if header.op == "abort":

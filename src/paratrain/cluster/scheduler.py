@@ -4,7 +4,10 @@ Protocol (requests carry an id and get a reply; heartbeats are one-way):
 
     register  {role, rank?, host, port, pid, version, config}  -> replied once every node has
               registered: {rank, servers: [[host, port]...], workers: [[host, pid]...]}
-    heartbeat {}                                               (one-way, every interval)
+    heartbeat {report?}                                        (one-way, every interval; the
+              report, this process's figures, goes to the observer: the dashboard's board)
+    clock     {}                                               -> {time}: the scheduler's clock,
+              which traces are aligned on
     peer_lost {role, rank, error}                              (one-way) this node lost its
               connection to that one: the job is aborted naming that one
     barrier   {group: "workers" | "all", name, data?}          -> replied when the group arrived,
@@ -32,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from paratrain import version
 from paratrain.cluster.config import JobConfig, config_differences
@@ -42,6 +45,12 @@ from paratrain.transport.connection import Connection
 from paratrain.transport.rpc import Handler, Request, RpcServer, listen
 
 logger = logging.getLogger(__name__)
+
+
+class Observer(Protocol):
+    """What the scheduler tells a watcher of the job (the dashboard's board, passed in by node.py)."""
+
+    def record(self, role: str, rank: int, report: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -55,15 +64,32 @@ class Node:
     last_seen: float = field(default_factory=time.monotonic)
     last_seen_wall: float = field(default_factory=time.time)
     finished: bool = False
+    failed: bool = False
+    stopped: bool = False
+    """It left after the job was aborted (a consequence, not a cause)."""
+    joined_wall: float = field(default_factory=time.time)
 
     def describe(self) -> str:
         return f"{self.role} {self.rank} (host {self.host}, pid {self.pid})"
 
+    def state(self, job_started: bool) -> str:
+        if self.failed:
+            return "failed"
+        if self.finished:
+            return "finished"
+        if self.stopped:
+            return "stopped"
+        return "running" if job_started else "waiting"
+
 
 class Scheduler(Handler):
-    def __init__(self, spec: ClusterSpec, config: JobConfig) -> None:
+    def __init__(self, spec: ClusterSpec, config: JobConfig, observer: Observer | None = None) -> None:
         self.spec = spec
         self.config = config
+        self.observer = observer
+        self.started_wall = time.time()
+        self.failures: list[dict[str, Any]] = []
+        """{role, rank, reason, time} of the node that failed the job (the dashboard shows it)."""
         self._lock = threading.Lock()
         self._nodes: dict[tuple[str, int], Node] = {}
         self._by_conn: dict[Connection, Node] = {}
@@ -109,11 +135,16 @@ class Scheduler(Handler):
             time.sleep(0.02)
         logger.warning("servers still connected %.0f s after the job ended", self.config.finish_timeout_s)
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, culprit: Node | None = None) -> None:
         with self._lock:
             if self.outcome is not None:
                 return
             self.outcome = reason
+            if culprit is not None:
+                culprit.failed = True
+                self.failures.append(
+                    {"role": culprit.role, "rank": culprit.rank, "reason": reason, "time": time.time()}
+                )
             conns = list(self._by_conn)
             waiting = [r for r, _ in self._waiting]
             waiting += [r for group in self._barriers.values() for r, _ in group]
@@ -158,7 +189,8 @@ class Scheduler(Handler):
                 heard = datetime.fromtimestamp(node.last_seen_wall).strftime("%H:%M:%S.%f")[:-3]
                 self.abort(
                     f"{node.describe()} sent no heartbeat for {now - node.last_seen:.1f} s "
-                    f"(last heard at {heard}; timeout {self.config.heartbeat_timeout_s} s)"
+                    f"(last heard at {heard}; timeout {self.config.heartbeat_timeout_s} s)",
+                    node,
                 )
             elif missing and now - start > self.config.start_timeout_s:
                 self.abort(
@@ -184,7 +216,9 @@ class Scheduler(Handler):
     def handle(self, request: Request) -> None:
         op = request.op
         if op == "heartbeat":
-            self._heartbeat(request.conn)
+            self._heartbeat(request)
+        elif op == "clock":
+            request.reply({"time": time.time()})
         elif op == "register":
             self._register(request)
         elif op == "barrier":
@@ -198,10 +232,51 @@ class Scheduler(Handler):
         else:
             request.fail(f"unknown op {op!r}")
 
-    def _heartbeat(self, conn: Connection) -> None:
-        node = self._by_conn.get(conn)
+    def _heartbeat(self, request: Request) -> None:
+        node = self._by_conn.get(request.conn)
         if node is not None:
             node.last_seen, node.last_seen_wall = time.monotonic(), time.time()
+            report = request.meta.get("report")
+            if report is not None and self.observer is not None:
+                self.observer.record(node.role, node.rank, report)
+
+    # -- what the dashboard reads -------------------------------------------------------------------
+    def roles(self) -> list[dict[str, Any]]:
+        """Every registered process: role, rank, host, pid, state, last heartbeat, uptime."""
+        now = time.time()
+        with self._lock:
+            nodes = sorted(self._nodes.values(), key=lambda n: (n.role != "server", n.role, n.rank))
+            started = self._started
+        return [
+            {
+                "role": n.role,
+                "rank": n.rank,
+                "host": n.host,
+                "pid": n.pid,
+                "state": n.state(started),
+                "last_heartbeat": n.last_seen_wall,
+                "heartbeat_age_s": now - n.last_seen_wall,
+                "uptime_s": now - n.joined_wall,
+            }
+            for n in nodes
+        ]
+
+    def job(self) -> dict[str, Any]:
+        """The job's state (starting, running, finished, failed), size, uptime and failures."""
+        outcome = self.outcome
+        state = "starting" if not self._started else "running"
+        if outcome is not None:
+            state = "failed" if outcome else "finished"
+        return {
+            "state": state,
+            "outcome": outcome,
+            "failures": list(self.failures)
+            or ([{"role": "job", "rank": "", "reason": outcome}] if outcome else []),
+            "workers": self.spec.num_workers,
+            "servers": self.spec.num_servers,
+            "scheduler": self.spec.scheduler_address,
+            "uptime_s": time.time() - self.started_wall,
+        }
 
     def _register(self, request: Request) -> None:
         try:
@@ -330,16 +405,20 @@ class Scheduler(Handler):
             return
         self.abort(
             f"{lost.describe()} is unreachable: {reporter.describe()} lost its connection to it "
-            f"({meta.get('error')})"
+            f"({meta.get('error')})",
+            lost,
         )
 
     def disconnected(self, conn: Connection, error: Exception | None) -> None:
         with self._lock:
             node = self._by_conn.pop(conn, None)
-        if node is None or node.finished or self.outcome is not None:
+        if node is None or node.finished:
+            return
+        if self.outcome is not None:
+            node.stopped = True
             return
         cause = f": {error}" if error else ""
-        self.abort(f"{node.describe()} lost its connection to the scheduler{cause}")
+        self.abort(f"{node.describe()} lost its connection to the scheduler{cause}", node)
 
 
 def listen_socket(spec: ClusterSpec):

@@ -23,6 +23,7 @@ import click
 
 from paratrain.launch.api import BACKENDS, LaunchConfig
 from paratrain.launch.jobs_cli import COMMANDS as JOB_COMMANDS
+from paratrain.launch.observe_cli import dashboard_config, observe_env, observe_options, trace
 from paratrain.version import __version__
 
 STRATEGY_VAR = "PARATRAIN_STRATEGY"
@@ -112,6 +113,7 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
     help="ray, slurm, k8s: GPUs reserved for each worker.",
 )
 @click.option("--dry-run", is_flag=True, help="slurm, k8s: print the sbatch script or manifests only.")
+@observe_options
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
@@ -135,6 +137,7 @@ def launch(
     dry_run: bool,
     script: str,
     script_args: tuple[str, ...],
+    **observe: Any,
 ) -> None:
     """Run SCRIPT as a scheduler, SERVERS servers and WORKERS workers."""
     logging.basicConfig(level=logging.INFO, format="paratrain: %(message)s")
@@ -153,6 +156,7 @@ def launch(
             num_servers=servers,
             strategy=strategy,
             timeout_s=timeout_s,
+            env=observe_env(observe, local=backend == "local"),
         )
     except (ValueError, TypeError) as exc:
         raise click.UsageError(_as_given(str(exc), source)) from None
@@ -166,7 +170,7 @@ def launch(
     if backend == "local":
         from paratrain.launch.local import run_launch
 
-        ctx.exit(run_launch(config, host=host))
+        ctx.exit(run_launch(config, host=host, dashboard=dashboard_config(observe)))
     if backend == "ray":
         from paratrain.launch.ray import RayOptions, run_ray_job
 
@@ -207,3 +211,6 @@ def _add_serving_commands() -> None:
 
 
 _add_serving_commands()
+
+
+main.add_command(trace)

@@ -46,6 +46,7 @@ from paratrain.launch.report import (
     interrupted_exit_code,
     write_outcome,
 )
+from paratrain.metrics.dashboard import DashboardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ class LocalJobConfig:
     itself, where the launcher cannot bind for it."""
     scheduler_port: int = 29400
     """The scheduler's port when it is placed (unused otherwise: the launcher picks a free one)."""
+    dashboard: DashboardConfig | None = None
+    """Serve the live dashboard and /metrics from the scheduler (metrics/dashboard.py); the
+    launcher binds its port, passes it on like the scheduler's, and prints the URL with the token."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "script", os.fspath(self.script))
@@ -302,18 +306,38 @@ class _Job:
             port = listener.getsockname()[1]
         self.scheduler_address = f"{where.host}:{port}"
         logger.info("%s\n  %s", _describe(cfg, self.scheduler_address), self.threads_line)
+        board = self._dashboard_socket(secret)
         try:
-            self._spawn("scheduler", 0, secret, port, listener)
+            self._spawn("scheduler", 0, secret, port, listener, board)
         finally:
-            if listener is not None:
-                listener.close()  # the scheduler holds it now; nothing of ours keeps the port
+            for sock in (listener, board):
+                if sock is not None:
+                    sock.close()  # the scheduler holds it now; nothing of ours keeps the port
         for rank in range(cfg.num_servers):
             self._spawn("server", rank, secret, port)
         for rank in range(cfg.num_workers):
             self._spawn("worker", rank, secret, port)
 
+    def _dashboard_socket(self, secret: bytes) -> socket.socket | None:
+        """The dashboard's listening socket, its URL printed with the token (none if not asked)."""
+        if self.config.dashboard is None:
+            return None
+        from paratrain.metrics.dashboard import dashboard_token, dashboard_url, listen_dashboard
+
+        sock = listen_dashboard(self.config.dashboard)
+        host, port = sock.getsockname()[:2]
+        url = dashboard_url(host, port, dashboard_token(secret))
+        self.printer.write(self.printer.out, f"paratrain: dashboard at {url} (metrics at /metrics)\n")
+        return sock
+
     def _spawn(
-        self, role: str, rank: int, secret: bytes, port: int, listener: socket.socket | None = None
+        self,
+        role: str,
+        rank: int,
+        secret: bytes,
+        port: int,
+        listener: socket.socket | None = None,
+        board: socket.socket | None = None,
     ) -> None:
         cfg = self.config
         where = cfg.place(role, rank)
@@ -330,9 +354,12 @@ class _Job:
             scheduler_fd=None if listener is None else listener.fileno(),
         )
         child = _Child(role, rank, where.host)
-        pass_fds = () if listener is None else (listener.fileno(),)
+        pass_fds = tuple(sock.fileno() for sock in (listener, board) if sock is not None)
         cmd = [*where.prefix, cfg.python, "-u", cfg.script, *cfg.args]
         env = {**self.threads, **_child_env(cfg, spec)}
+        if board is not None and cfg.dashboard is not None:
+            env.update(PARATRAIN_DASHBOARD=f"fd:{board.fileno()}")
+            env.update(PARATRAIN_DASHBOARD_LINGER=str(cfg.dashboard.linger_s))
         env.update(where.env)
         child.start(cmd, env, pass_fds, self.printer, self.events)
         self.children.append(child)
@@ -430,6 +457,7 @@ class _Job:
 
     def stop(self) -> None:
         """SIGTERM to every running child's process group, SIGKILL after stop_grace_s; reaps all."""
+        self._let_dashboard_linger()
         self.still_running = [c for c in self.children if c.running]
         if not self.still_running:
             return
@@ -442,6 +470,20 @@ class _Job:
         if not self._drain(time.monotonic() + _KILL_WAIT_S, interruptible=False):
             left = ", ".join(f"{c.label} (pid {c.pid})" for c in self.children if c.running)
             self.printer.write(self.printer.err, f"paratrain: could not reap {left}\n")
+
+    def _let_dashboard_linger(self) -> None:
+        """After a failure the scheduler serves the dashboard linger_s more, then exits by itself
+        (the others exit as it aborted the job); an interrupt cuts the wait short."""
+        linger = self.config.dashboard.linger_s if self.config.dashboard is not None else 0
+        scheduler = next((c for c in self.children if c.role == "scheduler" and c.running), None)
+        if not linger or scheduler is None:
+            return
+        deadline = time.monotonic() + linger + self.config.stop_grace_s
+        while scheduler.running:
+            event = self._next_event(deadline)
+            if event is None or isinstance(event, _Interrupt):
+                return
+            self._record(event, stopping=True)
 
     def _drain(self, deadline: float, interruptible: bool) -> bool:
         """Records exits until every child exited (True) or the deadline (False). A second
@@ -535,7 +577,9 @@ def _interrupt_handlers(events: queue.SimpleQueue[Any]) -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def run_launch(config: LaunchConfig, host: str = "127.0.0.1") -> int:
+def run_launch(
+    config: LaunchConfig, host: str = "127.0.0.1", dashboard: DashboardConfig | None = None
+) -> int:
     """`paratrain launch --backend local`: the job as processes of this machine; its exit status.
     The children's output is folded: their abort notices and repeated tracebacks are left out."""
     local = LocalJobConfig(
@@ -547,6 +591,7 @@ def run_launch(config: LaunchConfig, host: str = "127.0.0.1") -> int:
         env=config.job_env(),
         timeout_s=config.timeout_s,
         python=config.python,
+        dashboard=dashboard,
     )
     return run_local_job(local, fold=True).exit_code
 

@@ -19,6 +19,7 @@ async mode each push is applied on its own: one worker's step.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from paratrain import kvstore
+from paratrain.metrics.trace import tracer
 from paratrain.train.strategy import Strategy, kvstore_config
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,8 @@ class PSEngine:
         self._sent: set[int] = set()
         self._in_flight: list[Any] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self.communication_s = self.waiting_s = 0.0
+        """Seconds handing buckets to the kvstore / waiting for their rounds (train/observe.py)."""
 
     def _dtype(self, p: torch.Tensor) -> torch.dtype:
         """The key's type: the parameter's, or the compressed gradient's (update_on="worker")."""
@@ -122,11 +126,13 @@ class PSEngine:
     def _send_bucket(self) -> None:
         if not self._bucket:
             return
-        with torch.no_grad():
+        start = time.perf_counter()
+        with torch.no_grad(), tracer().range("push", keys=len(self._bucket), bytes=self._bucket_size):
             values = [self._wire_value(i) for i in self._bucket]
-        handle = self.kv.pushpull_async(
-            [self.keys[i] for i in self._bucket], values, out=[self.staging[i] for i in self._bucket]
-        )
+            handle = self.kv.pushpull_async(
+                [self.keys[i] for i in self._bucket], values, out=[self.staging[i] for i in self._bucket]
+            )
+        self.communication_s += time.perf_counter() - start
         self._in_flight.append(handle)
         self._sent.update(self._bucket)
         self._bucket, self._bucket_size = [], 0
@@ -154,8 +160,11 @@ class PSEngine:
             i for i in range(len(self.params)) if i not in self._sent and i not in self._bucket
         )
         self._send_bucket()
-        for handle in self._in_flight:
-            handle.wait()
+        start = time.perf_counter()
+        with tracer().range("wait for round (pull)", buckets=len(self._in_flight)):
+            for handle in self._in_flight:
+                handle.wait()
+        self.waiting_s += time.perf_counter() - start
         self._in_flight, self._sent = [], set()
         with torch.no_grad():
             if self.on_server:
@@ -180,7 +189,8 @@ class PSEngine:
     def pull_parameters(self, keys: list | None = None, outs: list[torch.Tensor] | None = None) -> None:
         """The parameters become the servers' values of `keys` (default: the parameters' keys)."""
         outs = self.staging if outs is None else outs
-        self.kv.pull(self.keys if keys is None else keys, out=outs)
+        with tracer().range("pull"):
+            self.kv.pull(self.keys if keys is None else keys, out=outs)
         with torch.no_grad():
             for p, value in zip(self.params, outs, strict=True):
                 p.copy_(value)

@@ -38,6 +38,7 @@ from paratrain.cluster.context import current
 from paratrain.data import ShardedLoader
 from paratrain.metrics import NullMetrics, Progress, open_metrics
 from paratrain.train.jobdirs import job_defaults
+from paratrain.train.observe import StepObserver
 from paratrain.train.strategy import (
     Strategy,
     idle_servers_warning,
@@ -163,7 +164,9 @@ class Trainer:
     last `keep`); with `resume`, a run whose checkpoint_dir holds a checkpoint continues from it.
     Metrics (loss, samples/s, lr) go to `metrics_dir` as JSON lines and TensorBoard scalars, and a
     progress line on worker 0. In a submitted job (`paratrain submit`) checkpoint_dir and metrics_dir
-    default to OUTPUT_DIR/checkpoints and OUTPUT_DIR/metrics, checkpoint_every to the spec's."""
+    default to OUTPUT_DIR/checkpoints and OUTPUT_DIR/metrics, checkpoint_every to the spec's. With
+    `trace_dir` (or `paratrain launch --trace DIR`), each worker writes a Chrome-trace timeline of
+    its steps there (train/observe.py)."""
 
     def __init__(
         self,
@@ -182,6 +185,7 @@ class Trainer:
         loss_fn: Any = None,
         seed: int = 0,
         ctx: Any = None,
+        trace_dir: str | Path | None = None,
     ) -> None:
         self.ctx = current(ctx)
         self.strategy = resolve_strategy(strategy, self.ctx.num_servers, self.ctx.distributed)
@@ -226,6 +230,8 @@ class Trainer:
             logger.info("resumed from %s at step %d", found.path, self.steps)
         self.model = self.engine.model
         self.model.register_forward_pre_hook(_BeforeForward(self))
+        self.observe = StepObserver(self.ctx, self.strategy, trace_dir)
+        self.observe.attach(self.model)
         _make_distributed(optimizer, self)
         self.sparse = sparse_modules(model)
         if self.strategy.architecture == "hybrid":
@@ -331,7 +337,8 @@ class Trainer:
 
     def step(self, loss: torch.Tensor) -> None:
         """backward, optimizer step (every accumulation_steps calls) and zero_grad; logs the loss."""
-        loss.backward()
+        with self.observe.backward():
+            loss.backward()
         self._scalars["loss"] = loss.detach()
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -360,7 +367,8 @@ class Trainer:
                     for p in group["params"]:
                         if p.grad is not None:
                             p.grad.div_(k)
-        result = self.engine.step(self.optimizer, local_step)
+        with self.observe.optimizer():
+            result = self.engine.step(self.optimizer, local_step)
         self.steps += 1
         self._after_step()
         return result
@@ -369,6 +377,7 @@ class Trainer:
         scalars = {k: float(v) for k, v in self._scalars.items()}
         samples, self._samples = self._samples * self.replicas, 0
         self.progress.update(steps=1, samples=samples, **scalars)
+        self.observe.step_done(samples // self.replicas, scalars.get("loss"), self.engine)
         if self.steps % self.log_every == 0:
             rate = self.progress.samples_per_s
             lr = self.optimizer.param_groups[0].get("lr")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,8 @@ class KVServer(Handler):
         self._pending: list[PendingPull] = []
         self._arena: Arena | None = None  # shared shards, made on the first same-host init
         self.tables = SparseTables(self)  # sparse tables: ops sparse_* (sparse.py)
+        self.staleness: Counter[int] = Counter()
+        """Pushed slices by how many updates their key took since the pusher's pull (report.py)."""
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
@@ -256,6 +259,8 @@ class KVServer(Handler):
             shard.check(push)
             work.append((shard, push))
         for shard, push in work:
+            behind = push.clock if self.rules.policy.rounds else shard.version
+            self.staleness[max(0, behind - shard.read.get(rank, 0))] += 1
             shard.push(push)
         self._serve_ready_pulls()
 
@@ -297,7 +302,9 @@ class KVServer(Handler):
         values = [shard.begin_read() for shard in sent]
         try:
             pull.request.reply({"versions": [s.version for s in sent]}, values)  # readers see theirs
+            rank = pull.request.meta.get("rank", -1)
             for shard in pull.shards:
+                shard.read[rank] = shard.version
                 shard.counts["pulls"] += 1
                 shard.counts["bytes_out"] += shard.value.numel() * shard.value.element_size()
         finally:

@@ -98,6 +98,8 @@ class ShardState:
     cond: threading.Condition = field(default_factory=threading.Condition)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
     """What this shard has served: pushes, pulls and their bytes (read by `stats`)."""
+    read: dict[int, int] = field(default_factory=dict)
+    """Per worker rank: the version its last pull got (a push's staleness counts from it)."""
     region: Region | None = None
     """Shared shards only: the value is region.buffers[value_buffer]; opened maps a round to the
     buffer open for its pushes."""

@@ -1,0 +1,53 @@
+"""A server's figures for the dashboard, read from the counters its shards keep as they serve.
+
+`server_report(kv)` is what a server's heartbeat carries (node.py passes it to its SchedulerLink):
+totals of pushes, pulls and bytes, the pulls queued for a round (queue depth), open rounds, the
+staleness histogram, the rows of each sparse table, and the hottest keys by bytes moved, each with
+its counts and version. Per key, `pushes` and `pulls` are the largest count of the key's slices here
+and bytes are their sum, as `DistKVStore.stats()` combines slices, so the two can be compared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paratrain.metrics.telemetry import process_figures
+
+TOP_KEYS = 20
+NAME_CHARS = 120
+"""Key names are cut to this length: the report rides on a heartbeat, whose header is capped."""
+COUNTS = ("pushes", "pulls", "bytes_in", "bytes_out")
+
+
+def server_report(server: Any, top: int = TOP_KEYS) -> dict[str, Any]:
+    with server._lock:
+        shards = list(server._shards.values())
+        waiting = len(server._pending)
+    keys: dict[Any, dict[str, Any]] = {}
+    for shard in shards:
+        counts = dict(shard.counts)  # a copy: the serving threads keep counting
+        entry = keys.setdefault(
+            shard.key,
+            {"key": str(shard.key)[:NAME_CHARS], **dict.fromkeys(COUNTS, 0), "version": shard.version},
+        )
+        entry["pushes"] = max(entry["pushes"], counts["pushes"])
+        entry["pulls"] = max(entry["pulls"], counts["pulls"])
+        entry["bytes_in"] += counts["bytes_in"]
+        entry["bytes_out"] += counts["bytes_out"]
+        entry["version"] = min(entry["version"], shard.version)
+    hottest = sorted(keys.values(), key=lambda k: k["bytes_in"] + k["bytes_out"], reverse=True)[:top]
+    return {
+        **{name: sum(s.counts[name] for s in shards) for name in COUNTS},
+        "waiting_pulls": waiting,
+        "open_rounds": sum(len(s.rounds) for s in shards),
+        "staleness": sorted([int(behind), int(count)] for behind, count in dict(server.staleness).items()),
+        "tables": _tables(server),
+        "keys": hottest,
+        **process_figures(),
+    }
+
+
+def _tables(server: Any) -> list[dict[str, Any]]:
+    tables = dict(server.tables.tables)
+    rows = [{"key": str(key)[:NAME_CHARS], "rows": int(table.rows.count)} for key, table in tables.items()]
+    return sorted(rows, key=lambda t: t["rows"], reverse=True)[:TOP_KEYS]

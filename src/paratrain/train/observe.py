@@ -1,0 +1,114 @@
+"""Where a Trainer's steps go: the dashboard's figures and the timeline's ranges.
+
+The Trainer calls `forward_begin`/`forward_end` (its model's hooks), `backward()` and `optimizer()`
+(ranges) and `step_done` once per optimizer step. A step's time is split into compute (forward,
+backward, the optimizer, and the loop's own work such as loading data), communication (handing
+buckets to the kvstore: engines count it in `communication_s`) and waiting (for a round's pulls:
+`waiting_s`); the figures are cumulative counters read on the heartbeat (metrics/telemetry.py).
+With a trace folder, every range also goes to this process's timeline (metrics/trace.py), on the
+scheduler's clock; DDP's bucket all-reduces get ranges through a comm hook (only while tracing,
+and only without compression, which has its own hook).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from paratrain.metrics.telemetry import worker_telemetry
+from paratrain.metrics.trace import open_tracer, tracer
+
+
+class StepObserver:
+    def __init__(self, ctx: Any, strategy: Any, trace_dir: str | Path | None = None) -> None:
+        self.telemetry = worker_telemetry()
+        self.telemetry.strategy = _describe(strategy) if getattr(ctx, "distributed", False) else "local"
+        if trace_dir is not None:
+            link = getattr(ctx, "link", None)
+            offset = link.clock_offset() if link is not None else 0.0
+            open_tracer(trace_dir, role="worker", rank=ctx.rank, clock_offset_s=offset)
+        self.tracer = tracer()
+        self._step_start = time.perf_counter()
+        self._forward_start = 0.0
+
+    def attach(self, model: nn.Module) -> None:
+        """Forward ranges from hooks on the model; all-reduce ranges on a DDP model."""
+        if not self.tracer.enabled:
+            return
+        model.register_forward_pre_hook(_Hook(self.forward_begin))
+        model.register_forward_hook(_Hook(self.forward_end))
+        if isinstance(model, nn.parallel.DistributedDataParallel) and model._comm_hooks == []:
+            model.register_comm_hook(self.tracer, _timed_all_reduce)
+
+    def forward_begin(self, *_: Any) -> None:
+        self._forward_start = self.tracer.begin()
+
+    def forward_end(self, *_: Any) -> None:
+        if self._forward_start:
+            self.tracer.add("forward", self._forward_start, self.tracer.begin() - self._forward_start)
+
+    def backward(self) -> AbstractContextManager[None]:
+        return self.tracer.range("backward")
+
+    def optimizer(self) -> AbstractContextManager[None]:
+        return self.tracer.range("optimizer step")
+
+    def step_done(self, samples: int, loss: float | None, engine: Any) -> None:
+        now = time.perf_counter()
+        wall, self._step_start = now - self._step_start, now
+        communication = getattr(engine, "communication_s", 0.0)
+        waiting = getattr(engine, "waiting_s", 0.0)
+        if communication or waiting:
+            engine.communication_s = engine.waiting_s = 0.0
+        self.telemetry.step_done(
+            samples=samples,
+            loss=loss,
+            compute_s=wall - communication - waiting,
+            communication_s=communication,
+            waiting_s=waiting,
+        )
+
+
+class _Hook:
+    """A model hook that survives copy.deepcopy of the model as itself (see trainer._BeforeForward)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> None:
+        self.fn(*args)
+
+    def __deepcopy__(self, memo: dict) -> _Hook:
+        return self
+
+
+def _timed_all_reduce(state, bucket):  # noqa: ANN001, ANN201 (DDP checks real annotations, not strings)
+    """DDP's default all-reduce (mean), with a range from its start to its completion."""
+    import torch.distributed as dist
+
+    start = state.begin()
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    future = dist.all_reduce(tensor, async_op=True).get_future()
+
+    def done(fut: Any) -> Any:
+        state.add(
+            "all_reduce", start, state.begin() - start, {"bytes": tensor.numel() * tensor.element_size()}
+        )
+        return fut.value()[0]
+
+    return future.then(done)
+
+
+def _describe(strategy: Any) -> str:
+    if strategy is None:
+        return "local"
+    parts = [strategy.architecture, strategy.consistency]
+    if strategy.consistency == "bounded":
+        parts[-1] += f"({strategy.staleness})"
+    if strategy.architecture == "ps":
+        parts.append(f"update on {strategy.update_on}")
+    return ", ".join(parts)
