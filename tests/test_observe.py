@@ -207,7 +207,7 @@ class FakeRequest:
 def _kv_server(mode: str):  # noqa: ANN202
     import torch
 
-    from paratrain.kvstore.server import KVServer
+    from paratrain.kvstore.server.server import KVServer
 
     kv = KVServer(0, intra_op_threads=None)
     kv.handle(FakeRequest("configure", {"mode": mode, "members": [0, 1]}))
@@ -237,7 +237,7 @@ def _pull(kv, rank: int) -> None:  # noqa: ANN001
 
 
 def test_server_counts_how_stale_each_push_is_and_reports_it() -> None:
-    from paratrain.kvstore.report import server_report
+    from paratrain.kvstore.server.report import server_report
 
     kv = _kv_server("async")
     _pull(kv, 0)  # worker 0 reads version 0

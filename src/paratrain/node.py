@@ -95,7 +95,7 @@ def _start_embedded_scheduler(spec: ClusterSpec, config: JobConfig) -> threading
 
 
 def _serve(spec: ClusterSpec, config: JobConfig) -> int:
-    from paratrain.kvstore.report import server_report
+    from paratrain.kvstore.server.report import server_report
     from paratrain.kvstore.server.server import KVServer  # servers serve the kvstore (and "ping")
     from paratrain.metrics import observe
 
