@@ -281,7 +281,7 @@ def test_a_launch_that_fails_prints_its_cause_once(tmp_path):
     assert "lost its connection" not in output and "aborted the job" not in output, output
     report = proc.stderr[proc.stderr.index("paratrain: job failed: worker ") :].splitlines()
     assert report[1] == "  ValueError: every worker fails the same way", output
-    assert len(report) == 3, output  # who, why, the others
+    assert len(report) <= 3, output  # who, why, and those aborted (if they exited before being stopped)
     assert len(output.splitlines()) <= 14, output  # 4 about the start, 5 of traceback, 1 folded, 3 report
 
 

@@ -26,7 +26,7 @@ class TensorBoardMetrics(MetricsLogger):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise MissingExtraError("tensorboard", "tensorboard", "TensorBoard metrics") from exc
+            raise MissingExtraError("tensorboard", "tensorboard", "TensorBoardMetrics (metrics_dir)") from exc
 
         self.logdir = Path(logdir)
         self._writer = SummaryWriter(log_dir=str(self.logdir), flush_secs=flush_s)
