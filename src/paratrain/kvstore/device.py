@@ -25,6 +25,7 @@ from paratrain.kvstore.client import (
     Keys,
     as_lists,
 )
+from paratrain.kvstore.compressed import compression_config
 from paratrain.node import Context
 
 
@@ -139,6 +140,11 @@ class HostKVStore:
 
     def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
         self._leader_then_all(lambda kv: kv.set_optimizer(optimizer, **hyperparameters))
+
+    def set_gradient_compression(self, compression: Any) -> None:
+        """The host's leader compresses what it sends (the reduce within a host is not)."""
+        compression_config(compression)  # checked on every worker
+        self._leader_then_all(lambda kv: kv.set_gradient_compression(compression))
 
     def barrier(self) -> None:
         dist.barrier()

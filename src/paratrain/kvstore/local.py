@@ -17,6 +17,7 @@ from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVStoreConfig
 from paratrain.kvstore.checks import check_finite, check_init_value, check_tensors
 from paratrain.kvstore.client import Handle, Keys, as_lists
+from paratrain.kvstore.compressed import compression_config
 from paratrain.kvstore.state import read_state, write_state
 
 
@@ -109,6 +110,10 @@ class LocalKVStore:
         self._params[key] = torch.nn.Parameter(self._values[key], requires_grad=True)
         self._values[key] = self._params[key].data
         self._optimizers[key] = optim.build(path, hyper, self._params[key])
+
+    def set_gradient_compression(self, compression: Any) -> None:
+        """Checked, with no effect: nothing travels in one process."""
+        self.compression = compression_config(compression)
 
     def barrier(self) -> None:
         pass

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from paratrain.kvstore import optim
+from paratrain.kvstore.compressed import ServerCompression
 from paratrain.kvstore.shared import Arena, Region
 from paratrain.kvstore.sparse import SparseTables
 from paratrain.transport.connection import Connection
@@ -160,11 +161,14 @@ class KVServer(Handler):
         self._pending: list[PendingPull] = []
         self._arena: Arena | None = None  # shared shards, made on the first same-host init
         self.tables = SparseTables(self)  # sparse tables: ops sparse_* (sparse.py)
+        self.compression = ServerCompression()  # compressed pushes and pulls (compressed.py)
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
         if header.op not in ("push", "pushpull") or header.at is not None:
             return None  # no payload, or a same-host one: read in place from the ring
+        if "compression" in header.meta:
+            return None  # compressed: decoded into pooled buffers in _push
         try:
             carried = [i for i, added in enumerate(self._flags(header.meta, "added")) if not added]
             return [self._shard(header.meta, i).buffer() for i in carried[: len(header.specs)]]
@@ -305,14 +309,18 @@ class KVServer(Handler):
     def _push(self, request: Request) -> None:
         meta, rank = request.meta, int(request.meta["rank"])
         owned = request.header.at is None  # else the tensors view the ring until handle() returns
+        tensors = request.tensors
+        if "compression" in meta:  # decoded into pooled buffers first (compressed.py)
+            tensors = self.compression.decode_push(meta, tensors, lambda i: self._shard(meta, i), owned)
+            owned = True
         added = self._flags(meta, "added")
-        if len(request.tensors) != added.count(False):
+        if len(tensors) != added.count(False):
             raise KVError(
                 f"push of {len(meta['keys'])} slices, {added.count(True)} added, carried "
-                f"{len(request.tensors)} tensors"
+                f"{len(tensors)} tensors"
             )
         # Every slice is checked before any is counted: a frame is refused whole, never half-added.
-        grads, work = iter(request.tensors), []
+        grads, work = iter(tensors), []
         for i, was_added in enumerate(added):
             shard = self._shard(meta, i)
             grad = None if was_added else next(grads)
@@ -472,7 +480,8 @@ class KVServer(Handler):
                 shard.readers += 1
                 values.append(shard.value)
         try:
-            pull.request.reply({"versions": [s.version for s in sent]}, values)  # readers see theirs
+            extra, values = self.compression.encode_pull(pull.request.meta, sent, values)
+            pull.request.reply({"versions": [s.version for s in sent], **extra}, values)  # readers see theirs
             for shard in pull.shards:
                 shard.counts["pulls"] += 1
                 shard.counts["bytes_out"] += shard.value.numel() * shard.value.element_size()
@@ -558,6 +567,7 @@ class KVServer(Handler):
         for shard in shards:
             with shard.cond:
                 state = optim.state_tensors(shard.optimizer, shard.param) if shard.optimizer else {}
+                state |= self.compression.state_tensors(shard)
                 entries.append(
                     {
                         "key": shard.key,
@@ -581,6 +591,7 @@ class KVServer(Handler):
             )
             value, state = tensors[i], dict(zip(entry["state"], tensors[i + 1 :], strict=False))
             i += 1 + len(entry["state"])
+            state = self.compression.load_state(shard, state)  # its pull residual (compressed.py)
             with shard.cond:
                 while shard.readers:
                     shard.cond.wait()
