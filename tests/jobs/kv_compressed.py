@@ -38,8 +38,9 @@ class Reference:
     def __init__(self, config: CompressionConfig, keys: list) -> None:
         self.codec = make_codec(config)
         self.slices = {k: [(s.start, s.stop) for s in kv._keys[k].slices] for k in keys}
-        self.workers = {(r, k, a): torch.zeros(b - a) for r in range(W) for k in keys for a, b in self.slices[k]}
-        self.servers = {(k, a): torch.zeros(b - a) for k in keys for a, b in self.slices[k]}
+        pieces = [(k, a, b) for k in keys for a, b in self.slices[k]]
+        self.workers = {(r, k, a): torch.zeros(b - a) for r in range(W) for k, a, b in pieces}
+        self.servers = {(k, a): torch.zeros(b - a) for k, a, b in pieces}
 
     def round(self, step: int, key: object, pulls_compressed: bool) -> torch.Tensor:
         shape = SHAPES[key.split("/")[1]]
@@ -65,7 +66,7 @@ def check(kind: str, pulled: list, expected: list, step: int) -> None:
         assert torch.allclose(p, e, atol=1e-6), (kind, step, keyed, (p - e).abs().max())
 
 
-for n, kind in enumerate(["2bit", "topk", "fp16"]):
+for kind in ["2bit", "topk", "fp16"]:
     config = CompressionConfig(kind, threshold=0.25, ratio=0.05)
     kv.set_gradient_compression(config.to_wire())
     keys = [f"{kind}/{k}" for k in SHAPES]
