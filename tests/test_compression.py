@@ -128,3 +128,12 @@ def test_compressed_rounds_match_the_reference(tmp_path):
         "servers.compression-worker-1.pt",
         "servers.pt",
     ]
+
+
+@pytest.mark.timeout(240)
+def test_ddp_hooks_match_the_reference():
+    """2 ranks: 2bit averaged exactly as the reference says, with error feedback across DDP's bucket
+    rebuild and through a state_dict; topk, fp16 and powersgd keep every rank equal."""
+    outcome = run_job(JOBS / "ddp_compressed.py", workers=2, servers=0, timeout_s=200)
+    for rank in range(2):
+        assert outcome.lines("worker", rank, "stdout")[-1] == "compressed DDP matches the reference"

@@ -58,7 +58,10 @@ def test_strategy_names_and_settings(name, fields):
         (lambda: Strategy(consistency="async"), "Strategy.consistency='async' needs architecture='ps'"),
         (lambda: Strategy(architecture="ps", local_sgd_period=4), "Strategy.local_sgd_period=4"),
         (lambda: Strategy(architecture="ps", consistency="async", update_on="worker"), "Strategy.update_on"),
-        (lambda: Strategy(architecture="ps", compression="powersgd"), "needs architecture='collective' or 'hybrid', not 'ps'"),
+        (
+            lambda: Strategy(architecture="ps", compression="powersgd"),
+            "needs architecture='collective' or 'hybrid', not 'ps'",
+        ),
         (lambda: Strategy(compression="2bit", compression_threshold=0), "Strategy.compression_threshold=0"),
         (lambda: Strategy(compression="topk", compression_ratio=2.0), "Strategy.compression_ratio=2.0"),
         (lambda: Strategy.parse("ps:error_feedback=maybe"), "error_feedback='maybe' is not true or false"),
