@@ -42,7 +42,9 @@ def local_grads(net: nn.Module, r: int, step: int) -> list[torch.Tensor]:
 def train(kind: str, steps: int = 4) -> tuple[nn.Module, list[list[torch.Tensor]]]:
     """`steps` of backward through DDP (no optimizer step: parameters stay, gradients change with
     the batches); returns the DDP module and each step's averaged gradients."""
-    ddp = wrap_ddp(model(), bucket_mb=0.001, compression=CompressionConfig(kind, threshold=T, ratio=0.1))
+    ddp = wrap_ddp(
+        model(), bucket_mb=0.001, compression=CompressionConfig(kind, threshold=T, ratio=0.1, min_elements=0)
+    )
     seen = []
     for step in range(steps):
         ddp.zero_grad()

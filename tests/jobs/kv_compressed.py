@@ -1,11 +1,12 @@
 """Compressed kvstore rounds against a reference computed here, in every worker.
 
-Each worker pushes seeded random gradients (every worker can make every worker's), for each kind:
-2bit, topk and fp16. The reference encodes each worker's push slice by slice with that worker's
-error feedback, sums the decoded pushes, and (no optimizer: BytePS's both ways) encodes the sum
-with the server's error feedback; the pulled values must match it. A save_state / load_state in
-the middle must bring every residual back (the round after it is the same again). Then, with SGD on
-the servers, pushes go compressed and the weights come back in full.
+Each worker pushes seeded random gradients (every worker can make every worker's), for each kind
+(2bit, topk, fp16), to a key sliced across the servers and to a key too small to compress. The
+reference encodes each worker's push slice by slice with that worker's error feedback, sums the
+decoded pushes, and (no optimizer: BytePS's both ways) encodes the sum with the server's error
+feedback; the pulled values must match it. A save_state / load_state in the middle must bring
+every residual back (the rounds after it are the same again). Then, with SGD on the servers,
+pushes go compressed and the weights come back in full.
 argv: state_dir
 """
 
@@ -36,7 +37,7 @@ class Reference:
     """Every worker's and every server shard's residuals, slice by slice, as compressed.py keeps them."""
 
     def __init__(self, config: CompressionConfig, keys: list) -> None:
-        self.codec = make_codec(config)
+        self.codec, self.config = make_codec(config), config
         self.slices = {k: [(s.start, s.stop) for s in kv._keys[k].slices] for k in keys}
         pieces = [(k, a, b) for k in keys for a, b in self.slices[k]]
         self.workers = {(r, k, a): torch.zeros(b - a) for r in range(W) for k, a, b in pieces}
@@ -45,6 +46,8 @@ class Reference:
     def round(self, step: int, key: object, pulls_compressed: bool) -> torch.Tensor:
         shape = SHAPES[key.split("/")[1]]
         total = torch.zeros(shape).reshape(-1)
+        if total.numel() < self.config.min_elements:  # sent as it is: the plain sum
+            return sum(grad(r, step, key) for r in range(W))
         for a, b in self.slices[key]:
             for r in range(W):
                 piece = grad(r, step, key).reshape(-1)[a:b].contiguous()

@@ -83,7 +83,7 @@ class CompressionHookState:
 def _gather_hook(state, bucket):  # noqa: ANN001, ANN201 (DDP checks real annotations, not strings)
     """2bit / topk: all-gather every rank's payload, decode and sum them, divide by the world."""
     buffer, codec = bucket.buffer(), state.codec
-    if not compressible(buffer.dtype):
+    if not compressible(buffer.dtype, buffer.numel(), state.config):
         return _mean(buffer)
     payload = codec.encode(buffer.clone(), state.residual(bucket))
     world = dist.get_world_size()
@@ -105,7 +105,7 @@ def _cast_hook(state, bucket):  # noqa: ANN001, ANN201 (DDP checks real annotati
     """fp16 / bf16: the bucket / world travels in that type (with error feedback) and is summed so.
     torch ships such hooks, but its bf16 one refuses anything but NCCL; Gloo sums bf16 on the CPU."""
     buffer = bucket.buffer()
-    if not compressible(buffer.dtype):
+    if not compressible(buffer.dtype, buffer.numel(), state.config):
         return _mean(buffer)
     (sent,) = state.codec.encode(buffer / dist.get_world_size(), state.residual(bucket))
     future = dist.all_reduce(sent, async_op=True).get_future()

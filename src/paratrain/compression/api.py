@@ -22,6 +22,10 @@ class CompressionConfig:
     """powersgd: the rank of the low-rank approximation of each gradient matrix."""
     error_feedback: bool = True
     """Keep what a lossy encoding did not send, per tensor, and add it to the next gradient."""
+    min_elements: int = 1024
+    """Tensors (kvstore keys, DDP buckets) of fewer elements travel uncompressed: their bytes are
+    few, and compressing them (biases, norms) costs accuracy for little (BytePS and DGC leave
+    them out too)."""
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -29,6 +33,10 @@ class CompressionConfig:
 
         if self.type not in KINDS:
             raise bad("type", f"is not one of {KINDS}")
+
+        def is_int(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
         number = (int, float)
         if (
             not isinstance(self.threshold, number)
@@ -38,8 +46,14 @@ class CompressionConfig:
             raise bad("threshold", "must be a number > 0")
         if not isinstance(self.ratio, number) or isinstance(self.ratio, bool) or not 0 < self.ratio <= 1:
             raise bad("ratio", "must be a number in (0, 1]")
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+        if not is_int(self.rank) or self.rank < 1:
             raise bad("rank", "must be an int >= 1")
+        if (
+            not isinstance(self.min_elements, int)
+            or isinstance(self.min_elements, bool)
+            or self.min_elements < 0
+        ):
+            raise bad("min_elements", "must be an int >= 0")
         if not isinstance(self.error_feedback, bool):
             raise bad("error_feedback", "must be a bool")
 

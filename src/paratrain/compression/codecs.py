@@ -5,8 +5,8 @@
 
 Every payload is a list of plain tensors (the wire carries them as they are): 2bit one uint8 tensor
 of ceil(n / 4) bytes; topk the values and their int32 / int64 indices; fp16 / bf16 one tensor of
-that type. `encode` never changes x. Only float32 and float64 tensors are compressed
-(`compressible`); others travel as they are.
+that type. `encode` never changes x. Only float32 and float64 tensors of at least the config's
+min_elements are compressed (`compressible`); others travel as they are.
 """
 
 from __future__ import annotations
@@ -21,8 +21,13 @@ from paratrain.compression.api import CompressionConfig
 COMPRESSIBLE = (torch.float32, torch.float64)
 
 
-def compressible(dtype: torch.dtype) -> bool:
-    return dtype in COMPRESSIBLE
+def compressible(
+    dtype: torch.dtype, numel: int | None = None, config: CompressionConfig | None = None
+) -> bool:
+    """Whether a tensor of this type (and, given a config, of `numel` elements) is compressed."""
+    if dtype not in COMPRESSIBLE:
+        return False
+    return config is None or numel is None or numel >= config.min_elements
 
 
 class Codec:

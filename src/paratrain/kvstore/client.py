@@ -460,7 +460,7 @@ class DistKVStore(SparseAPI):
                 if self._compression is not None:  # never through shared memory (compressed.py)
                     meta["compression"] = self._compression.wire
                     added.append(False)
-                    tensors += self._compression.encode(k, a, flat[k][a:b])
+                    tensors += self._compression.encode(k, a, flat[k][a:b], self._keys[k].numel)
                     continue
                 region = self._keys[k].regions.get(s)
                 piece = flat[k][a:b]

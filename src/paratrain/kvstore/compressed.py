@@ -42,14 +42,14 @@ def _codec(config: CompressionConfig) -> Codec:
     return make_codec(config)
 
 
-def codec_of(wire: Any) -> Codec:
-    """The codec a frame's `compression` meta names; ValueError for anything else."""
+def codec_of(wire: Any) -> tuple[Codec, CompressionConfig]:
+    """The codec and config a frame's `compression` meta names; ValueError for anything else."""
     if not isinstance(wire, dict):
         raise ValueError(f"compression meta {wire!r} is not a dict")
     config = CompressionConfig.parse(wire)
     if config is None:
         raise ValueError("compression meta names no compression")
-    return _codec(config)
+    return _codec(config), config
 
 
 def residual_path(path: str | os.PathLike[str], rank: int) -> Path:
@@ -68,9 +68,10 @@ class WorkerCompression:
         self.wire = config.to_wire()
         self.residuals: dict[tuple[Any, int], torch.Tensor] = {}
 
-    def encode(self, key: Any, start: int, piece: torch.Tensor) -> list[torch.Tensor]:
-        """The wire tensors of one slice (the slice itself where its type is not compressed)."""
-        if not compressible(piece.dtype):
+    def encode(self, key: Any, start: int, piece: torch.Tensor, numel: int) -> list[torch.Tensor]:
+        """The wire tensors of one slice of a key of `numel` elements (the slice itself where the
+        key is not compressed: its type, or fewer than min_elements)."""
+        if not compressible(piece.dtype, numel, self.config):
             return [piece]
         residual = None
         if self.config.error_feedback:
@@ -135,14 +136,14 @@ class ServerCompression:
     ) -> list[torch.Tensor]:
         """Full-precision gradients, one per slice of the frame, each in a pooled buffer of its
         shard (or the tensor received, where it is `owned` and not compressed)."""
-        codec = codec_of(meta["compression"])
+        codec, config = codec_of(meta["compression"])
         if any(meta.get("added") or ()):
             raise ValueError("a compressed push cannot add slices in shared memory")
         received, grads = iter(tensors), []
         try:
             for i in range(len(meta["keys"])):
                 shard = shard_of(i)
-                if compressible(shard.value.dtype):
+                if compressible(shard.value.dtype, shard.numel, config):
                     payload = [next(received) for _ in range(codec.parts)]
                     grads.append(codec.decode(payload, shard.buffer()))
                 else:
@@ -162,13 +163,13 @@ class ServerCompression:
         wire = meta.get("pull_compression")
         if wire is None:
             return {}, values
-        codec = codec_of(wire)
-        feedback = bool(wire.get("error_feedback", True))
+        codec, config = codec_of(wire)
         flags, tensors = [], []
         for shard, value in zip(shards, values, strict=True):
-            packed = shard.optimizer is None and shard.version >= 1 and compressible(value.dtype)
+            packed = shard.optimizer is None and shard.version >= 1
+            packed = packed and compressible(value.dtype, shard.numel, config)
             flags.append(packed)
-            tensors += self._payload(shard, value, codec, feedback) if packed else [value]
+            tensors += self._payload(shard, value, codec, config.error_feedback) if packed else [value]
         return {"compressed": flags}, tensors
 
     def _pull_state(self, shard: Any) -> _ShardPull:
