@@ -32,7 +32,8 @@ ACCURACY = re.compile(r"worker (\d+): test accuracy ([0-9.]+)")
 def run(strategy: str, epochs: int, timeout_s: float) -> tuple[float | str, float]:
     """(accuracy, seconds) of one digits job."""
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
-    command = [sys.executable, "-m", "paratrain.launch.cli", "launch", "-w", "2", "-s", "1"]
+    launch = "import sys; from paratrain.launch.cli import main; sys.argv[0] = 'paratrain'; main()"
+    command = [sys.executable, "-c", launch, "launch", "-w", "2", "-s", "1"]
     command += ["--", os.path.join(ROOT, "examples", "digits.py"), "--strategy", strategy]
     command += ["--epochs", str(epochs)]
     start = time.monotonic()
@@ -90,6 +91,8 @@ def plot(path: str, rows: dict, epochs: int) -> None:
         print(f"matplotlib is not installed: no plot written to {path}")
         return
     names = [n for n, (a, _) in rows.items() if isinstance(a, float)]
+    if not names:
+        return
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.barh(names, [rows[n][0] for n in names])
     ax.set_xlim(min(rows[n][0] for n in names) - 0.05, 1.0)
