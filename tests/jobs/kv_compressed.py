@@ -6,10 +6,12 @@ reference encodes each worker's push slice by slice with that worker's error fee
 decoded pushes, and (no optimizer: BytePS's both ways) encodes the sum with the server's error
 feedback; the pulled values must match it. A save_state / load_state in the middle must bring
 every residual back (the rounds after it are the same again). Then, with SGD on the servers,
-pushes go compressed and the weights come back in full.
+pushes go compressed and the weights come back in full. Then the same workers run
+ddp_compressed.py (one job for both: a job's start costs more than its checks).
 argv: state_dir
 """
 
+import runpy
 import sys
 import zlib
 from pathlib import Path
@@ -114,3 +116,4 @@ for step in range(ROUNDS):
     assert any(not torch.equal(o, o.half().float()) for o in outs)  # full precision came back
 kv.close()
 print("compressed rounds match the reference", flush=True)
+runpy.run_path(str(Path(__file__).with_name("ddp_compressed.py")))  # the same workers: DDP's hooks
