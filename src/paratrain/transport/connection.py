@@ -7,7 +7,6 @@ A frame that fails any check raises FrameError: the caller closes this connectio
 
 from __future__ import annotations
 
-import select
 import socket
 import ssl
 import threading
@@ -184,21 +183,6 @@ class Connection:
         tensor = dest if fits else torch.empty(shape, dtype=dtype)
         copy_bytes(byte_view(tensor), region)  # one copy, no syscall
         return tensor
-
-    def readable(self, timeout_s: float | None) -> bool:
-        """Whether a read would find bytes (buffered, or on the socket within `timeout_s`; None:
-        wait for them). A closed socket reads as readable: the read then says why."""
-        if self._end > self._start:
-            return True
-        try:
-            ready, _, _ = select.select([self._sock], [], [], timeout_s)
-        except (OSError, ValueError):
-            return True
-        return bool(ready)
-
-    def buffered(self) -> bool:
-        """Whether bytes of a next frame were read ahead."""
-        return self._end > self._start
 
     def release_frame(self) -> None:
         """Hand the ring space of the last frame back to the writer."""

@@ -2,16 +2,9 @@
 
 `RpcServer` accepts connections and gives each its own thread, which reads frames and calls the
 handler; a handler replies at once or later (a deferred reply, e.g. when a barrier completes), from
-any thread. `RpcClient` holds one connection; `request` returns a `Future` at once, filled when the
-reply with the same id arrives, straight into the caller's `out` tensors. Frames with id 0 are
-one-way messages (a heartbeat, a notice from the scheduler).
-
-Who reads a client's replies: a thread that waits on a Future while no other thread reads reads the
-socket itself (and fills every Future whose reply comes meanwhile); otherwise the client's reader
-thread does, and wakes the waiter. A small round trip then costs no thread hand-off: measured with
-benchmarks/transport.py on 2 loaded cores, the hand-off was most of a 1 KiB round trip. The reader
-thread still reads whatever arrives while no one waits (one-way messages, replies nobody waits for
-yet, the connection's end).
+any thread. `RpcClient` holds one connection; `request` returns a `Future` at once and a reader
+thread fills it when the reply with the same id arrives, straight into the caller's `out` tensors.
+Frames with id 0 are one-way messages (a heartbeat, a notice from the scheduler).
 
 Why threads and blocking sockets rather than asyncio or ZeroMQ: measured on loopback here, blocking
 recv_into/sendmsg keeps payload bytes in tensor memory (no copies) and costs the fewest Python steps
@@ -330,18 +323,15 @@ class Future:
     """The reply to one request. A lock held until the reply arrives is the cheapest wake-up
     CPython has (an Event adds a Condition and a second lock)."""
 
-    __slots__ = ("_done", "_reply", "_error", "out", "what", "_client")
+    __slots__ = ("_done", "_reply", "_error", "out", "what")
 
-    def __init__(
-        self, what: str, out: Sequence[torch.Tensor | None] | None, client: RpcClient | None = None
-    ) -> None:
+    def __init__(self, what: str, out: Sequence[torch.Tensor | None] | None) -> None:
         self._done = threading.Lock()
         self._done.acquire()
         self._reply: Reply | None = None
         self._error: BaseException | None = None
         self.out = out
         self.what = what
-        self._client = client
 
     def _set(self, reply: Reply | None, error: BaseException | None) -> None:
         self._reply, self._error = reply, error
@@ -351,11 +341,6 @@ class Future:
         return not self._done.locked()
 
     def wait(self, timeout_s: float | None = None) -> Reply:
-        if self._client is not None and self._done.locked():
-            start = time.monotonic()
-            self._client._read_until(self, timeout_s)  # reads its reply itself if no one else reads
-            if timeout_s is not None:
-                timeout_s = max(0.0, timeout_s - (time.monotonic() - start))
         if not self._done.acquire(timeout=-1 if timeout_s is None else timeout_s):
             raise TimeoutError(f"no reply to {self.what} within {timeout_s} s")
         self._done.release()
@@ -391,10 +376,7 @@ class RpcClient:
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}
         self._error: Exception | None = None
-        self._read_lock = threading.Lock()  # held by the thread reading a frame
-        self._broken_once = threading.Lock()
         self._conn = self._connect(host, port, secret)
-        self._caller_reads = not isinstance(self._conn._sock, ssl.SSLSocket)  # TLS buffers unseen bytes
         self._reader = threading.Thread(target=self._read_loop, name=f"rpc-{self.name}", daemon=True)
         self._reader.start()
         self.same_host_path = bool(same_host and self.config.shm_ring_bytes) and self._offer_rings()
@@ -474,7 +456,7 @@ class RpcClient:
         """Send a request; the returned Future gives the reply. Reply tensors land in `out` where
         their dtype and size match it."""
         id = next(self._ids)
-        future = Future(f"{op!r} (id {id}) from {self.name}", out, self)
+        future = Future(f"{op!r} (id {id}) from {self.name}", out)
         with self._lock:
             if self._error is not None:
                 raise TransportError(f"connection to {self.name} is down: {self._error}")
@@ -510,59 +492,25 @@ class RpcClient:
         return future.out if future is not None else None
 
     def _read_loop(self) -> None:
-        """The reader thread: reads what arrives while no caller reads (Future.wait)."""
+        error: Exception | None = None
         try:
             while True:
-                with self._read_lock:  # a caller reading: wait for it, without waking meanwhile
-                    frame = None
-                    if not self._caller_reads or self._conn.readable(0):
-                        frame = self._conn.read(self._destinations)
-                if frame is not None:
-                    self._dispatch(*frame)
-                elif not self._conn.readable(None):  # idle: wait for bytes, not holding the lock
-                    continue
-        except Exception as exc:
-            self._broken(exc)
-
-    def _read_until(self, future: Future, timeout_s: float | None) -> None:
-        """Read frames in this (the waiting) thread until `future` is done and no bytes of a next
-        frame wait in the read-ahead buffer; return at once where another thread reads, or at the
-        timeout (the caller's wait then says so)."""
-        if not self._caller_reads or not self._read_lock.acquire(blocking=False):
-            return
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        try:
-            while future._done.locked() or self._conn.buffered():
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if future._done.locked() and left is not None and not self._conn.readable(left):
-                    return
-                self._dispatch(*self._conn.read(self._destinations))
-        except Exception as exc:
-            error: Exception | None = exc
-        else:
-            error = None
-        finally:
-            self._read_lock.release()
-        if error is not None:
-            self._broken(error)
-
-    def _broken(self, exc: Exception) -> None:
-        """The connection ended or failed (whoever read saw it): close, tell, fail what waits. Once."""
-        if not self._broken_once.acquire(blocking=False):
-            return
-        error: Exception = exc
-        if isinstance(exc, ConnectionClosed):
-            pass
-        elif isinstance(exc, TransportError):
+                header, tensors = self._conn.read(self._destinations)
+                self._dispatch(header, tensors)
+        except ConnectionClosed as exc:
+            error = exc
+        except TransportError as exc:
+            error = exc
             if not self._conn.closed:
                 logger.warning("connection to %s failed: %s", self.name, exc)
-        else:  # a malformed reply: this connection is unusable, say why
-            logger.error("connection to %s: unexpected error", self.name, exc_info=exc)
+        except Exception as exc:  # a malformed reply: this connection is unusable, say why
+            logger.exception("connection to %s: unexpected error", self.name)
             error = TransportError(f"connection to {self.name} broke: {exc!r}")
-        self._conn.close()
-        if self._on_close is not None:  # first: it may tell someone before our callers react
-            self._on_close(error)
-        self._fail_pending(error)
+        finally:
+            self._conn.close()
+            if self._on_close is not None:  # first: it may tell someone before our callers react
+                self._on_close(error)
+            self._fail_pending(error or TransportError(f"connection to {self.name} closed"))
 
     def _dispatch(self, header: Header, tensors: list[torch.Tensor]) -> None:
         if header.id == 0:
