@@ -1,7 +1,7 @@
 """paratrain's parameter server across simulated hosts with 1 Gbit/s links, against Gloo and the bound.
 
     sudo python benchmarks/hosts.py [--iters 5] [--warmup 2] [--workers 2,4] [--plot hosts.png]
-                                    [--timeline 1.0]
+                                    [--timeline 1.0] [--compression 2bit]
 
 Setup: W workers and W servers, each process on a host of its own (2W network namespaces on one
 bridge, paratrain.testing_hosts), every link shaped to --rate in each direction by tbf on both ends
@@ -15,6 +15,13 @@ apart (push all 50 and wait, then pull all 50), in the same job after the pushpu
 `--timeline S` also samples every link's byte counters (at the bridge's ports, as fast as `ip`
 answers: every 10-60 ms) while the paratrain job runs and prints each host's rate in each direction
 over its last S seconds of traffic: where a link idles, and which one finishes last.
+
+`--compression KIND` adds rows for gradient compression (kv.set_gradient_compression; 2bit with
+threshold 1, so every element is sent and the pulled value is checked exactly): the same pushpull
+with the servers only summing (update_on="worker": pushes and the pulled sums go compressed, the
+servers decode, sum, and encode the sum) and with SGD on the servers (update_on="server": pushes
+shrink, the pulled weights go in full), each against the uncompressed job of the same kind run
+beside it.
 
 The bounds are what the link rate allows: every worker sends and receives the whole model through
 its own link, and so does every server (W workers x model / W servers), so a push+pull takes at
@@ -62,6 +69,10 @@ def paratrain_role(args: argparse.Namespace) -> None:
     sizes = kv_bench.model_sizes(args.mb << 20, args.tensors)
     keys = list(range(len(sizes)))
     kv.init(keys, [torch.zeros(n) for n in sizes])
+    if args.update_on == "server":
+        kv.set_optimizer(torch.optim.SGD, lr=1e-6)
+    if args.compression:  # every element is >= the threshold: each worker sends +1 everywhere
+        kv.set_gradient_compression({"type": args.compression, "threshold": 1.0})
     grads = [torch.full((n,), kv.rank + 1.0) for n in sizes]
     outs = [torch.empty(n) for n in sizes]
     per_iter = _anchors.time_steps(
@@ -69,7 +80,13 @@ def paratrain_role(args: argparse.Namespace) -> None:
     )
     pushpull_end = time.monotonic()  # one clock for every namespace: --timeline's window ends here
     expected = kv.num_workers * (kv.num_workers + 1) / 2  # worker r pushes r + 1
-    if not all(bool((out == expected).all()) for out in outs):
+    if args.compression and args.compression != "2bit":
+        expected = None  # topk sends a part, fp16 / bf16 round; 2bit sends +1 and pulls the sum's +1
+    elif args.compression:
+        expected = 1.0
+    if args.update_on == "server":
+        expected = None  # weights
+    if expected is not None and not all(bool((out == expected).all()) for out in outs):
         raise SystemExit("pushpull pulled wrong sums")
     push_s = _anchors.time_steps(lambda: kv.push(keys, grads).wait(), 0, args.iters, kv.barrier)
     pull_s = _anchors.time_steps(lambda: kv.pull(keys, out=outs), 0, args.iters, kv.barrier)
@@ -152,8 +169,16 @@ class LinkSampler:
         return "\n".join(lines)
 
 
+def modes(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(compression, update_on) of each paratrain job: the plain one, and with --compression the
+    compressed one and both again with the optimizer on the servers."""
+    if not args.compression:
+        return [("none", "worker")]
+    return [(c, u) for u in ("worker", "server") for c in ("none", args.compression)]
+
+
 def measure(args: argparse.Namespace, workers: int) -> dict[str, float | str]:
-    """One row: the paratrain job and the Gloo job on 2 x `workers` fresh hosts."""
+    """One row: the paratrain jobs and the Gloo job on 2 x `workers` fresh hosts."""
     from paratrain.launch.local import Placement
     from paratrain.testing_hosts import LinkShape, SimulatedHosts
 
@@ -170,17 +195,21 @@ def measure(args: argparse.Namespace, workers: int) -> dict[str, float | str]:
             "worker": placed(hosts, range(workers)),
             "server": placed(hosts, range(workers, 2 * workers)),
         }
-        sampler = LinkSampler(hosts.bridge, hosts.count)
-        with sampler if args.timeline else contextlib.nullcontext():
-            found = _jobs.run_role_job(
-                script, ["--paratrain-role", *common], workers, workers, args.timeout, RESULT, places
-            )
-        if args.timeline and found is not None:
-            until = max(float(f[4]) for f in found)
-            print(f"{workers} workers (hosts 0-{workers - 1}), {workers} servers (hosts {workers}-", end="")
-            print(f"{2 * workers - 1}), the timed pushpulls' end: {sampler.report(args.timeline, until)}")
-        for i, name in enumerate(("paratrain", "push", "pull")):
-            row[name] = "failed" if found is None else max(float(f[i + 1]) for f in found)
+        for compression, update_on in modes(args):
+            sampler = LinkSampler(hosts.bridge, hosts.count)
+            role = ["--paratrain-role", "--update-on", update_on, *common]
+            role += ["--compression", compression] if compression != "none" else []
+            with sampler if args.timeline else contextlib.nullcontext():
+                found = _jobs.run_role_job(script, role, workers, workers, args.timeout, RESULT, places)
+            if args.timeline and found is not None:
+                until = max(float(f[4]) for f in found)
+                print(
+                    f"{workers} workers (hosts 0-{workers - 1}), {workers} servers (hosts {workers}-", end=""
+                )
+                print(f"{2 * workers - 1}), the timed pushpulls' end: {sampler.report(args.timeline, until)}")
+            suffix = "" if (compression, update_on) == ("none", "worker") else f" {compression} {update_on}"
+            for i, name in enumerate(("paratrain", "push", "pull")):
+                row[name + suffix] = "failed" if found is None else max(float(f[i + 1]) for f in found)
         gloo_args = ["--gloo-role", "--gloo-master", hosts.address(0), *common]
         del places["server"]
         found = _jobs.run_role_job(script, gloo_args, workers, 0, args.timeout, GLOO_RESULT, places)
@@ -227,6 +256,29 @@ def print_table(args: argparse.Namespace, rows: dict[int, dict]) -> None:
     for line in table:
         print(" | ".join(text.rjust(width) for text, width in zip(line, widths, strict=True)))
     _plot.save_table("hosts", setup, head, table[1:])
+    if args.compression:
+        print_compression_table(args, rows)
+
+
+def print_compression_table(args: argparse.Namespace, rows: dict[int, dict]) -> None:
+    """Per worker count and update location: push+pull, push and pull, plain and compressed, and
+    the compressed job's push+pull over the plain one's (the anchor, run on the same hosts)."""
+    cell, ratio = kv_bench.cell, kv_bench.ratio
+    head = ["workers", "update_on", "compression", "push+pull", "push", "pull", "push+pull / plain"]
+    table = [head]
+    for workers, row in rows.items():
+        for compression, update_on in modes(args):
+            suffix = "" if (compression, update_on) == ("none", "worker") else f" {compression} {update_on}"
+            plain = row["paratrain" + ("" if update_on == "worker" else f" none {update_on}")]
+            ours = row["paratrain" + suffix]
+            table.append(
+                [str(workers), update_on, compression, cell(ours), cell(row["push" + suffix])]
+                + [cell(row["pull" + suffix]), ratio(ours, plain)]
+            )
+    widths = [max(len(line[i]) for line in table) for i in range(len(head))]
+    print(f"\ngradient compression ({args.compression}, threshold 1), the same model, hosts and links:")
+    for line in table:
+        print(" | ".join(text.rjust(width) for text, width in zip(line, widths, strict=True)))
 
 
 def plot(path: str, args: argparse.Namespace, rows: dict[int, dict]) -> None:
@@ -272,6 +324,10 @@ def main() -> None:
     parser.add_argument(
         "--timeline", type=float, metavar="S", help="also print every link's rate over the last S s"
     )
+    parser.add_argument(
+        "--compression", choices=("2bit", "topk", "fp16", "bf16"), help="also rows with this compression"
+    )
+    parser.add_argument("--update-on", default="worker", help=argparse.SUPPRESS)
     parser.add_argument("--paratrain-role", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-role", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-master", help=argparse.SUPPRESS)

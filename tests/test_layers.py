@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "paratrain"
 LAYERS = [
     ("version", "errors"),
     ("transport",),
+    ("compression",),
     ("cluster",),
     ("data",),
     ("metrics",),

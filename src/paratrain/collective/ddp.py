@@ -1,6 +1,7 @@
 """Collective data parallel. Gradient averaging is torch's DistributedDataParallel: its reducer already
 buckets gradients in reverse order of use and all-reduces each bucket while backward goes on, which is
-the overlap the design asks for; paratrain adds compression hooks, local SGD and the choice of backend.
+the overlap the design asks for; paratrain adds compression hooks (compression.py), local SGD and the
+choice of backend.
 """
 
 from __future__ import annotations
@@ -10,23 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-_COMPRESSED = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def compress_hook(state, bucket):  # unannotated: DDP checks real annotations, and these are strings
-    """A DDP comm hook: the bucket travels as `state` (fp16 / bf16), pre-divided by the world size,
-    and comes back into the bucket's full-precision buffer. torch ships such hooks, but its bf16 one
-    refuses anything but NCCL, and Gloo all-reduces bf16 fine on the CPU."""
-    dtype: torch.dtype = state
-    buffer = bucket.buffer()
-    compressed = buffer.to(dtype).div_(dist.get_world_size())
-    future = dist.all_reduce(compressed, async_op=True).get_future()
-
-    def decompress(done: torch.futures.Future) -> torch.Tensor:
-        buffer.copy_(done.value()[0])
-        return buffer
-
-    return future.then(decompress)
+from paratrain.collective import compression as compression_hooks
+from paratrain.compression import CompressionConfig
 
 
 def backend_for(model: nn.Module) -> str:
@@ -35,16 +21,17 @@ def backend_for(model: nn.Module) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def wrap_ddp(model: nn.Module, *, bucket_mb: float = 25.0, compression: str | None = None) -> nn.Module:
-    """`model` in DistributedDataParallel on the default process group; gradients travel as
-    `compression` (fp16 / bf16) when given and are averaged over the world."""
+def wrap_ddp(
+    model: nn.Module, *, bucket_mb: float = 25.0, compression: str | dict | CompressionConfig | None = None
+) -> nn.Module:
+    """`model` in DistributedDataParallel on the default process group; gradients are averaged
+    over the world, compressed as `compression` says when given (collective/compression.py)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     device_ids = [device] if device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_mb)
-    if compression is not None:
-        if compression not in _COMPRESSED:
-            raise ValueError(f"compression={compression!r} is not one of {sorted(_COMPRESSED)}")
-        ddp.register_comm_hook(_COMPRESSED[compression], compress_hook)
+    config = CompressionConfig.parse(compression)
+    if config is not None:
+        compression_hooks.register(ddp, config)
     return ddp
 
 

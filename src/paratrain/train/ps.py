@@ -8,7 +8,12 @@ come back as soon as the servers have them. `step()` only waits for what is stil
     update_on="server": the servers hold the weights and run the optimizer (kv.set_optimizer with the
         local optimizer's class and hyperparameters); workers copy the pulled weights in.
     update_on="worker": the servers only sum; each worker pulls the mean gradient into .grad and
-        steps its own optimizer (compression: the gradient keys are fp16 / bf16).
+        steps its own optimizer.
+
+Compression (the strategy's `compression`: kv.set_gradient_compression) shrinks every push, with
+error feedback per key; with update_on="worker" the pulled mean too (the servers' own error
+feedback); with update_on="server" the pulled weights go in full. A 2bit threshold applies to each
+worker's gradient as pushed and to the round's mean pulled back (the servers average the rounds).
 
 A worker pushes grad / accumulation_steps. In sync and bounded modes the servers apply a round's mean
 over the workers that pushed to it (KVStoreConfig.average: the round counts them), so one server step
@@ -32,7 +37,6 @@ from paratrain.train.strategy import Strategy, kvstore_config
 
 logger = logging.getLogger(__name__)
 
-_COMPRESSED = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Optimizer settings that are not hyperparameters, or that cannot run on a server's slice.
 _NOT_SENT = ("params", "initial_lr", "foreach", "fused", "capturable", "differentiable", "name")
 
@@ -69,26 +73,19 @@ class PSEngine:
         # did), so a worker pushes its own gradient, divided only over its accumulation micro-steps.
         self.kv = kvstore.create(kvstore_config(strategy, average=True), ctx)
         self.scale = 1.0 / strategy.accumulation_steps
-        self.wire_dtype = _COMPRESSED.get(strategy.compression or "")
+        compression = strategy.compression_config
+        if compression is not None:  # a 2bit threshold applies to each worker's own gradient
+            self.kv.set_gradient_compression(compression)
         # Every worker starts from worker 0's values: its init sets the keys, and everyone pulls them.
         # With the optimizer on the workers the keys then carry gradient sums (a round's sum becomes
-        # the value); compressed gradient keys cannot carry the weights, so those start in "<key>/init".
-        self.staging = [torch.empty(p.shape, dtype=self._dtype(p)) for p in self.params]
-        self.outgoing = [torch.empty(p.shape, dtype=self._dtype(p)) for p in self.params]
-        initial = [p.detach().cpu() for p in self.params]
+        # the value; version 0, the weights, is never pulled compressed).
+        self.staging = [torch.empty(p.shape, dtype=p.dtype) for p in self.params]
+        self.outgoing = [torch.empty(p.shape, dtype=p.dtype) for p in self.params]
+        self.kv.init(self.keys, [p.detach().cpu() for p in self.params])
         if self.on_server:
-            self.kv.init(self.keys, initial)
             self.hyper = server_hyperparameters(optimizer)
             self.kv.set_optimizer(type(optimizer), **self.hyper)
-            self.pull_parameters()
-        elif self.wire_dtype is None:
-            self.kv.init(self.keys, initial)
-            self.pull_parameters()
-        else:
-            self.kv.init(self.keys, [torch.zeros(p.shape, dtype=self.wire_dtype) for p in self.params])
-            init_keys = [f"{key}/init" for key in self.keys]
-            self.kv.init(init_keys, initial)
-            self.pull_parameters(init_keys, [torch.empty_like(t) for t in initial])
+        self.pull_parameters()
         self.bucket_bytes = int(strategy.bucket_mb * 2**20)
         # As DDP does: the first bucket of a step is small, so the wire starts early in backward.
         self.first_bucket_bytes = min(self.bucket_bytes, 2**20)
@@ -100,12 +97,6 @@ class PSEngine:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.communication_s = self.waiting_s = 0.0
         """Seconds handing buckets to the kvstore / waiting for their rounds (train/observe.py)."""
-
-    def _dtype(self, p: torch.Tensor) -> torch.dtype:
-        """The key's type: the parameter's, or the compressed gradient's (update_on="worker")."""
-        if self.on_server or self.wire_dtype is None:
-            return p.dtype
-        return self.wire_dtype
 
     # -- pushing as backward goes ----------------------------------------------------------------
     def set_sync(self, sync: bool) -> None:
@@ -150,7 +141,7 @@ class PSEngine:
             )
         if out.dtype == p.grad.dtype and p.grad.device.type == "cpu":
             return torch.mul(p.grad, self.scale, out=out)
-        return out.copy_(p.grad).mul_(self.scale)  # to the CPU, and to the compressed type
+        return out.copy_(p.grad).mul_(self.scale)  # to the CPU
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, local_step: Any) -> Any:

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from paratrain.compression import CompressionConfig
 from paratrain.kvstore.api import AGGREGATION as AGGREGATIONS
 from paratrain.kvstore.api import KVStoreConfig
 from paratrain.kvstore.consistency import NAMES as CONSISTENCIES
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 ARCHITECTURES = ("local", "collective", "ps", "hybrid")
 UPDATE_ON = ("server", "worker")
-COMPRESSIONS = (None, "fp16", "bf16")
+COMPRESSIONS = (None, "2bit", "topk", "fp16", "bf16", "powersgd")
 SCHEDULES = ("1f1b", "gpipe")
 ENV_VAR = "PARATRAIN_STRATEGY"
 
@@ -55,7 +56,17 @@ class Strategy:
     local_sgd_period: int = 0
     """collective only. >0: no per-step all-reduce; parameters are averaged every this many steps."""
     compression: str | None = None
-    """fp16 or bf16: gradients travel in that type (collective, or ps with update_on="worker")."""
+    """2bit, topk, fp16, bf16 (collective and ps) or powersgd (collective): gradients travel
+    compressed, with error feedback (paratrain.compression)."""
+    compression_threshold: float = 0.5
+    """2bit: a worker's mean gradient element is sent as +-threshold where |element| >= threshold,
+    else 0; the rest waits in the error feedback."""
+    compression_ratio: float = 0.01
+    """topk: the fraction of each gradient's elements sent (those of largest magnitude)."""
+    compression_rank: int = 1
+    """powersgd: the rank of each gradient matrix's approximation."""
+    error_feedback: bool = True
+    """Keep what compression did not send, per tensor, and add it to the next gradient."""
     pipeline_stages: int = 1
     """>1: the model (an nn.Sequential) is cut into this many stages, one per worker (pipeline/)."""
     micro_batches: int = 1
@@ -87,12 +98,19 @@ class Strategy:
             ("local_sgd_period", 0),
             ("pipeline_stages", 1),
             ("micro_batches", 1),
+            ("compression_rank", 1),
         ):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise bad(field, f"must be an int >= {least}")
         if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
             raise bad("bucket_mb", "must be a number > 0")
+        if not isinstance(self.compression_threshold, (int, float)) or not self.compression_threshold > 0:
+            raise bad("compression_threshold", "must be a number > 0")
+        if not isinstance(self.compression_ratio, (int, float)) or not 0 < self.compression_ratio <= 1:
+            raise bad("compression_ratio", "must be a number in (0, 1]")
+        if not isinstance(self.error_feedback, bool):
+            raise bad("error_feedback", "must be a bool")
         ps = self.architecture == "ps"
         if self.staleness and self.consistency != "bounded":
             raise bad("staleness", f"needs consistency='bounded', not {self.consistency!r}")
@@ -110,13 +128,28 @@ class Strategy:
             raise bad("local_sgd_period", f"needs architecture='collective', not {self.architecture!r}")
         if self.local_sgd_period and self.compression:
             raise bad("compression", "does nothing with local SGD (parameters are averaged in full)")
-        if self.compression and ps and self.update_on == "server":
-            raise bad("compression", "needs update_on='worker' in a parameter-server strategy")
+        if self.compression == "powersgd" and self.architecture not in ("collective", "hybrid"):
+            raise bad(
+                "compression", f"needs architecture='collective' or 'hybrid', not {self.architecture!r}"
+            )
         if self.pipeline_stages > 1 and self.accumulation_steps > 1:
             raise bad("accumulation_steps", "is micro_batches in a pipeline; set that instead")
 
     def replace(self, **changes: Any) -> Strategy:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def compression_config(self) -> CompressionConfig | None:
+        """The compression fields as the compression layer takes them."""
+        if self.compression is None:
+            return None
+        return CompressionConfig(
+            self.compression,
+            threshold=self.compression_threshold,
+            ratio=self.compression_ratio,
+            rank=self.compression_rank,
+            error_feedback=self.error_feedback,
+        )
 
     @property
     def distributed_optimizer(self) -> bool:
@@ -169,6 +202,10 @@ def _convert(field: str, text: str) -> Any:
             return int(text)
         if kind == "float":
             return float(text)
+        if kind == "bool":
+            return {"true": True, "1": True, "false": False, "0": False}[text.lower()]
+    except KeyError:
+        raise ValueError(f"strategy setting {field}={text!r} is not true or false") from None
     except ValueError:
         raise ValueError(f"strategy setting {field}={text!r} is not a number") from None
     return None if text in ("", "none", "None") else text

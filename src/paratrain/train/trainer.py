@@ -106,7 +106,9 @@ class CollectiveEngine(LocalEngine):
             self.local_sgd = collective.LocalSGD(model, strategy.local_sgd_period)
         elif any(p.requires_grad for p in model.parameters()):
             super().__init__(
-                collective.wrap_ddp(model, bucket_mb=strategy.bucket_mb, compression=strategy.compression)
+                collective.wrap_ddp(
+                    model, bucket_mb=strategy.bucket_mb, compression=strategy.compression_config
+                )
             )
         else:
             super().__init__(model)  # nothing dense to average (e.g. only sparse tables)
@@ -114,6 +116,16 @@ class CollectiveEngine(LocalEngine):
     def set_sync(self, sync: bool) -> None:
         if isinstance(self.model, nn.parallel.DistributedDataParallel):
             self.model.require_backward_grad_sync = sync
+
+    def save(self, folder: Path) -> None:
+        from paratrain.collective import compression
+
+        compression.save(self.model, folder)  # this rank's error feedback, where compressed
+
+    def restore(self, folder: Path) -> None:
+        from paratrain.collective import compression
+
+        compression.restore(self.model, folder)
 
     def step(self, optimizer: torch.optim.Optimizer, local_step: Any) -> Any:
         result = local_step()

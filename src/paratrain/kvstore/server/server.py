@@ -47,6 +47,7 @@ import torch
 
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVError
+from paratrain.kvstore.compressed import ServerCompression
 from paratrain.kvstore.consistency import policy
 from paratrain.kvstore.server.shard import Push, Rules, ShardState
 from paratrain.kvstore.server.sparse import SparseTables
@@ -96,11 +97,14 @@ class KVServer(Handler):
         self.tables = SparseTables(self)  # sparse tables: ops sparse_* (sparse.py)
         self.staleness: Counter[int] = Counter()
         """Pushed slices by how many updates their key took since the pusher's pull (report.py)."""
+        self.compression = ServerCompression()  # compressed pushes and pulls (compressed.py)
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
         if header.op not in ("push", "pushpull") or header.at is not None:
             return None  # no payload, or a same-host one: read in place from the ring
+        if "compression" in header.meta:
+            return None  # compressed: decoded into pooled buffers in _push
         try:
             carried = [i for i, added in enumerate(self._flags(header.meta, "added")) if not added]
             return [self._shard(header.meta, i).buffer() for i in carried[: len(header.specs)]]
@@ -245,14 +249,18 @@ class KVServer(Handler):
         meta, rank = request.meta, int(request.meta["rank"])
         owned = request.header.at is None  # else the tensors view the ring until handle() returns
         weight = int(meta.get("weight", 1))
+        tensors = request.tensors
+        if "compression" in meta:  # decoded into pooled buffers first (compressed.py)
+            tensors = self.compression.decode_push(meta, tensors, lambda i: self._shard(meta, i), owned)
+            owned = True
         added = self._flags(meta, "added")
-        if len(request.tensors) != added.count(False):
+        if len(tensors) != added.count(False):
             raise KVError(
                 f"push of {len(meta['keys'])} slices, {added.count(True)} added, carried "
-                f"{len(request.tensors)} tensors"
+                f"{len(tensors)} tensors"
             )
         # Every slice is checked before any is counted: a frame is refused whole, never half-added.
-        grads, work = iter(request.tensors), []
+        grads, work = iter(tensors), []
         for i, was_added in enumerate(added):
             shard = self._shard(meta, i)
             push = Push(rank, int(meta["clocks"][i]), None if was_added else next(grads), owned, weight)
@@ -301,7 +309,8 @@ class KVServer(Handler):
         sent = [shard for shard, reads in zip(pull.shards, pull.read, strict=True) if not reads]
         values = [shard.begin_read() for shard in sent]
         try:
-            pull.request.reply({"versions": [s.version for s in sent]}, values)  # readers see theirs
+            extra, values = self.compression.encode_pull(pull.request.meta, sent, values)
+            pull.request.reply({"versions": [s.version for s in sent], **extra}, values)  # readers see theirs
             rank = pull.request.meta.get("rank", -1)
             for shard in pull.shards:
                 shard.read[rank] = shard.version
@@ -357,8 +366,10 @@ class KVServer(Handler):
             shards = list(self._shards.values())
         for shard in shards:
             entry, parts = shard.state()
+            extra = self.compression.state_tensors(shard)  # its pull residual (compressed.py)
+            entry["state"] += list(extra)
             entries.append(entry)
-            tensors += parts
+            tensors += parts + [t.clone() for t in extra.values()]
         request.reply({"shards": entries, "optimizer": list(self.optimizer_spec or ())}, tensors)
 
     def _set_state(self, request: Request) -> None:
@@ -369,5 +380,6 @@ class KVServer(Handler):
             )
             value, state = tensors[i], dict(zip(entry["state"], tensors[i + 1 :], strict=False))
             i += 1 + len(entry["state"])
+            state = self.compression.load_state(shard, state)  # its pull residual (compressed.py)
             shard.load(value, state)
         request.reply({})

@@ -30,6 +30,7 @@ from paratrain.cluster.context import Context
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import Handle, Keys, KVStoreConfig, SparseAPI
+from paratrain.kvstore.compressed import WorkerCompression, compression_config
 from paratrain.kvstore.placement import Placement, Slice
 from paratrain.kvstore.shared import ArenaMap, Region
 from paratrain.kvstore.worker.checks import (
@@ -113,6 +114,8 @@ class DistKVStore(SparseAPI):
         self._arenas: dict[int, ArenaMap] = {}  # per same-host server: its shared shards
         self._closed = False
         self._tables: Any = None  # embedding.TableClient, made on first use of a sparse table
+        self._compression: WorkerCompression | None = None  # set_gradient_compression
+        self._server_optimizer = False  # set_optimizer was called: pulls are weights
         self._members = list(range(ctx.num_workers)) if members is None else members
         self._weight = weight
         self._barrier = barrier or (lambda name: ctx.barrier(name=name))
@@ -279,8 +282,11 @@ class DistKVStore(SparseAPI):
         )
         reads: list[tuple[Region, torch.Tensor]] = []
         for s, meta in frames:
-            out = self._dests(s, meta, views, reads)
+            packed = self._compressed_pull(meta)
+            out = None if packed else self._dests(s, meta, views, reads)
             futures.append(self._clients[s].request("pull", meta, (), out=out))
+            if packed:
+                after.insert(0, self._decoder(meta, futures[-1], views))
         return self._handle("pull", keys, frames, futures, after, reads)
 
     def _handle(
@@ -357,6 +363,11 @@ class DistKVStore(SparseAPI):
             tensors, added = [], []
             slices = zip(meta["keys"], meta["starts"], meta["stops"], meta["clocks"], strict=True)
             for k, a, b, clock in slices:
+                if self._compression is not None:  # never through shared memory (compressed.py)
+                    meta["compression"] = self._compression.wire
+                    added.append(False)
+                    tensors += self._compression.encode(k, a, flat[k][a:b], self._keys[k].numel)
+                    continue
                 region = self._keys[k].regions.get(s)
                 piece = flat[k][a:b]
                 added.append(rounds and region is not None and region.add(clock, piece))
@@ -365,8 +376,11 @@ class DistKVStore(SparseAPI):
             if any(added):
                 meta["added"] = added
             op = "push" if views is None else "pushpull"
-            out = self._dests(s, meta, views, reads) if views is not None else None
+            packed = views is not None and self._compressed_pull(meta)
+            out = self._dests(s, meta, views, reads) if views is not None and not packed else None
             futures.append(self._clients[s].request(op, meta, tensors, out=out))
+            if packed:
+                after.insert(0, self._decoder(meta, futures[-1], views))
         return self._handle("push" if views is None else "pushpull", keys, frames, futures, after, reads)
 
     def _spec(self, key: Any) -> tuple[list[int], torch.dtype]:
@@ -402,11 +416,34 @@ class DistKVStore(SparseAPI):
             meta["read"] = read
         return dests
 
+    # -- compression (compressed.py) -------------------------------------------------------------
+    def set_gradient_compression(self, compression: Any) -> None:
+        """Compress this worker's pushes from now on, in MXNet's form
+        (`{"type": "2bit", "threshold": 0.5}`, or "topk", "fp16", "bf16"; None: off), with error
+        feedback per key. Where the servers run no optimizer (rounds sum gradients), the pulled
+        sums come compressed too, with the servers' own error feedback. Every worker calls it."""
+        config = compression_config(compression)
+        self._compression = None if config is None else WorkerCompression(config)
+
+    def _compressed_pull(self, meta: dict) -> bool:
+        """Whether a frame's pulled values come compressed: gradient sums only (no optimizer on
+        the servers, rounds); marks the frame so."""
+        if self._compression is None or self._server_optimizer or not self.config.policy.rounds:
+            return False
+        meta["pull_compression"] = self._compression.wire
+        return True
+
+    def _decoder(self, meta: dict, future: Future, views: dict) -> Callable[[], None]:
+        compression = self._compression
+        assert compression is not None
+        return lambda: compression.decode_reply(meta, future.wait(0), views)
+
     def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
         """Run `optimizer` (a torch.optim class or its path) on the servers, once per round."""
         path = optim.class_path(optimizer)
         optim.resolve(path)
         hyper = optim.check_hyperparameters(hyperparameters)
+        self._server_optimizer = True
         if self.rank == 0:
             self._all_servers("set_optimizer", {"path": path, "hyper": hyper})
         self._barrier("kvstore-optimizer")
@@ -440,6 +477,8 @@ class DistKVStore(SparseAPI):
             optimizer = next((r.meta["optimizer"] for r in replies if r.meta["optimizer"]), [])
             tables = self._tables.gather() if self._tables is not None and self._tables.tables else ()
             write_state(path, gather_state(replies), optimizer, tables)
+        if self._compression is not None:  # every worker's own push residuals
+            self._compression.save(path, self.rank)
         self.barrier()
 
     def load_state(self, path: str | os.PathLike[str]) -> None:
@@ -456,6 +495,8 @@ class DistKVStore(SparseAPI):
                 self._tables.load(read_tables(path))
         for info in self._keys.values():
             info.clock = 0
+        if self._compression is not None:
+            self._compression.load(path, self.rank)
         if self._tables is not None:
             self._tables.reset_clocks()
         self.barrier()

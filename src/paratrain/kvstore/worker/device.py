@@ -19,6 +19,7 @@ from paratrain.cluster.context import Context
 from paratrain.cluster.rendezvous import init_torch_distributed
 from paratrain.errors import KVStoreError
 from paratrain.kvstore.api import Handle, Keys, KVStoreConfig
+from paratrain.kvstore.compressed import compression_config
 from paratrain.kvstore.worker.checks import as_lists, check_finite, check_init_value, check_tensors
 from paratrain.kvstore.worker.client import DistKVStore
 
@@ -140,6 +141,11 @@ class HostKVStore:
 
     def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
         self._leader_then_all(lambda kv: kv.set_optimizer(optimizer, **hyperparameters))
+
+    def set_gradient_compression(self, compression: Any) -> None:
+        """The host's leader compresses what it sends (the reduce within a host is not)."""
+        compression_config(compression)  # checked on every worker
+        self._leader_then_all(lambda kv: kv.set_gradient_compression(compression))
 
     def barrier(self) -> None:
         dist.barrier()

@@ -15,6 +15,7 @@ import torch
 from paratrain.errors import KVStoreError
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import Handle, Keys, KVStoreConfig
+from paratrain.kvstore.compressed import compression_config
 from paratrain.kvstore.worker.checks import as_lists, check_finite, check_init_value, check_tensors
 from paratrain.kvstore.worker.state import read_state, write_state
 
@@ -108,6 +109,10 @@ class LocalKVStore:
         self._params[key] = torch.nn.Parameter(self._values[key], requires_grad=True)
         self._values[key] = self._params[key].data
         self._optimizers[key] = optim.build(path, hyper, self._params[key])
+
+    def set_gradient_compression(self, compression: Any) -> None:
+        """Checked, with no effect: nothing travels in one process."""
+        self.compression = compression_config(compression)
 
     def barrier(self) -> None:
         pass
