@@ -134,9 +134,9 @@ def register(ddp: DistributedDataParallel, config: CompressionConfig) -> None:
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         setattr(ddp, ATTRIBUTE, state)
         return
-    state = CompressionHookState(config, ddp.module)
-    ddp.register_comm_hook(state, _cast_hook if config.type in ("fp16", "bf16") else _gather_hook)
-    setattr(ddp, ATTRIBUTE, state)
+    hook_state = CompressionHookState(config, ddp.module)
+    ddp.register_comm_hook(hook_state, _cast_hook if config.type in ("fp16", "bf16") else _gather_hook)
+    setattr(ddp, ATTRIBUTE, hook_state)
 
 
 def state_path(folder: Path) -> Path:

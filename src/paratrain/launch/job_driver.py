@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import yaml
 
@@ -158,7 +158,7 @@ def _run_local(config: LaunchConfig, logs: LogFiles) -> JobResult:
         timeout_s=config.timeout_s,
         python=config.python,
     )
-    return run_local_job(local, out=logs, err=logs)
+    return run_local_job(local, out=cast(IO[str], logs), err=cast(IO[str], logs))
 
 
 def _run_ray(spec: JobSpec, config: LaunchConfig, logs: LogFiles) -> JobResult:
@@ -186,7 +186,7 @@ def _run_ray(spec: JobSpec, config: LaunchConfig, logs: LogFiles) -> JobResult:
             report = f"paratrain: the job's directories must be on a file system every node sees: {missing}\n"
             logs.write(report)
             return JobResult(1, None, report, [])
-        return run_ray(config, options, out=logs, err=logs)
+        return run_ray(config, options, out=cast(IO[str], logs), err=cast(IO[str], logs))
     finally:
         if connected_here:
             ray.shutdown()

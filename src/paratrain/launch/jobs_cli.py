@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -211,7 +212,7 @@ def list_jobs(output_dir: str | None) -> None:
             click.echo(f"{r.id}: {r.failure.strip().splitlines()[0]}")
 
 
-def _table(rows: list[tuple[str, ...]]) -> None:
+def _table(rows: Sequence[Sequence[str]]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
@@ -400,7 +401,8 @@ def _scalars(values: dict) -> str:
     return " ".join(shown) or "-"
 
 
-def _size(size: int) -> str:
+def _size(count: int) -> str:
+    size = float(count)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"

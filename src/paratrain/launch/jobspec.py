@@ -210,11 +210,9 @@ def parse_spec(
     except ValidationError as exc:
         problems = sorted((_problem(error, lines) for error in exc.errors()), key=lambda p: p[0])
         raise SpecError([f"{source}:{line}: {text}" for line, text in problems]) from None
-    problems = [
-        f"{source}:{_line(loc, lines)}: {'.'.join(loc)}: {msg}" for loc, msg in _backend_problems(spec)
-    ]
-    if problems:
-        raise SpecError(problems)
+    found = [f"{source}:{_line(loc, lines)}: {'.'.join(loc)}: {msg}" for loc, msg in _backend_problems(spec)]
+    if found:
+        raise SpecError(found)
     return _resolved(spec, base or Path.cwd())
 
 
@@ -249,7 +247,8 @@ def _walk(node: yaml.Node, path: tuple, lines: dict[tuple, int], problems: list[
                 problems.append(f"{source}:{key.start_mark.line + 1}: {where}: given twice")
             seen.add(name)
             _walk(value, (*path, name), lines, problems, source)
-            lines[(*path, name)] = key.start_mark.line + 1
+            where_key = (*path, name)
+            lines[where_key] = key.start_mark.line + 1
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             _walk(item, (*path, index), lines, problems, source)
