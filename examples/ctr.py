@@ -112,8 +112,15 @@ class ServingProbe:
             f"the serving process did not answer at {self.url} (exit code {self.process.poll()})"
         )
 
-    def ask(self, step: int) -> None:
-        clicks = self._post("/predict", {"inputs": {"dense": self.dense.tolist(), "ids": self.ids.tolist()}})
+    def ask(self, step: int, newer_than: int = -1, timeout_s: float = 60.0) -> int:
+        """Asks, and prints the answer; with `newer_than`, first waits (at most timeout_s) until the
+        served dense part comes from a checkpoint after that step. Returns the served model step."""
+        inputs = {"inputs": {"dense": self.dense.tolist(), "ids": self.ids.tolist()}}
+        clicks = self._post("/predict", inputs)
+        deadline = time.monotonic() + timeout_s
+        while clicks["model_step"] <= newer_than and time.monotonic() < deadline:
+            time.sleep(0.2)  # the server reloads a newer checkpoint within its reload interval
+            clicks = self._post("/predict", inputs)
         probabilities = torch.sigmoid(torch.tensor(clicks["outputs"]))
         asked = [*self.ids[0, :3].tolist(), UNSEEN_ID]
         rows = torch.tensor(self._post("/embeddings", {"table": "deep", "ids": asked})["rows"])
@@ -123,6 +130,7 @@ class ServingProbe:
             f"unseen row zero {bool((rows[3] == 0).all())}",
             flush=True,
         )
+        return int(clicks["model_step"])
 
     def close(self) -> None:
         self.process.terminate()
@@ -190,10 +198,11 @@ def main() -> None:
                 if probe is None:  # the first checkpoint is there: start serving, wait for it once
                     probe = ServingProbe(args.checkpoint_dir, test_dense[:4], test_ids[:4])
                     probe.wait_until_up()
-                if trainer.steps % args.ask_every == 0:
+                    first_served = probe.ask(trainer.steps)
+                elif trainer.steps % args.ask_every == 0:
                     probe.ask(trainer.steps)
-    if probe is not None:
-        probe.ask(trainer.steps)
+    if probe is not None:  # the last answer comes from a newer checkpoint than the first did
+        probe.ask(trainer.steps, newer_than=first_served)
         probe.close()
     trainer.close()
 
