@@ -14,6 +14,17 @@ import click
 from paratrain.errors import ParatrainError
 
 
+def _check_extra(command: str) -> None:
+    """A clear error naming the extra when the serving stack is not installed."""
+    import importlib.util
+
+    for package in ("starlette", "uvicorn", "prometheus_client", "safetensors"):
+        if importlib.util.find_spec(package) is None:
+            raise click.ClickException(
+                f"{command} needs {package}, which is not installed: pip install 'paratrain[serve]'"
+            )
+
+
 def _inputs(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple:
     from paratrain.serve.api import InputSpec
 
@@ -140,6 +151,7 @@ def serve(
     GET /metrics."""
     import torch
 
+    _check_extra("paratrain serve")
     from paratrain.serve.api import ServeConfig
     from paratrain.serve.http import HttpServer
     from paratrain.serve.model import load_factory
@@ -193,6 +205,7 @@ def serve(
 def export(checkpoint_path: str, out: str) -> None:
     """Write the model weights of CHECKPOINT (a folder, or an output folder's newest) to OUT, a
     .safetensors file that loads with no code execution."""
+    _check_extra("paratrain export")
     from paratrain.serve.weights import export as export_weights
 
     try:
