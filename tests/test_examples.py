@@ -27,8 +27,8 @@ def accuracy(lines: list[str]) -> float:
     [
         ("dist_sync", "(ps, sync,", "12", 0.95),
         ("dist_async", "(ps, async,", "8", 0.93),
-        # Staleness 2 learns slower, by how much varies with timing: 8 epochs gave 0.90 to 0.97.
-        ("ps:consistency=bounded,staleness=2", "(ps, bounded,", "12", 0.93),
+        # bounded is not repeated here (22 s of CI): test_train checks it against one process, and
+        # test_kvstore that no pull is more than `staleness` rounds behind.
     ],
 )
 def test_the_main_job_learns_the_digits(strategy, ran, epochs, least):

@@ -409,27 +409,6 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def test_a_dead_node_stops_the_job_and_is_named(cluster):
-    """Last in the module: it takes the cluster's second node away for good."""
-    [other] = cluster.worker_nodes
-    victim = other.node_id[:6]
-    ready: set[int] = set()
-
-    def remove_the_node_once_every_worker_is_ready(key, line):
-        if line.startswith("ready"):
-            ready.add(key[1])
-            if ready == {0, 1}:
-                cluster.remove_node(other)
-
-    # stop_grace_s: the others exit aborted at once, Ray tells of the lost actors a little later
-    on_line = remove_the_node_once_every_worker_is_ready
-    result, out, err = _run([ROLES, "hang"], workers=2, servers=2, on_line=on_line, stop_grace_s=15)
-    assert result.exit_code == 1, err.getvalue()
-    failure = result.failure
-    assert failure.host.endswith(f"/{victim}"), result.report
-    assert f"was lost with its node {failure.host} (Ray node {victim}" in result.report
-
-
 def test_a_submitted_job_runs_on_ray_with_its_folders_checked_on_every_node(cluster, tmp_path, monkeypatch):
     """The job platform's driver (job_driver.drive, as `paratrain submit` runs it) on the cluster:
     the job's folders are seen on both nodes, each process's output lands in its own log."""
@@ -459,3 +438,24 @@ def test_a_submitted_job_runs_on_ray_with_its_folders_checked_on_every_node(clus
     assert missing_on_ray_nodes([str(tmp_path / "data")]) == ""
     missing = missing_on_ray_nodes([str(tmp_path / "nowhere")])
     assert missing.count(f"has no {tmp_path / 'nowhere'}") == 2  # each node says so
+
+
+def test_a_dead_node_stops_the_job_and_is_named(cluster):
+    """Last in the module: it takes the cluster's second node away for good."""
+    [other] = cluster.worker_nodes
+    victim = other.node_id[:6]
+    ready: set[int] = set()
+
+    def remove_the_node_once_every_worker_is_ready(key, line):
+        if line.startswith("ready"):
+            ready.add(key[1])
+            if ready == {0, 1}:
+                cluster.remove_node(other)
+
+    # stop_grace_s: the others exit aborted at once, Ray tells of the lost actors a little later
+    on_line = remove_the_node_once_every_worker_is_ready
+    result, out, err = _run([ROLES, "hang"], workers=2, servers=2, on_line=on_line, stop_grace_s=15)
+    assert result.exit_code == 1, err.getvalue()
+    failure = result.failure
+    assert failure.host.endswith(f"/{victim}"), result.report
+    assert f"was lost with its node {failure.host} (Ray node {victim}" in result.report
