@@ -102,7 +102,7 @@ class SparseTable:
         self.pulled: dict[int, tuple[np.ndarray, Hint]] = {}  # by rank: its last training pull
         self.evictions = 0  # rows evicted so far: a pull's slots stay valid while this is unchanged
         self.broken: str | None = None  # why a round failed to apply: every pull fails with it
-        self._scratch = np.zeros(0, np.int64)  # by slot, all -1: positions while a round is combined
+        self._combining = kernels.combine_buffers(0, dim)  # kept from round to round (kernels.combine)
 
     def _columns(self) -> Columns:
         extra = self.optimizer.columns(self.dim) if self.optimizer else {}
@@ -257,10 +257,11 @@ class SparseTable:
         self.counts["dropped"] += len(slots) - held
         if len(pushes) == 1 and held == len(slots):
             return slots, grads.contiguous()  # one push's ids are unique
-        if len(self._scratch) < self.rows.capacity:
-            self._scratch = np.full(self.rows.capacity, -1, np.int64)
-        unique, summed = kernels.combine(slots, grads.contiguous().numpy(), self._scratch)
-        return unique, torch.from_numpy(summed)
+        if len(self._combining[2]) < len(slots):
+            self._combining = kernels.combine_buffers(len(slots) + len(slots) // 4, self.dim)
+        keys, where, unique, summed = self._combining
+        count = kernels.combine(slots, grads.contiguous().numpy(), keys, where, unique, summed)
+        return unique[:count], torch.from_numpy(summed[:count])  # views: used before the lock is let go
 
     def apply(self, pushes: list[Push], clock: int, add: bool) -> None:
         """One update of the rows of the pushes' ids (a round's, or one async push)."""
