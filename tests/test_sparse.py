@@ -58,11 +58,14 @@ def test_combine_sums_repeated_slots_in_order_as_a_plain_loop_does_with_buffers_
         for slot, grad in zip(slots.tolist(), grads, strict=True):
             if slot >= 0:
                 order[slot] = order.get(slot, np.zeros(4, np.float32)) + grad
-        count = kernels.combine(slots, grads, *buffers)
-        assert buffers[2][:count].tolist() == list(order)
+        keys, where, unique, summed = buffers
+        size, half = kernels.combine_start(keys, n), n // 2  # in two pushes, as a round's
+        count = kernels.combine(slots[:half], grads[:half], keys, size, where, unique, summed, 0)
+        count = kernels.combine(slots[half:], grads[half:], keys, size, where, unique, summed, count)
+        assert unique[:count].tolist() == list(order)
         expected = np.stack(list(order.values()))
-        assert np.array_equal(buffers[3][:count], expected)
-        assert not np.signbit(buffers[3][:count][expected == 0]).any()  # 0.0 + -0.0, as a sum from zero
+        assert np.array_equal(summed[:count], expected)
+        assert not np.signbit(summed[:count][expected == 0]).any()  # 0.0 + -0.0, as a sum from zero
 
 
 @pytest.mark.parametrize("servers", [1, 3])

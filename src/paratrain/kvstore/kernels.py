@@ -147,30 +147,39 @@ def dedup_by_server(
 
 # -- servers: a round's pushes summed per row, and the lazy optimizers ------------------------------
 @jit
+def combine_start(keys: np.ndarray, rows: int) -> int:
+    """Empty the first entries of `keys` for a combine of `rows` gradient rows; returns how many: a
+    power of two >= 2 x rows."""
+    size = 16
+    while size < 2 * rows:
+        size *= 2
+    keys[:size] = EMPTY
+    return size
+
+
+@jit
 def combine(
     slots: np.ndarray,
     grads: np.ndarray,
     keys: np.ndarray,
+    size: int,
     where: np.ndarray,
     unique: np.ndarray,
     summed: np.ndarray,
+    count: int,
 ) -> int:
-    """Unique held slots (first appearance order) into `unique` and the sums of their gradients,
-    added in the order given, into `summed`; returns how many. Slots < 0 (rows gone) are dropped.
+    """Add one push to a round's combine: slots not seen yet go to `unique` (first appearance order)
+    after the `count` ones there, and each gradient row is added to its slot's sum in `summed`, in the
+    order given; returns the new count. Slots < 0 (rows gone) are dropped.
 
-    The position of each slot seen so far is kept in `keys`/`where`, an open-addressing table of a
-    power of two >= 2 x len(slots) entries, so that it stays in cache (a table by slot over the whole
-    shard costs a cache miss per row). The buffers are the caller's, kept from round to round: fresh
-    ones cost a page fault per 4 KiB. This made the combine about 3x faster (most of the CPU a
-    synchronous round spends beyond an asynchronous push's)."""
-    n, dim = grads.shape
-    size = 16
-    while size < 2 * n:
-        size *= 2
+    The position of each slot seen so far is kept in `keys`/`where`, an open-addressing table of
+    `size` entries (combine_start) sized to the round, so that it stays in cache (a table by slot over
+    the whole shard costs a cache miss per row). The buffers are the caller's, kept from round to
+    round: fresh ones cost a page fault per 4 KiB. This made a round's combine 3x faster here (most
+    of the CPU a synchronous round spends beyond an asynchronous push's)."""
+    dim = grads.shape[1]
     mask = np.uint64(size - 1)
-    keys[:size] = EMPTY
-    count = 0
-    for i in range(n):
+    for i in range(len(slots)):
         slot = slots[i]
         if slot < 0:
             continue

@@ -251,16 +251,20 @@ class SparseTable:
     def _combine(self, pushes: list[Push]) -> tuple[np.ndarray, torch.Tensor]:
         """Unique held slots and one gradient each: the pushes' sum, added in the given (rank) order,
         a deterministic update. Gradients of absent rows are dropped."""
-        slots = np.concatenate([self._slots(ids, hint) for ids, _, hint in pushes])
-        grads = torch.cat([p[1] for p in pushes]) if len(pushes) > 1 else pushes[0][1]
-        held = int(np.count_nonzero(slots >= 0))
-        self.counts["dropped"] += len(slots) - held
-        if len(pushes) == 1 and held == len(slots):
-            return slots, grads.contiguous()  # one push's ids are unique
-        if len(self._combining[2]) < len(slots):
-            self._combining = kernels.combine_buffers(len(slots) + len(slots) // 4, self.dim)
+        found = [self._slots(ids, hint) for ids, _, hint in pushes]
+        rows = sum(len(slots) for slots in found)
+        held = sum(int(np.count_nonzero(slots >= 0)) for slots in found)
+        self.counts["dropped"] += rows - held
+        if len(pushes) == 1 and held == rows:
+            return found[0], pushes[0][1].contiguous()  # one push's ids are unique
+        if len(self._combining[2]) < rows:
+            self._combining = kernels.combine_buffers(rows + rows // 4, self.dim)
         keys, where, unique, summed = self._combining
-        count = kernels.combine(slots, grads.contiguous().numpy(), keys, where, unique, summed)
+        size, count = kernels.combine_start(keys, rows), 0
+        for slots, (_, grads, _) in zip(found, pushes, strict=True):  # no concatenated copy
+            count = kernels.combine(
+                slots, grads.contiguous().numpy(), keys, size, where, unique, summed, count
+            )
         return unique[:count], torch.from_numpy(summed[:count])  # views: used before the lock is let go
 
     def apply(self, pushes: list[Push], clock: int, add: bool) -> None:
