@@ -175,8 +175,8 @@ def combine(
     The position of each slot seen so far is kept in `keys`/`where`, an open-addressing table of
     `size` entries (combine_start) sized to the round, so that it stays in cache (a table by slot over
     the whole shard costs a cache miss per row). The buffers are the caller's, kept from round to
-    round: fresh ones cost a page fault per 4 KiB. This made a round's combine 3x faster here (most
-    of the CPU a synchronous round spends beyond an asynchronous push's)."""
+    round: fresh ones cost a page fault per 4 KiB. Measured in benchmarks/sparse.py's servers, a sync
+    round's combine (the CPU it spends beyond an async push's) fell from 0.45 to 0.25 ms."""
     dim = grads.shape[1]
     mask = np.uint64(size - 1)
     for i in range(len(slots)):
