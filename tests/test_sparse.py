@@ -13,7 +13,7 @@ from torch import nn
 
 from paratrain.data.criteo import category_id, read_criteo, write_synthetic_criteo, zipf_ranks
 from paratrain.errors import KVStoreError
-from paratrain.kvstore import TableConfig, create
+from paratrain.kvstore import TableConfig, create, kernels
 from paratrain.kvstore.server.sparse import IdIndex, SparseTable, build_optimizer, initial_rows, shard_of
 from paratrain.kvstore.worker.embedding import DistributedEmbedding, ServingEmbedding
 from paratrain.testing import run_job
@@ -45,6 +45,27 @@ def test_id_index_agrees_with_a_dict_through_inserts_removals_and_rebuilds():
         expected = [reference.get(i, -1) for i in probe.tolist()]
         assert index.lookup(probe).tolist() == expected
         assert len(index) == len(reference)
+
+
+def test_combine_sums_repeated_slots_in_order_as_a_plain_loop_does_with_buffers_reused():
+    rng = np.random.default_rng(1)
+    buffers = kernels.combine_buffers(3000, 4)
+    for n, pool in ((3000, 5000), (40, 7), (2500, 10**6)):  # then smaller rounds in the same buffers
+        slots = rng.integers(-1, pool, n)
+        grads = rng.standard_normal((n, 4)).astype(np.float32)
+        grads[rng.random((n, 4)) < 0.05] = -0.0
+        order: dict[int, np.ndarray] = {}
+        for slot, grad in zip(slots.tolist(), grads, strict=True):
+            if slot >= 0:
+                order[slot] = order.get(slot, np.zeros(4, np.float32)) + grad
+        keys, where, unique, summed = buffers
+        size, half = kernels.combine_start(keys, n), n // 2  # in two pushes, as a round's
+        count = kernels.combine(slots[:half], grads[:half], keys, size, where, unique, summed, 0)
+        count = kernels.combine(slots[half:], grads[half:], keys, size, where, unique, summed, count)
+        assert unique[:count].tolist() == list(order)
+        expected = np.stack(list(order.values()))
+        assert np.array_equal(summed[:count], expected)
+        assert not np.signbit(summed[:count][expected == 0]).any()  # 0.0 + -0.0, as a sum from zero
 
 
 @pytest.mark.parametrize("servers", [1, 3])

@@ -147,28 +147,68 @@ def dedup_by_server(
 
 # -- servers: a round's pushes summed per row, and the lazy optimizers ------------------------------
 @jit
-def combine(slots: np.ndarray, grads: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unique held slots (first appearance order) and the sum of their gradients, added in the
-    order given. Slots < 0 (rows gone) are dropped. `scratch` (by slot, all -1) is left all -1."""
-    n, dim = grads.shape
-    unique = np.empty(n, np.int64)
-    summed = np.zeros((n, dim), np.float32)
-    count = 0
-    for i in range(n):
+def combine_start(keys: np.ndarray, rows: int) -> int:
+    """Empty the first entries of `keys` for a combine of `rows` gradient rows; returns how many: a
+    power of two >= 2 x rows."""
+    size = 16
+    while size < 2 * rows:
+        size *= 2
+    keys[:size] = EMPTY
+    return size
+
+
+@jit
+def combine(
+    slots: np.ndarray,
+    grads: np.ndarray,
+    keys: np.ndarray,
+    size: int,
+    where: np.ndarray,
+    unique: np.ndarray,
+    summed: np.ndarray,
+    count: int,
+) -> int:
+    """Add one push to a round's combine: slots not seen yet go to `unique` (first appearance order)
+    after the `count` ones there, and each gradient row is added to its slot's sum in `summed`, in the
+    order given; returns the new count. Slots < 0 (rows gone) are dropped.
+
+    The position of each slot seen so far is kept in `keys`/`where`, an open-addressing table of
+    `size` entries (combine_start) sized to the round, so that it stays in cache (a table by slot over
+    the whole shard costs a cache miss per row). The buffers are the caller's, kept from round to
+    round: fresh ones cost a page fault per 4 KiB. Measured in benchmarks/sparse.py's servers, a sync
+    round's combine (the CPU it spends beyond an async push's) fell from 0.45 to 0.25 ms."""
+    dim = grads.shape[1]
+    mask = np.uint64(size - 1)
+    for i in range(len(slots)):
         slot = slots[i]
         if slot < 0:
             continue
-        at = scratch[slot]
-        if at < 0:
-            at = count
-            scratch[slot] = at
-            unique[at] = slot
+        p = mix64(slot, np.uint64(0)) & mask
+        while keys[p] != EMPTY and keys[p] != slot:
+            p = (p + np.uint64(1)) & mask
+        if keys[p] == EMPTY:  # first sighting: a sum from zero (0.0 + -0.0 is 0.0)
+            keys[p], where[p], unique[count] = slot, count, slot
+            for j in range(dim):
+                summed[count, j] = np.float32(0.0) + grads[i, j]
             count += 1
-        for j in range(dim):
-            summed[at, j] += grads[i, j]
-    for u in range(count):
-        scratch[unique[u]] = -1
-    return unique[:count], summed[:count]
+        else:
+            at = where[p]
+            for j in range(dim):
+                summed[at, j] += grads[i, j]
+    return count
+
+
+def combine_buffers(rows: int, dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """keys, where, unique and summed for a `combine` of up to `rows` gradient rows."""
+    size = 16
+    while size < 2 * rows:
+        size *= 2
+    return (
+        np.empty(size, np.int64),
+        np.empty(size, np.int64),
+        np.empty(rows, np.int64),
+        np.empty((rows, dim), np.float32),
+    )
 
 
 @jit

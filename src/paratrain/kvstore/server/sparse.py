@@ -102,7 +102,7 @@ class SparseTable:
         self.pulled: dict[int, tuple[np.ndarray, Hint]] = {}  # by rank: its last training pull
         self.evictions = 0  # rows evicted so far: a pull's slots stay valid while this is unchanged
         self.broken: str | None = None  # why a round failed to apply: every pull fails with it
-        self._scratch = np.zeros(0, np.int64)  # by slot, all -1: positions while a round is combined
+        self._combining = kernels.combine_buffers(0, dim)  # kept from round to round (kernels.combine)
 
     def _columns(self) -> Columns:
         extra = self.optimizer.columns(self.dim) if self.optimizer else {}
@@ -251,16 +251,21 @@ class SparseTable:
     def _combine(self, pushes: list[Push]) -> tuple[np.ndarray, torch.Tensor]:
         """Unique held slots and one gradient each: the pushes' sum, added in the given (rank) order,
         a deterministic update. Gradients of absent rows are dropped."""
-        slots = np.concatenate([self._slots(ids, hint) for ids, _, hint in pushes])
-        grads = torch.cat([p[1] for p in pushes]) if len(pushes) > 1 else pushes[0][1]
-        held = int(np.count_nonzero(slots >= 0))
-        self.counts["dropped"] += len(slots) - held
-        if len(pushes) == 1 and held == len(slots):
-            return slots, grads.contiguous()  # one push's ids are unique
-        if len(self._scratch) < self.rows.capacity:
-            self._scratch = np.full(self.rows.capacity, -1, np.int64)
-        unique, summed = kernels.combine(slots, grads.contiguous().numpy(), self._scratch)
-        return unique, torch.from_numpy(summed)
+        found = [self._slots(ids, hint) for ids, _, hint in pushes]
+        rows = sum(len(slots) for slots in found)
+        held = sum(int(np.count_nonzero(slots >= 0)) for slots in found)
+        self.counts["dropped"] += rows - held
+        if len(pushes) == 1 and held == rows:
+            return found[0], pushes[0][1].contiguous()  # one push's ids are unique
+        if len(self._combining[2]) < rows:
+            self._combining = kernels.combine_buffers(rows + rows // 4, self.dim)
+        keys, where, unique, summed = self._combining
+        size, count = kernels.combine_start(keys, rows), 0
+        for slots, (_, grads, _) in zip(found, pushes, strict=True):  # no concatenated copy
+            count = kernels.combine(
+                slots, grads.contiguous().numpy(), keys, size, where, unique, summed, count
+            )
+        return unique[:count], torch.from_numpy(summed[:count])  # views: used before the lock is let go
 
     def apply(self, pushes: list[Push], clock: int, add: bool) -> None:
         """One update of the rows of the pushes' ids (a round's, or one async push)."""
