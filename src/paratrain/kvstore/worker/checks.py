@@ -73,6 +73,24 @@ def check_tensors(what: str, keys: list, tensors: list, spec: Callable[[Any], tu
             )
 
 
+def check_call(
+    keys: list,
+    values: list | None,
+    outs: list | None,
+    spec: Callable[[Any], tuple[list[int], Any]],
+    refuse_non_finite: bool,
+    rank: int,
+) -> None:
+    """A push's values and a pull's outs, checked against the keys' shapes and dtypes before any
+    value changes or any collective starts."""
+    if values is not None:
+        check_tensors("push", keys, values, spec)
+        if refuse_non_finite:
+            check_finite(keys, values, rank)
+    if outs is not None:
+        check_tensors("out", keys, outs, spec)
+
+
 def check_finite(keys: list, values: list, rank: int, what: str = "key") -> None:
     """Refuse NaN and infinite values in a push (KVStoreConfig.refuse_non_finite)."""
     for key, value in zip(keys, values, strict=True):

@@ -20,7 +20,11 @@ from paratrain.cluster.rendezvous import init_torch_distributed
 from paratrain.errors import KVStoreError
 from paratrain.kvstore.api import Handle, Keys, KVStoreConfig
 from paratrain.kvstore.compressed import compression_config
-from paratrain.kvstore.worker.checks import as_lists, check_finite, check_init_value, check_tensors
+from paratrain.kvstore.worker.checks import (
+    as_lists,
+    check_call,
+    check_init_value,
+)
 from paratrain.kvstore.worker.client import DistKVStore
 
 
@@ -88,12 +92,7 @@ class HostKVStore:
     def _check(self, keys: list, values: list | None, outs: list | None) -> None:
         """A worker checks its own arguments before the host's collectives, where a bad one would
         fail or hang the other workers of the host."""
-        if values is not None:
-            check_tensors("push", keys, values, self._spec)
-            if self.config.refuse_non_finite:
-                check_finite(keys, values, self.rank)
-        if outs is not None:
-            check_tensors("out", keys, outs, self._spec)
+        check_call(keys, values, outs, self._spec, self.config.refuse_non_finite, self.rank)
 
     def init(self, keys: Keys, values: Any) -> None:
         keys, values = as_lists(keys, values)

@@ -16,7 +16,11 @@ from paratrain.errors import KVStoreError
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import Handle, Keys, KVStoreConfig
 from paratrain.kvstore.compressed import compression_config
-from paratrain.kvstore.worker.checks import as_lists, check_finite, check_init_value, check_tensors
+from paratrain.kvstore.worker.checks import (
+    as_lists,
+    check_call,
+    check_init_value,
+)
 from paratrain.kvstore.worker.state import read_state, write_state
 
 
@@ -42,12 +46,7 @@ class LocalKVStore:
 
     def _check(self, keys: list, values: list | None, outs: list | None) -> None:
         """Every argument is checked before any value changes (as DistKVStore does)."""
-        if values is not None:
-            check_tensors("push", keys, values, self._spec)
-            if self.config.refuse_non_finite:
-                check_finite(keys, values, self.rank)
-        if outs is not None:
-            check_tensors("out", keys, outs, self._spec)
+        check_call(keys, values, outs, self._spec, self.config.refuse_non_finite, self.rank)
 
     def init(self, keys: Keys, values: Any) -> None:
         keys, values = as_lists(keys, values)
