@@ -275,7 +275,7 @@ class KVStore(Protocol):
     def close(self) -> None: ...
 
 
-# -- sparse tables (kvstore/sparse.py on the servers, kvstore/embedding.py on the workers) -----------
+# -- sparse tables (kvstore/server/sparse.py on the servers, kvstore/worker/embedding.py on the workers)
 INITIALIZERS = ("zeros", "uniform", "normal")
 
 

@@ -133,7 +133,7 @@ class DistKVStore(SparseAPI):
 
     @property
     def tables(self) -> Any:
-        """The sparse tables' half of the API (SparseAPI; kvstore/embedding.py does the work)."""
+        """The sparse tables' half of the API (SparseAPI; kvstore/worker/embedding.py does the work)."""
         if self._tables is None:
             from paratrain.kvstore.worker.embedding import TableClient
 
