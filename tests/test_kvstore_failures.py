@@ -177,8 +177,8 @@ from paratrain.cluster.config import JobConfig
 from paratrain.errors import KVStoreError
 from paratrain.kvstore import KVStoreConfig
 from paratrain.transport.config import TransportConfig
-ctx = paratrain.init(JobConfig(transport=TransportConfig(request_timeout_s=8)))
-kv = paratrain.kvstore.create(KVStoreConfig(wait_warning_s=2))
+ctx = paratrain.init(JobConfig(transport=TransportConfig(request_timeout_s=5)))
+kv = paratrain.kvstore.create(KVStoreConfig(wait_warning_s=1))
 kv.init("w", torch.zeros(2))
 kv.init_table("t", 2)
 out, ids = torch.empty(2), torch.tensor([5])
@@ -205,10 +205,10 @@ def test_a_stuck_worker_is_named_by_the_warnings_and_the_error():
     outcome = run_job(STUCK_JOB, workers=2, servers=1, timeout_s=90, expect="failure")
     error = [line for line in outcome.lines("worker", 0, "stdout") if line.startswith("KVStoreError:")]
     assert error, outcome.stderr[-3000:]
-    assert "worker 0's pushpull of key 'w' got no reply within 8 s" in error[0]
+    assert "worker 0's pushpull of key 'w' got no reply within 5 s" in error[0]
     assert "round 1 of key 'w' on server 0" in error[0] and "waits for worker(s) 1," in error[0]
     warned = "\n".join(outcome.lines("worker", 0, "stderr"))
-    assert "worker 0's pushpull of key 'w' has waited 2 s" in warned
+    assert "worker 0's pushpull of key 'w' has waited 1 s" in warned
     assert "waits for worker(s) 1, which have not pushed it" in warned
     served = "\n".join(outcome.lines("server", 0, "stderr"))
     assert (
@@ -217,9 +217,9 @@ def test_a_stuck_worker_is_named_by_the_warnings_and_the_error():
     sparse = [
         line for line in outcome.lines("worker", 0, "stdout") if line.startswith("sparse KVStoreError:")
     ]
-    assert sparse and "worker 0's sparse pull of table 't' got no reply within 8 s" in sparse[0]
+    assert sparse and "worker 0's sparse pull of table 't' got no reply within 5 s" in sparse[0]
     assert "round 1 of table 't' on server 0" in sparse[0] and "waits for worker(s) 1," in sparse[0]
-    assert "worker 0's sparse pull of table 't' has waited 2 s" in warned
+    assert "worker 0's sparse pull of table 't' has waited 1 s" in warned
     assert "server 0: worker 0 waits for round 1 of table 't', which worker(s) 1 have not pushed" in served
 
 
