@@ -21,24 +21,28 @@ def accuracy(lines: list[str]) -> float:
     return [float(m.group(1)) for m in found if m][-1]
 
 
+def finals(outcome) -> list[float]:  # noqa: ANN001
+    return [accuracy(outcome.lines("worker", rank, "stdout")) for rank in (0, 1)]
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    ("strategy", "ran", "epochs", "least"),
-    [
-        ("dist_sync", "(ps, sync,", "12", 0.95),
-        ("dist_async", "(ps, async,", "8", 0.93),
-        # bounded is not repeated here (22 s of CI): test_train checks it against one process, and
-        # test_kvstore that no pull is more than `staleness` rounds behind.
-    ],
-)
-def test_the_main_job_learns_the_digits(strategy, ran, epochs, least):
-    args = ("--strategy", strategy, "--epochs", epochs)
+def test_the_main_job_learns_the_digits_under_dist_sync(digits_dist_sync):
+    # 6 epochs, one thread per process (the job test_hosts also runs on three hosts): 0.958.
+    found = finals(digits_dist_sync)
+    assert all(a >= 0.95 for a in found), found
+    assert all("(ps, sync," in digits_dist_sync.lines("worker", rank, "stdout")[-1] for rank in (0, 1))
+    assert found[0] == found[1]  # every worker pulled the same weights after the last round
+
+
+@pytest.mark.timeout(300)
+def test_the_main_job_learns_the_digits_under_dist_async():
+    # bounded is not run here (22 s of CI): test_train checks it against one process, and
+    # test_kvstore that no pull is more than `staleness` rounds behind.
+    args = ("--strategy", "dist_async", "--epochs", "8")
     outcome = run_job(EXAMPLES / "digits.py", workers=2, servers=1, args=args, timeout_s=280)
-    finals = [accuracy(outcome.lines("worker", rank, "stdout")) for rank in (0, 1)]
-    assert all(a >= least for a in finals), finals
-    assert all(ran in outcome.lines("worker", rank, "stdout")[-1] for rank in (0, 1))  # the strategy asked
-    if strategy == "dist_sync":  # every worker pulled the same weights after the last round
-        assert finals[0] == finals[1]
+    found = finals(outcome)
+    assert all(a >= 0.93 for a in found), found
+    assert all("(ps, async," in outcome.lines("worker", rank, "stdout")[-1] for rank in (0, 1))
 
 
 @pytest.mark.timeout(200)

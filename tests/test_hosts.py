@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import DIGITS_SYNC_ARGS, DIGITS_SYNC_ENV
 from test_examples import accuracy
 
 from paratrain.launch.local import LocalJobConfig, Placement
@@ -119,27 +120,25 @@ def test_hybrid_all_reduces_across_hosts_and_matches_single_process_training(fou
 
 @needs_hosts
 @pytest.mark.timeout(300)
-def test_the_main_job_on_three_hosts_reaches_the_accuracy_it_reaches_on_one():
+def test_the_main_job_on_three_hosts_reaches_the_accuracy_it_reaches_on_one(digits_dist_sync):
     # The scheduler and the server on host 0, a worker on each of hosts 1 and 2; the same job on
-    # this machine alone is the reference (sums may be added in another order: within 1 point).
-    # One torch thread per process: three processes share this machine's cores either way.
-    args, env = ("--strategy", "dist_sync", "--epochs", "6"), {"OMP_NUM_THREADS": "1"}
-    alone = run_job(EXAMPLES / "digits.py", workers=2, servers=1, args=args, env=env, timeout_s=200)
+    # this machine alone (the session's, conftest.py) is the reference (sums may be added in another
+    # order: within 1 point). One torch thread per process: three processes share the cores either way.
     with SimulatedHosts(3) as hosts:
         place = {"scheduler": [0], "server": [0], "worker": [1, 2]}
         spread = run_job(
             EXAMPLES / "digits.py",
             workers=2,
             servers=1,
-            args=args,
-            env=env,
+            args=DIGITS_SYNC_ARGS,
+            env=DIGITS_SYNC_ENV,
             hosts=hosts,
             place=place,
             timeout_s=200,
         )
     for rank in (0, 1):
         one, three = (
-            accuracy(alone.lines("worker", rank, "stdout")),
+            accuracy(digits_dist_sync.lines("worker", rank, "stdout")),
             accuracy(spread.lines("worker", rank, "stdout")),
         )
         assert three >= 0.9 and abs(three - one) <= 0.01, (one, three)
