@@ -8,6 +8,7 @@ it returns a single-process context, so the same script also runs alone.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import sys
@@ -44,12 +45,23 @@ def init(config: JobConfig | None = None) -> Context:
             return _context
         _setup_logging(spec)
         logger.info("starting: %s %s", spec, config)
+        atexit.register(_freeze_before_shutdown)
         if spec.role == "scheduler":
             sys.exit(_schedule(spec, config)())
         if spec.role == "server":
             sys.exit(_serve(spec, config))
         _context = _join_as_worker(spec, config)
         return _context
+
+
+def _freeze_before_shutdown() -> None:
+    """Runs at exit, after the handlers registered later (the worker's leave-the-job hook, the
+    kvstore's close, the user's). The interpreter's last garbage collections then skip every object
+    alive now instead of walking all that `import torch` made. Measured on the loaded 2-core test
+    machine: `import torch` then exit ends 2.0 s after the script instead of 6.5 s; a 6-step
+    dist_sync parity job (2 workers, 1 server) spends 12 CPU-s instead of 16. Objects alive now are
+    still freed by reference counting as modules are cleared; only cycles among them stay for the OS."""
+    gc.freeze()
 
 
 def _setup_logging(spec: ClusterSpec) -> None:
