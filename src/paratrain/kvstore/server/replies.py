@@ -8,8 +8,9 @@ socket held back the replies to all the others: a per-frame trace of the 64 MB p
 benchmarks/hosts.py (4 workers, 4 servers, 1 Gbit/s links) found each server's connection threads
 blocked in reply sends 0.2-0.4 s of each 0.75 s iteration. With these senders, the same job on
 250 Mbit/s links (where the 2 shared cores do not bind) took 3.31-3.40 s per iteration against
-3.57-3.70 s before, in 4 interleaved jobs each; on 1 Gbit/s links the cores bind and the two were
-inside the noise.
+3.57-3.70 s before, in 4 interleaved jobs each. On 1 Gbit/s links, with the cores loaded by other
+programs: 0.82-0.96 s against 0.88-1.12 s, faster in each of 3 interleaved pairs (medians 0.873 and
+0.914 s); earlier pairs there were inside the noise.
 
 A reply job runs on its connection's sender; it must not raise (it logs and cleans up itself). The
 sender ends when the connection does (`close`).
