@@ -45,10 +45,12 @@ from typing import Any
 
 import torch
 
+from paratrain.errors import TransportError
 from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.compressed import ServerCompression
 from paratrain.kvstore.consistency import policy
+from paratrain.kvstore.server.replies import ReplySenders
 from paratrain.kvstore.server.shard import Push, Rules, ShardState
 from paratrain.kvstore.server.sparse import SparseTables
 from paratrain.kvstore.shared import Arena
@@ -98,6 +100,7 @@ class KVServer(Handler):
         self.staleness: Counter[int] = Counter()
         """Pushed slices by how many updates their key took since the pusher's pull (report.py)."""
         self.compression = ServerCompression()  # compressed pushes and pulls (compressed.py)
+        self._senders = ReplySenders(f"server {rank}")  # pull replies go out from these (replies.py)
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
@@ -306,19 +309,38 @@ class KVServer(Handler):
             self._send_values(pull)
 
     def _send_values(self, pull: PendingPull) -> None:
+        """Pin the values now (no round changes them until sent) and send them from the pulling
+        worker's reply sender (replies.py), never from this thread."""
         sent = [shard for shard, reads in zip(pull.shards, pull.read, strict=True) if not reads]
         values = [shard.begin_read() for shard in sent]
+        self._senders.send(pull.request.conn, lambda: self._reply_values(pull, sent, values))
+
+    def _reply_values(self, pull: PendingPull, sent: list[Shard], values: list[torch.Tensor]) -> None:
+        request = pull.request
         try:
-            extra, values = self.compression.encode_pull(pull.request.meta, sent, values)
-            pull.request.reply({"versions": [s.version for s in sent], **extra}, values)  # readers see theirs
-            rank = pull.request.meta.get("rank", -1)
+            extra, values = self.compression.encode_pull(request.meta, sent, values)
+            request.reply({"versions": [s.version for s in sent], **extra}, values)  # readers see theirs
+            rank = request.meta.get("rank", -1)
             for shard in pull.shards:
                 shard.read[rank] = shard.version
                 shard.counts["pulls"] += 1
                 shard.counts["bytes_out"] += shard.value.numel() * shard.value.element_size()
+        except (KVError, ValueError, TypeError, KeyError) as exc:
+            self._refuse(request, f"server {self.rank}: {exc}")
+        except TransportError as exc:  # the worker is gone: its connection's end reports it
+            logger.debug("server %d: a pull reply to %s was not sent: %s", self.rank, request.conn.peer, exc)
         finally:
             for shard in sent:
                 shard.end_read()
+
+    def _refuse(self, request: Request, message: str) -> None:
+        try:
+            request.fail(message)
+        except TransportError as exc:
+            logger.debug("server %d: an error to %s was not sent: %s", self.rank, request.conn.peer, exc)
+
+    def disconnected(self, conn: Connection, error: Exception | None) -> None:
+        self._senders.close(conn)
 
     def _waiting(self, meta: dict) -> list[dict]:
         """The rounds that hold back a waiting worker's pulls: per slice below its min_version,
