@@ -134,9 +134,11 @@ class DistKVStore(SparseAPI):
     def _server_lost(self, rank: int, error: Exception | None) -> None:
         """The scheduler hears it from us first: the job's end then names the server, not us.
         With replication the job goes on: this worker's requests go to the server's backups."""
+        if getattr(self, "_closed", False):
+            return  # the job's end: servers stop
         if hasattr(self, "_servers"):
             self._servers.lost(rank, error)
-        if not getattr(self, "_closed", False) and self._ctx.link is not None:
+        if self._ctx.link is not None:
             self._ctx.link.peer_lost("server", rank, error)
 
     @property
