@@ -13,7 +13,7 @@ import torch
 from paratrain.cluster.config import JobConfig
 from paratrain.kvstore.consistency import Async, Sync
 from paratrain.kvstore.placement import Placement, replicas
-from paratrain.kvstore.server.shard import Push, Rules, ShardState
+from paratrain.kvstore.server.shard import Clocks, Push, Rules, ShardState
 from paratrain.testing import run_job
 
 JOBS = Path(__file__).parent / "jobs"
@@ -69,7 +69,7 @@ class Pair:
             meta["version"],
             tensors[0].clone(),
             dict(zip(names, [t.clone() for t in tensors[1:]], strict=True)),
-            dict(meta["applied"]),
+            {rank: Clocks(below, set(ahead)) for rank, below, ahead in meta["applied"]},
         )
         self.tick()  # dies after, before anyone is acknowledged
 
@@ -150,11 +150,17 @@ def test_a_backup_takes_only_newer_state_and_repeats_are_recognised() -> None:
     primary.push(Push(0, 0, grad()))
     primary.push(Push(1, 0, grad()))
     meta, tensors = primary.replica()
-    assert meta["version"] == 2 and sorted(meta["applied"]) == [[0, 0], [1, 0]]
-    backup.restore(2, tensors[0].clone(), dict(zip(meta["state"], tensors[1:], strict=True)), {0: 0, 1: 0})
+    primary.push(Push(1, 2, grad()))  # clock 1 failed over and comes later
+    meta, tensors = primary.replica()
+    assert meta["version"] == 3 and sorted(meta["applied"]) == [[0, 1, []], [1, 1, [2]]]
+    applied = {0: Clocks(1), 1: Clocks(1, {2})}
+    backup.restore(3, tensors[0].clone(), dict(zip(meta["state"], tensors[1:], strict=True)), applied)
     backup.restore(1, torch.zeros(3), {}, {})  # a late, older copy changes nothing
-    assert backup.version == backup.durable == 2 and backup.value.tolist() == [2.0, 2.0, 2.0]
+    assert backup.version == backup.durable == 3 and backup.value.tolist() == [3.0, 3.0, 3.0]
     assert backup.repeat(Push(0, 0, grad())) and not backup.repeat(Push(0, 1, grad()))
+    assert backup.repeat(Push(1, 2, grad())) and not backup.repeat(Push(1, 1, grad()))
+    backup.push(Push(1, 1, grad()))
+    assert backup.applied[1] == Clocks(3) and backup.value.tolist() == [4.0, 4.0, 4.0]
     sync = Pair._shard(Rules(Sync(), frozenset({0, 1})))
     sync.on_applied = lambda state: None
     sync.push(Push(0, 0, grad()))

@@ -23,7 +23,7 @@ import threading
 
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
-from paratrain.kvstore.server.shard import ShardState
+from paratrain.kvstore.server.shard import Clocks, ShardState
 from paratrain.transport.config import TransportConfig
 from paratrain.transport.rpc import Request, RpcClient
 
@@ -150,5 +150,7 @@ def restore(shard: ShardState, request: Request) -> None:
     if len(tensors) != 1 + len(meta["state"]):
         raise KVError(f"replicate of {shard.describe()} carried {len(tensors)} tensors")
     state = dict(zip(meta["state"], tensors[1:], strict=True))
-    applied = {int(rank): int(clock) for rank, clock in meta["applied"]}
+    applied = {
+        int(rank): Clocks(int(below), {int(c) for c in ahead}) for rank, below, ahead in meta["applied"]
+    }
     shard.restore(int(meta["version"]), tensors[0], state, applied)

@@ -70,6 +70,25 @@ class Push:
 
 
 @dataclass
+class Clocks:
+    """The clocks of one worker's async pushes applied to a shard (replicated servers drop a
+    repeat): every clock below `below`, and those in `ahead` (a push that failed over may arrive
+    after a later one)."""
+
+    below: int = 0
+    ahead: set[int] = field(default_factory=set)
+
+    def has(self, clock: int) -> bool:
+        return clock < self.below or clock in self.ahead
+
+    def add(self, clock: int) -> None:
+        self.ahead.add(clock)
+        while self.below in self.ahead:
+            self.ahead.remove(self.below)
+            self.below += 1
+
+
+@dataclass
 class Round:
     """An open round: the sum of its pushes so far, who pushed, and the workers they stand for."""
 
@@ -113,8 +132,8 @@ class ShardState:
     the new state. Pulls and acknowledgements then wait for `durable`, not `version`."""
     durable: int = 0
     """Replicated servers: the version the backups hold."""
-    applied: dict[int, int] = field(default_factory=dict)
-    """Async pushes: per worker rank, the clock of its last push applied (a repeat is dropped)."""
+    applied: dict[int, Clocks] = field(default_factory=dict)
+    """Async pushes: per worker rank, the clocks of its pushes applied (a repeat is dropped)."""
 
     # -- buffers ----------------------------------------------------------------------------------
     def buffer(self) -> torch.Tensor:
@@ -185,7 +204,7 @@ class ShardState:
         to this server sends again what the dead primary had not acknowledged."""
         with self.cond:
             if not self.rules.policy.rounds:
-                return push.clock <= self.applied.get(push.rank, -1)
+                return push.rank in self.applied and self.applied[push.rank].has(push.clock)
             entry = self.rounds.get(push.clock)
             return push.clock < self.version or (entry is not None and push.rank in entry.pushed)
 
@@ -193,7 +212,7 @@ class ShardState:
         """Apply one push on its own (async); its payload is consumed here (a ring view will do)."""
         assert push.grad is not None
         with self.cond:
-            self.applied[push.rank] = max(push.clock, self.applied.get(push.rank, -1))
+            self.applied.setdefault(push.rank, Clocks()).add(push.clock)
             self._apply(push.grad)
             if push.owned:
                 self.recycle(push.grad)
@@ -341,11 +360,11 @@ class ShardState:
         async pushes applied, the value and the optimizer state, uncopied."""
         state = optim.state_tensors(self.optimizer, self.param) if self.optimizer else {}
         where = {"key": self.key, "start": self.start, "stop": self.stop, "version": self.version}
-        applied = [[rank, clock] for rank, clock in self.applied.items()]
+        applied = [[rank, c.below, sorted(c.ahead)] for rank, c in self.applied.items()]
         return where | {"applied": applied, "state": list(state)}, [self.value, *state.values()]
 
     def restore(
-        self, version: int, value: torch.Tensor, state: dict[str, torch.Tensor], applied: dict
+        self, version: int, value: torch.Tensor, state: dict[str, torch.Tensor], applied: dict[int, Clocks]
     ) -> None:
         """A backup takes the primary's state at `version` (an older one, arriving late, is
         ignored). Its open rounds are dropped: only a primary has rounds."""
@@ -356,7 +375,7 @@ class ShardState:
                 self.cond.wait()
             self.value.copy_(value.reshape(-1))
             self.version = self.durable = version
-            self.applied = dict(applied)
+            self.applied = applied
             self.rounds = {}
             if state:
                 if self.optimizer is None:
