@@ -603,6 +603,7 @@ def run_launch(
         timeout_s=config.timeout_s,
         python=config.python,
         dashboard=dashboard,
+        server_losses=config.server_losses,
     )
     return run_local_job(local, fold=True).exit_code
 
