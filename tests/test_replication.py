@@ -46,7 +46,7 @@ class Pair:
     def __init__(self, rules: Rules, die_at: int) -> None:
         self.primary, self.backup = self._shard(rules), self._shard(rules)
         self.primary.on_applied = self._forward
-        self.backup.on_applied = lambda state: None  # once promoted: no backup left
+        self.backup.on_applied = lambda state: state.replicated(state.version)  # promoted: alone
         self.steps, self.die_at, self.alive = 0, die_at, True
 
     @staticmethod
@@ -72,6 +72,7 @@ class Pair:
             {rank: Clocks(below, set(ahead)) for rank, below, ahead in meta["applied"]},
         )
         self.tick()  # dies after, before anyone is acknowledged
+        state.replicated(meta["version"])
 
     def send(self, push: Push) -> None:
         """What a server does with a push (repeats dropped); on the primary it may die first."""
@@ -146,7 +147,7 @@ def test_a_primary_dying_at_any_step_loses_no_acknowledged_push_and_applies_none
 def test_a_backup_takes_only_newer_state_and_repeats_are_recognised() -> None:
     rules = Rules(Async(), frozenset({0, 1}))
     primary, backup = Pair._shard(rules), Pair._shard(rules)
-    primary.on_applied = lambda state: None
+    primary.on_applied = lambda state: state.replicated(state.version)
     primary.push(Push(0, 0, grad()))
     primary.push(Push(1, 0, grad()))
     meta, tensors = primary.replica()
@@ -162,7 +163,7 @@ def test_a_backup_takes_only_newer_state_and_repeats_are_recognised() -> None:
     backup.push(Push(1, 1, grad()))
     assert backup.applied[1] == Clocks(3) and backup.value.tolist() == [4.0, 4.0, 4.0]
     sync = Pair._shard(Rules(Sync(), frozenset({0, 1})))
-    sync.on_applied = lambda state: None
+    sync.on_applied = lambda state: state.replicated(state.version)
     sync.push(Push(0, 0, grad()))
     assert sync.repeat(Push(0, 0, grad())) and not sync.repeat(Push(1, 0, grad()))
     assert not sync.ready(1)

@@ -4,9 +4,13 @@ With `JobConfig.replication` r >= 2, every dense slice lives on r servers (place
 primary, then the next servers in rank order). Workers init a slice on all of them but push and pull
 only at the first live one. Whenever the primary updates a slice (a round applied, an async push
 applied) it sends the backups the result, not the pushes: version, value, optimizer state and the
-async clocks applied (op `replicate`), and waits for their replies before anyone can read the new
-version or be acknowledged (ShardState.on_applied / durable; a push's acknowledgement waits for
-its round). So every update a worker was told about is on every live copy.
+async clocks applied (op `replicate`), holding the slice's lock while the bytes go out. The
+backups' replies are awaited by one thread per server (`_confirm`), in order, which then moves the
+slice's `durable` version and serves what waited for it: pulls wait for `durable`, and so does a
+push's acknowledgement (for its own round). So every update a worker was told about is on every
+live copy, while the primary goes on receiving the next pushes. (Under bounded and async, a pull
+of an older version that is durable may carry a newer value that is not yet: its pushes are not
+acknowledged, so their workers send them again if the primary dies.)
 
 When a primary dies, workers send what it had not acknowledged to the next live server of the
 slice's chain, which serves the slice from then on (its backups are the rest of the chain that still
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
+from collections.abc import Callable
 
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
@@ -49,6 +55,10 @@ class Replicator:
         self._addresses: list[tuple[str, int]] = []
         self._clients: dict[int, RpcClient] = {}
         self._lock = threading.Lock()
+        self._sent: queue.SimpleQueue = queue.SimpleQueue()  # (shard, version, [(server, future)])
+        self._confirming: threading.Thread | None = None
+        self.on_durable: Callable[[], None] = lambda: None
+        """Called (from the confirming thread) after a slice's `durable` moved: serve its waiters."""
 
     @property
     def enabled(self) -> bool:
@@ -83,25 +93,43 @@ class Replicator:
                     self.dead.add(rank)
 
     def forward(self, shard: ShardState) -> None:
-        """Send the slice's new state to its live backups and wait for them (holds shard.cond)."""
+        """Send the slice's new state to its live backups (holds shard.cond: the bytes are out
+        when this returns); `_confirm` moves its durable version once they replied."""
         with self._lock:
             backups = [s for s in shard.chain if s != self.rank and s not in self.dead]
-        if not backups:
-            return
-        meta, tensors = shard.replica()
         sent = []
-        for server in backups:
-            try:
-                sent.append((server, self._client(server).request("replicate", meta, tensors)))
-            except (TransportError, OSError) as exc:
-                self._lost(server, exc)
-        for server, future in sent:
-            try:
-                future.wait(self._config.request_timeout_s)
-            except (TransportError, TimeoutError) as exc:
-                self._lost(server, exc)
-            except RemoteError as exc:
-                raise KVError(f"backup server {server} refused {shard.describe()}: {exc}") from None
+        if backups:
+            meta, tensors = shard.replica()
+            for server in backups:
+                try:
+                    sent.append((server, self._client(server).request("replicate", meta, tensors)))
+                except (TransportError, OSError) as exc:
+                    self._lost(server, exc)
+        if not sent:  # no live backup: this copy is the only one
+            shard.replicated(shard.version)
+            return
+        with self._lock:
+            if self._confirming is None:
+                self._confirming = threading.Thread(target=self._confirm, name="replicas", daemon=True)
+                self._confirming.start()
+        self._sent.put((shard, shard.version, sent))
+
+    def _confirm(self) -> None:
+        """The backups' replies, in the order sent; then the slice's waiters may go."""
+        while (item := self._sent.get()) is not None:
+            shard, version, sent = item
+            for server, future in sent:
+                try:
+                    future.wait(self._config.request_timeout_s)
+                except (TransportError, TimeoutError) as exc:
+                    self._lost(server, exc)
+                except RemoteError as exc:  # it is not a copy any more: stop counting on it
+                    logger.error(
+                        "server %d: backup server %d refused %s: %s", self.rank, server, shard.describe(), exc
+                    )
+                    self._lost(server, exc)
+            shard.replicated(version)
+            self.on_durable()
 
     def _client(self, server: int) -> RpcClient:
         with self._lock:
@@ -133,6 +161,7 @@ class Replicator:
         )
 
     def close(self) -> None:
+        self._sent.put(None)
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
             self.dead.update(range(len(self._addresses)))  # closing is not a loss to report
@@ -150,7 +179,8 @@ def restore(shard: ShardState, request: Request) -> None:
     if len(tensors) != 1 + len(meta["state"]):
         raise KVError(f"replicate of {shard.describe()} carried {len(tensors)} tensors")
     state = dict(zip(meta["state"], tensors[1:], strict=True))
+    value = tensors[0] if request.header.at is None else tensors[0].clone()  # a ring view: copy
     applied = {
         int(rank): Clocks(int(below), {int(c) for c in ahead}) for rank, below, ahead in meta["applied"]
     }
-    shard.restore(int(meta["version"]), tensors[0], state, applied)
+    shard.restore(int(meta["version"]), value, state, applied)

@@ -108,9 +108,15 @@ class KVServer(Handler):
         """Pushed slices by how many updates their key took since the pusher's pull (report.py)."""
         self.compression = ServerCompression()  # compressed pushes and pulls (compressed.py)
         self.replicator = replicator or replica.Replicator(rank, b"")  # backups (replica.py)
+        self.replicator.on_durable = self._serve_ready_pulls
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
+        if header.op == "replicate" and header.at is None:  # a backup's copy: into a pooled buffer
+            try:
+                return [self._shard({k: [header.meta[k[:-1]]] for k in SLICE}, 0).buffer()]
+            except (KVError, KeyError, TypeError):
+                return None
         if header.op not in ("push", "pushpull") or header.at is not None:
             return None  # no payload, or a same-host one: read in place from the ring
         if "compression" in header.meta:

@@ -128,8 +128,9 @@ class ShardState:
     chain: list[int] = field(default_factory=list)
     """Replicated servers (replica.py): the servers holding this slice, primary first."""
     on_applied: Callable[[ShardState], None] | None = None
-    """Replicated servers: called after every update, holding cond; returns once the backups hold
-    the new state. Pulls and acknowledgements then wait for `durable`, not `version`."""
+    """Replicated servers: called after every update, holding cond: sends the new state to the
+    backups; `replicated(version)` once they hold it. Pulls and acknowledgements wait for
+    `durable`, not `version`."""
     durable: int = 0
     """Replicated servers: the version the backups hold."""
     applied: dict[int, Clocks] = field(default_factory=dict)
@@ -268,12 +269,16 @@ class ShardState:
                 self.open_free_buffers()
 
     def _apply(self, grad: torch.Tensor, weight: int = 1, buffer: int | None = None) -> None:
-        """The one update of the value (`_update`); on replicated servers the backups get the new
-        state before anyone can read it (holds cond)."""
+        """The one update of the value (`_update`); on replicated servers the new state is sent to
+        the backups (holds cond: nothing changes while it is sent)."""
         self._update(grad, weight, buffer)
         if self.on_applied is not None:
             self.on_applied(self)
-            self.durable = self.version
+
+    def replicated(self, version: int) -> None:
+        """The backups hold `version`: pulls and acknowledgements waiting for it may go."""
+        with self.cond:
+            self.durable = max(self.durable, version)
 
     def _update(self, grad: torch.Tensor, weight: int = 1, buffer: int | None = None) -> None:
         """The one update of the value: an optimizer step, or without one a round's sum (or mean)
@@ -373,7 +378,7 @@ class ShardState:
                 return
             while self.readers:
                 self.cond.wait()
-            self.value.copy_(value.reshape(-1))
+            self._take(value.reshape(-1))
             self.version = self.durable = version
             self.applied = applied
             self.rounds = {}
@@ -382,6 +387,19 @@ class ShardState:
                     raise KVError(f"{self.describe()}: the primary runs an optimizer, this backup none")
                 assert self.param is not None
                 optim.load_state_tensors(self.optimizer, self.param, state)
+
+    def _take(self, value: torch.Tensor) -> None:
+        """Make `value` (received for this shard: its own buffer) the value, without a copy where
+        it can; the old value's buffer is kept for the next one (holds cond, no readers)."""
+        if self.region is not None or value.dtype != self.value.dtype or value.numel() != self.value.numel():
+            self.value.copy_(value)
+            return
+        self.recycle(self.value)
+        if self.param is not None:  # the optimizer keeps its parameter; only its data moves
+            self.param.data = value
+            self.value = self.param.data
+        else:
+            self.value = value
 
     def load(self, value: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
         """Restart from a saved value (and optimizer state) at version 0, every round dropped."""
