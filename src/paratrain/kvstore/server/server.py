@@ -158,7 +158,7 @@ class KVServer(Handler):
                 self._pull(request, request.meta["min_versions"])
             elif op == "pushpull":
                 self._push(request)
-                self._pull(request, self._after_own_rounds(request.meta, request.meta["min_versions"]))
+                self._pull(request, self._acknowledged_at(request.meta, request.meta["min_versions"]))
             elif op == "replicate":
                 replica.restore(self._shard({k: [request.meta[k[:-1]]] for k in SLICE}, 0), request)
                 request.reply({})
@@ -307,23 +307,27 @@ class KVServer(Handler):
         self.tables.members_changed()
 
     def _acknowledge(self, request: Request) -> None:
-        """A push's reply: at once, or with replication once its rounds are on the backups."""
-        if not (self.replicator.enabled and self.rules.policy.rounds):
-            request.reply({})  # async pushes were replicated as they were applied
+        """A push's reply: at once, or with replication once its updates are on the backups."""
+        if not self.replicator.enabled:
+            request.reply({})
             return
         meta = request.meta
         shards = [self._shard(meta, i) for i in range(len(meta["keys"]))]
-        needs = self._after_own_rounds(meta, [0] * len(shards))
+        needs = self._acknowledged_at(meta, [0] * len(shards))
         with self._lock:
             self._pending.append(PendingPull(request, shards, needs, [True] * len(shards), ack_only=True))
         self._serve_ready_pulls()
 
-    def _after_own_rounds(self, meta: dict, min_versions: list[int]) -> list[int]:
-        """With replication in round modes, a push is acknowledged (or its pushpull answered) only
-        once its own round is applied and on the backups: an acknowledged update is never lost."""
-        if not (self.replicator.enabled and self.rules.policy.rounds):
+    def _acknowledged_at(self, meta: dict, min_versions: list[int]) -> list[int]:
+        """With replication, a push is acknowledged (or its pushpull answered) only once its
+        update is on the backups: in round modes its own round, in async the version its push made
+        (or a later one). An acknowledged update is never lost."""
+        if not self.replicator.enabled:
             return min_versions
-        return [max(int(v), int(c) + 1) for v, c in zip(min_versions, meta["clocks"], strict=True)]
+        if self.rules.policy.rounds:
+            return [max(int(v), int(c) + 1) for v, c in zip(min_versions, meta["clocks"], strict=True)]
+        shards = [self._shard(meta, i) for i in range(len(meta["keys"]))]
+        return [max(int(v), s.version) for v, s in zip(min_versions, shards, strict=True)]
 
     # -- pull -------------------------------------------------------------------------------------
     def _pull(self, request: Request, min_versions: list[int]) -> None:
