@@ -61,11 +61,13 @@ def run_role_job(
     result: re.Pattern,
     placements: Mapping[str, Sequence[Any]] | None = None,
     dashboard: bool = False,
+    server_losses: int = 0,
 ) -> list[tuple[str, ...]] | None:
     """The groups of `result` matched in the job's output, one per worker; None (after printing the
     job's last stderr lines) when the job failed or a worker printed no result. `placements`: where
     each process runs (LocalJobConfig.placements; default all here). `dashboard`: the scheduler
-    serves the dashboard, read every second while the job runs (DashboardWatcher)."""
+    serves the dashboard, read every second while the job runs (DashboardWatcher).
+    `server_losses`: servers that may die without failing the job (replicated servers)."""
     from paratrain.launch.local import LocalJobConfig, run_local_job
     from paratrain.metrics.dashboard import DashboardConfig
 
@@ -77,6 +79,7 @@ def run_role_job(
         timeout_s=timeout_s,
         placements=placements or {},
         dashboard=DashboardConfig() if dashboard else None,
+        server_losses=server_losses,
     )
     out, err = DashboardWatcher(), io.StringIO()
     try:

@@ -107,12 +107,13 @@ def _start_embedded_scheduler(spec: ClusterSpec, config: JobConfig) -> threading
 
 
 def _serve(spec: ClusterSpec, config: JobConfig) -> int:
+    from paratrain.kvstore.server.replica import Replicator
     from paratrain.kvstore.server.report import server_report
     from paratrain.kvstore.server.server import KVServer  # servers serve the kvstore (and "ping")
     from paratrain.metrics import observe
 
     scheduler_thread = _start_embedded_scheduler(spec, config)
-    kv = KVServer(spec.rank or 0)
+    kv = KVServer(spec.rank or 0, replicator=Replicator(spec.rank or 0, spec.secret, config.transport))
     trace = observe.start_trace(os.environ, "server", spec.rank or 0)
     server = RpcServer(
         spec.secret,
@@ -125,6 +126,7 @@ def _serve(spec: ClusterSpec, config: JobConfig) -> int:
     link.register("server", port=server.port)
     observe.align_trace(trace, link)
     link.shutdown.wait()
+    kv.replicator.close()
     server.close()
     link.close()
     if scheduler_thread is not None:  # it has told every node; let it finish and release its port

@@ -110,6 +110,7 @@ def run_job(
     place: Mapping[str, Sequence[int]] | None = None,
     dashboard: DashboardConfig | None = None,
     watch: Callable[[str], None] | None = None,
+    server_losses: int = 0,
 ) -> JobOutcome:
     """Runs `script` (a path, or Python source if it contains a newline) as a job of `workers`
     workers, `servers` servers and a scheduler on 127.0.0.1, and checks what it left behind.
@@ -118,6 +119,7 @@ def run_job(
     of each rank per role ({"scheduler": [0], "server": [0, 1], "worker": [1, 2, 3]}); by default
     `place_on_hosts` spreads them. `dashboard`: serve the job's dashboard (its URL is a line of
     stdout); `watch` is called with every line of output as it comes (from the printing thread).
+    `server_losses`: servers that may die without failing the job (LocalJobConfig.server_losses).
 
     Raises AssertionError if a child process survived the job, if the scheduler's port is still
     listening, or if the job's success does not match `expect` (None: either is fine).
@@ -137,6 +139,7 @@ def run_job(
             if hosts is not None
             else {},
             dashboard=dashboard,
+            server_losses=server_losses,
         )
         by_child: dict[tuple[str, int], list[tuple[str, str]]] = {}
         out, err = _Capture("stdout", by_child, watch), _Capture("stderr", by_child, watch)

@@ -25,9 +25,16 @@ class JobConfig:
     """How long a barrier waits for the other nodes."""
     finish_timeout_s: float = 60.0
     """How long the scheduler waits for servers to exit once every worker finished."""
+    replication: int = 1
+    """Copies of every dense key's slices on the parameter servers (kvstore/server/replica.py): with
+    2 or more, each slice has a primary and replication - 1 backups, a round's result reaches the
+    backups before any worker sees it, and up to replication - 1 servers may die without ending the
+    job (workers fail over to a backup). 1: no copies, a server's death ends the job."""
     transport: TransportConfig = field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.replication, int) or self.replication < 1:
+            raise ValueError(f"JobConfig.replication={self.replication!r} must be an int >= 1")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_s") and not (isinstance(value, (int, float)) and value > 0):

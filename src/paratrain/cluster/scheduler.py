@@ -101,6 +101,8 @@ class Scheduler(Handler):
         self._refused: deque[tuple[str, str]] = deque(maxlen=16)
         """(address, reason) of the last refused registrations."""
         self.outcome: str | None = None  # None while running; "" on success, else the reason
+        self.lost_servers: set[int] = set()
+        """Servers that died while their backups held copies (JobConfig.replication): the job goes on."""
         sock = listen_socket(spec)
         self.server = RpcServer(spec.secret, self, sock=sock, config=config.transport, name="scheduler")
 
@@ -184,6 +186,7 @@ class Scheduler(Handler):
                     if not n.finished and now - n.last_seen > self.config.heartbeat_timeout_s
                 ]
                 missing = self._missing() if not self._started else []
+            late = [n for n in late if not self._survivable(n, "sent no heartbeat")]
             if late:
                 node = late[0]
                 heard = datetime.fromtimestamp(node.last_seen_wall).strftime("%H:%M:%S.%f")[:-3]
@@ -403,6 +406,8 @@ class Scheduler(Handler):
         lost = self._nodes.get((meta.get("role"), meta.get("rank")))  # type: ignore[arg-type]
         if reporter is None or lost is None or self.outcome is not None:
             return
+        if self._survivable(lost, f"is unreachable from {reporter.describe()}"):
+            return
         self.abort(
             f"{lost.describe()} is unreachable: {reporter.describe()} lost its connection to it "
             f"({meta.get('error')})",
@@ -418,7 +423,30 @@ class Scheduler(Handler):
             node.stopped = True
             return
         cause = f": {error}" if error else ""
+        if self._survivable(node, f"lost its connection to the scheduler{cause}"):
+            return
         self.abort(f"{node.describe()} lost its connection to the scheduler{cause}", node)
+
+    def _survivable(self, node: Node, what: str) -> bool:
+        """Whether the job goes on without `node`: a server, while fewer than JobConfig.replication
+        servers are lost (every slice still has a copy; workers fail over to it)."""
+        if node.role != "server" or self.config.replication < 2:
+            return False
+        with self._lock:
+            if node.rank in self.lost_servers:
+                return True
+            if len(self.lost_servers) + 1 >= self.config.replication:
+                return False
+            self.lost_servers.add(node.rank)
+            node.failed = True
+            self.failures.append({"role": node.role, "rank": node.rank, "reason": what, "time": time.time()})
+        logger.warning(
+            "%s %s; its backups serve its slices (replication %d)",
+            node.describe(),
+            what,
+            self.config.replication,
+        )
+        return True
 
 
 def listen_socket(spec: ClusterSpec):

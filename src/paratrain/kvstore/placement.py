@@ -60,3 +60,18 @@ class Placement:
         for piece in slices:
             self.load[piece.server] += piece.numel * itemsize
         return slices
+
+
+def replicas(primary: int, num_servers: int, replication: int) -> list[int]:
+    """The servers that hold a slice placed on `primary`: the primary, then its backups, the next
+    servers in rank order (wrapping), as in the parameter server of Li et al. (OSDI 2014). When
+    the primary dies the first live backup takes over, so the list is also the fail-over order."""
+    if not isinstance(replication, int) or replication < 1:
+        raise ValueError(f"replication={replication!r} must be an int >= 1")
+    if replication > num_servers:
+        raise ValueError(
+            f"replication={replication} needs at least as many servers, but the job has {num_servers}"
+        )
+    if not 0 <= primary < num_servers:
+        raise ValueError(f"primary={primary!r} is not a server rank below {num_servers}")
+    return [(primary + i) % num_servers for i in range(replication)]

@@ -61,6 +61,8 @@ class LaunchConfig:
     """Limit on the whole job; None waits forever."""
     python: str = sys.executable
     """The interpreter that runs the script (on every host)."""
+    server_losses: int = 0
+    """Servers that may die without failing the job (replicated servers: JobConfig.replication - 1)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "script", os.fspath(self.script))
@@ -75,6 +77,10 @@ class LaunchConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.num_servers < 0:
             raise ValueError(f"num_servers must be >= 0, got {self.num_servers}")
+        if not isinstance(self.server_losses, int) or not 0 <= self.server_losses < max(1, self.num_servers):
+            raise ValueError(
+                f"server_losses must be an int >= 0 and below num_servers, got {self.server_losses!r}"
+            )
         self.warnings()  # raises about a strategy that cannot run
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s!r}")

@@ -85,6 +85,14 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
     default=None,
     help="Stop the whole job after this many seconds.",
 )
+@click.option(
+    "--server-losses",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="local: servers that may die without failing the job, for replicated servers "
+    "(JobConfig.replication - 1 in the script).",
+)
 @click.option("--address", default="auto", show_default=True, help="ray: the Ray cluster to run on.")
 @click.option("--partition", default=None, help="slurm: the partition to submit to.")
 @click.option("--time", "time_limit", default=None, help="slurm: the job's time limit (sbatch --time).")
@@ -125,6 +133,7 @@ def launch(
     strategy: str | None,
     host: str,
     timeout_s: float | None,
+    server_losses: int,
     address: str,
     partition: str | None,
     time_limit: str | None,
@@ -157,6 +166,7 @@ def launch(
             strategy=strategy,
             timeout_s=timeout_s,
             env=observe_env(observe, local=backend == "local"),
+            server_losses=server_losses,
         )
     except (ValueError, TypeError) as exc:
         raise click.UsageError(_as_given(str(exc), source)) from None

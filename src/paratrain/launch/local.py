@@ -94,6 +94,9 @@ class LocalJobConfig:
     workers to exit after the scheduler or a server exited 0 before them)."""
     python: str = sys.executable
     """The interpreter that runs the script."""
+    server_losses: int = 0
+    """Servers that may die without failing the job: with replicated servers
+    (JobConfig.replication), replication - 1; their backups serve their slices."""
     placements: Mapping[str, Sequence[Placement]] = field(default_factory=dict)
     """Per role ("scheduler", "server", "worker"), where each rank runs (simulated hosts in tests);
     a role or rank not listed runs here at `host`. A placed scheduler binds `scheduler_port`
@@ -115,6 +118,7 @@ class LocalJobConfig:
                 raise TypeError(f"{name} must be a str, got {value!r}")
         _check_int("num_workers", self.num_workers, minimum=1)
         _check_int("num_servers", self.num_servers, minimum=0)
+        _check_int("server_losses", self.server_losses, minimum=0)
         if not self.host:
             raise ValueError(f"host must be an address, got {self.host!r}")
         if self.timeout_s is not None and not self.timeout_s > 0:
@@ -284,6 +288,8 @@ class _Job:
         """Schedulers and servers that exited 0 while workers were still running."""
         self.still_running: list[_Child] = []
         """Children that had to be stopped."""
+        self.lost: list[_Child] = []
+        """Servers that died without failing the job (LocalJobConfig.server_losses)."""
         self.scheduler_address = ""
         self.started = time.monotonic()
         self.deadline = None if config.timeout_s is None else self.started + config.timeout_s
@@ -444,6 +450,11 @@ class _Job:
             return True
         if event.returncode != 0:
             child.failure_reason = _exit_reason(event.returncode)
+            if child.role == "server" and len(self.lost) < self.config.server_losses:
+                self.lost.append(child)  # replicated: the job goes on (the scheduler decides)
+                note = f"paratrain: server {child.rank} {child.failure_reason}; the job goes on\n"
+                self.printer.write(self.printer.err, note)
+                return True
             self.failed.append(child)
             self.failed.extend(self.early)  # an earlier clean exit may be the cause of this one
             self.early.clear()
@@ -592,6 +603,7 @@ def run_launch(
         timeout_s=config.timeout_s,
         python=config.python,
         dashboard=dashboard,
+        server_losses=config.server_losses,
     )
     return run_local_job(local, fold=True).exit_code
 

@@ -15,6 +15,9 @@ Requests (meta lists are parallel; every tensor is one flat slice of one key):
                   long: per slice behind min_version, its round and the workers that have not
                   pushed it (logged here too, so that no wait is silent on either side)
     get_state / set_state                                           for save_state / load_state
+    replicate     {key, start, stop, version, applied, state}       a slice's state, from its
+                  primary to this backup (replica.py; with replication a push's reply waits until
+                  its round is on the backups)
     sparse_*                                                        sparse tables (sparse.py)
 
 Consistency is the policy's (consistency.py) and a shard's state changes only through its methods
@@ -51,6 +54,7 @@ from paratrain.kvstore.api import KVError
 from paratrain.kvstore.compressed import ServerCompression
 from paratrain.kvstore.consistency import policy
 from paratrain.kvstore.server.replies import ReplySenders
+from paratrain.kvstore.server import replica
 from paratrain.kvstore.server.shard import Push, Rules, ShardState
 from paratrain.kvstore.server.sparse import SparseTables
 from paratrain.kvstore.shared import Arena
@@ -64,6 +68,7 @@ logger = logging.getLogger(__name__)
 # Buffers of a shared shard (shared.py) besides its value: rounds that same-host workers can push
 # into directly. Two let a worker push round r + 1 while round r waits for a slow worker.
 ROUND_BUFFERS = 2
+SLICE = ("keys", "starts", "stops")  # a slice's meta fields; one slice's: the same without the "s"
 Shard = ShardState  # the name other modules knew
 
 
@@ -74,6 +79,8 @@ class PendingPull:
     min_versions: list[int]
     read: list[bool]
     """Per shard: the worker copies it out of shared memory itself (no tensor in the reply)."""
+    ack_only: bool = False
+    """A replicated push's acknowledgement: no values, sent once its rounds are on the backups."""
 
     def ready(self) -> bool:
         return all(s.ready(v) for s, v in zip(self.shards, self.min_versions, strict=True))
@@ -82,7 +89,9 @@ class PendingPull:
 class KVServer(Handler):
     ring_views = True  # same-host pushes are summed straight out of the shared-memory ring
 
-    def __init__(self, rank: int = 0, intra_op_threads: int | None = 1) -> None:
+    def __init__(
+        self, rank: int = 0, intra_op_threads: int | None = 1, replicator: replica.Replicator | None = None
+    ) -> None:
         """`intra_op_threads`: torch's threads per operation in this (server) process, None to leave
         torch's choice. One by default: a server already runs a thread per connection, and torch's
         pool on top of them oversubscribes cores that workers share. Measured on 2 loaded cores, a
@@ -101,9 +110,16 @@ class KVServer(Handler):
         """Pushed slices by how many updates their key took since the pusher's pull (report.py)."""
         self.compression = ServerCompression()  # compressed pushes and pulls (compressed.py)
         self._senders = ReplySenders(f"server {rank}")  # pull replies go out from these (replies.py)
+        self.replicator = replicator or replica.Replicator(rank, b"")  # backups (replica.py)
+        self.replicator.on_durable = self._serve_ready_pulls
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
+        if header.op == "replicate" and header.at is None:  # a backup's copy: into a pooled buffer
+            try:
+                return [self._shard({k: [header.meta[k[:-1]]] for k in SLICE}, 0).buffer()]
+            except (KVError, KeyError, TypeError):
+                return None
         if header.op not in ("push", "pushpull") or header.at is not None:
             return None  # no payload, or a same-host one: read in place from the ring
         if "compression" in header.meta:
@@ -140,12 +156,15 @@ class KVServer(Handler):
         try:
             if op == "push":
                 self._push(request)
-                request.reply({})
+                self._acknowledge(request)
             elif op == "pull":
                 self._pull(request, request.meta["min_versions"])
             elif op == "pushpull":
                 self._push(request)
-                self._pull(request, request.meta["min_versions"])
+                self._pull(request, self._acknowledged_at(request.meta, request.meta["min_versions"]))
+            elif op == "replicate":
+                replica.restore(self._shard({k: [request.meta[k[:-1]]] for k in SLICE}, 0), request)
+                request.reply({})
             elif op == "init":
                 self._init(request)
             elif op == "configure":
@@ -176,6 +195,7 @@ class KVServer(Handler):
 
     def _configure(self, meta: dict) -> None:
         chosen = policy(meta["mode"], int(meta.get("staleness", 0)))
+        self.replicator.configure(int(meta.get("replication", 1)), meta.get("servers", []))
         with self._lock:
             self.rules.policy = chosen
             self.rules.members = frozenset(int(rank) for rank in meta["members"])
@@ -206,7 +226,8 @@ class KVServer(Handler):
                     if value.numel() != ident[2] - ident[1] or dtype not in DTYPES:
                         raise KVError(f"init of key {key!r} sent a value of the wrong size")
                     shard = ShardState(key, ident[1], ident[2], numel, shape, dtype, value, self.rules)
-                    if same_host and value.numel():
+                    self.replicator.attach(shard, [int(s) for s in meta.get("chain", [self.rank])])
+                    if same_host and value.numel() and not self.replicator.enabled:
                         self._share(shard)
                     else:
                         shard.value = value.clone()
@@ -264,9 +285,12 @@ class KVServer(Handler):
             )
         # Every slice is checked before any is counted: a frame is refused whole, never half-added.
         grads, work = iter(tensors), []
+        self.replicator.mark_dead(meta.get("dead", []))
         for i, was_added in enumerate(added):
             shard = self._shard(meta, i)
             push = Push(rank, int(meta["clocks"][i]), None if was_added else next(grads), owned, weight)
+            if self.replicator.enabled and shard.repeat(push):
+                continue  # sent again after a fail-over; the dead primary's backups had it
             shard.check(push)
             work.append((shard, push))
         for shard, push in work:
@@ -284,6 +308,29 @@ class KVServer(Handler):
             shard.apply_complete_rounds()
         self._serve_ready_pulls()
         self.tables.members_changed()
+
+    def _acknowledge(self, request: Request) -> None:
+        """A push's reply: at once, or with replication once its updates are on the backups."""
+        if not self.replicator.enabled:
+            request.reply({})
+            return
+        meta = request.meta
+        shards = [self._shard(meta, i) for i in range(len(meta["keys"]))]
+        needs = self._acknowledged_at(meta, [0] * len(shards))
+        with self._lock:
+            self._pending.append(PendingPull(request, shards, needs, [True] * len(shards), ack_only=True))
+        self._serve_ready_pulls()
+
+    def _acknowledged_at(self, meta: dict, min_versions: list[int]) -> list[int]:
+        """With replication, a push is acknowledged (or its pushpull answered) only once its
+        update is on the backups: in round modes its own round, in async the version its push made
+        (or a later one). An acknowledged update is never lost."""
+        if not self.replicator.enabled:
+            return min_versions
+        if self.rules.policy.rounds:
+            return [max(int(v), int(c) + 1) for v, c in zip(min_versions, meta["clocks"], strict=True)]
+        shards = [self._shard(meta, i) for i in range(len(meta["keys"]))]
+        return [max(int(v), s.version) for v, s in zip(min_versions, shards, strict=True)]
 
     # -- pull -------------------------------------------------------------------------------------
     def _pull(self, request: Request, min_versions: list[int]) -> None:
@@ -311,6 +358,9 @@ class KVServer(Handler):
     def _send_values(self, pull: PendingPull) -> None:
         """Pin the values now (no round changes them until sent) and send them from the pulling
         worker's reply sender (replies.py), never from this thread."""
+        if pull.ack_only:
+            pull.request.reply({})
+            return
         sent = [shard for shard, reads in zip(pull.shards, pull.read, strict=True) if not reads]
         values = [shard.begin_read() for shard in sent]
         self._senders.send(pull.request.conn, lambda: self._reply_values(pull, sent, values))

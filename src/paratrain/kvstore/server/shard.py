@@ -22,6 +22,7 @@ is reading it (`readers`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,25 @@ class Push:
 
 
 @dataclass
+class Clocks:
+    """The clocks of one worker's async pushes applied to a shard (replicated servers drop a
+    repeat): every clock below `below`, and those in `ahead` (a push that failed over may arrive
+    after a later one)."""
+
+    below: int = 0
+    ahead: set[int] = field(default_factory=set)
+
+    def has(self, clock: int) -> bool:
+        return clock < self.below or clock in self.ahead
+
+    def add(self, clock: int) -> None:
+        self.ahead.add(clock)
+        while self.below in self.ahead:
+            self.ahead.remove(self.below)
+            self.below += 1
+
+
+@dataclass
 class Round:
     """An open round: the sum of its pushes so far, who pushed, and the workers they stand for."""
 
@@ -105,6 +125,16 @@ class ShardState:
     buffer open for its pushes."""
     value_buffer: int = 0
     opened: dict[int, int] = field(default_factory=dict)
+    chain: list[int] = field(default_factory=list)
+    """Replicated servers (replica.py): the servers holding this slice, primary first."""
+    on_applied: Callable[[ShardState], None] | None = None
+    """Replicated servers: called after every update, holding cond: sends the new state to the
+    backups; `replicated(version)` once they hold it. Pulls and acknowledgements wait for
+    `durable`, not `version`."""
+    durable: int = 0
+    """Replicated servers: the version the backups hold."""
+    applied: dict[int, Clocks] = field(default_factory=dict)
+    """Async pushes: per worker rank, the clocks of its pushes applied (a repeat is dropped)."""
 
     # -- buffers ----------------------------------------------------------------------------------
     def buffer(self) -> torch.Tensor:
@@ -170,10 +200,20 @@ class ShardState:
         self.counts["bytes_in"] += self.value.numel() * self.value.element_size()
         self.rules.policy.on_push(self, push)
 
+    def repeat(self, push: Push) -> bool:
+        """Whether this push was applied (or joined its round) already: a worker that failed over
+        to this server sends again what the dead primary had not acknowledged."""
+        with self.cond:
+            if not self.rules.policy.rounds:
+                return push.rank in self.applied and self.applied[push.rank].has(push.clock)
+            entry = self.rounds.get(push.clock)
+            return push.clock < self.version or (entry is not None and push.rank in entry.pushed)
+
     def apply_now(self, push: Push) -> None:
         """Apply one push on its own (async); its payload is consumed here (a ring view will do)."""
         assert push.grad is not None
         with self.cond:
+            self.applied.setdefault(push.rank, Clocks()).add(push.clock)
             self._apply(push.grad)
             if push.owned:
                 self.recycle(push.grad)
@@ -229,6 +269,18 @@ class ShardState:
                 self.open_free_buffers()
 
     def _apply(self, grad: torch.Tensor, weight: int = 1, buffer: int | None = None) -> None:
+        """The one update of the value (`_update`); on replicated servers the new state is sent to
+        the backups (holds cond: nothing changes while it is sent)."""
+        self._update(grad, weight, buffer)
+        if self.on_applied is not None:
+            self.on_applied(self)
+
+    def replicated(self, version: int) -> None:
+        """The backups hold `version`: pulls and acknowledgements waiting for it may go."""
+        with self.cond:
+            self.durable = max(self.durable, version)
+
+    def _update(self, grad: torch.Tensor, weight: int = 1, buffer: int | None = None) -> None:
         """The one update of the value: an optimizer step, or without one a round's sum (or mean)
         becoming the value, or an async push added to it. `weight`: the workers a round's sum
         stands for (its mean divides by it). `buffer`: the shared buffer that holds `grad` (it is
@@ -265,7 +317,7 @@ class ShardState:
 
     # -- pull -------------------------------------------------------------------------------------
     def ready(self, min_version: int) -> bool:
-        return self.version >= min_version
+        return (self.version if self.on_applied is None else self.durable) >= min_version
 
     def begin_read(self) -> torch.Tensor:
         """The value, held unchanged until end_read (a round waits for its readers)."""
@@ -308,6 +360,47 @@ class ShardState:
             entry |= {"shape": self.shape, "dtype": self.dtype, "version": self.version, "state": list(state)}
             return entry, [self.value.clone()] + [t.clone() for t in state.values()]
 
+    def replica(self) -> tuple[dict, list[torch.Tensor]]:
+        """What a backup needs (holds cond, so nothing changes while it is sent): version, the
+        async pushes applied, the value and the optimizer state, uncopied."""
+        state = optim.state_tensors(self.optimizer, self.param) if self.optimizer else {}
+        where = {"key": self.key, "start": self.start, "stop": self.stop, "version": self.version}
+        applied = [[rank, c.below, sorted(c.ahead)] for rank, c in self.applied.items()]
+        return where | {"applied": applied, "state": list(state)}, [self.value, *state.values()]
+
+    def restore(
+        self, version: int, value: torch.Tensor, state: dict[str, torch.Tensor], applied: dict[int, Clocks]
+    ) -> None:
+        """A backup takes the primary's state at `version` (an older one, arriving late, is
+        ignored). Its open rounds are dropped: only a primary has rounds."""
+        with self.cond:
+            if version < self.version:
+                return
+            while self.readers:
+                self.cond.wait()
+            self._take(value.reshape(-1))
+            self.version = self.durable = version
+            self.applied = applied
+            self.rounds = {}
+            if state:
+                if self.optimizer is None:
+                    raise KVError(f"{self.describe()}: the primary runs an optimizer, this backup none")
+                assert self.param is not None
+                optim.load_state_tensors(self.optimizer, self.param, state)
+
+    def _take(self, value: torch.Tensor) -> None:
+        """Make `value` (received for this shard: its own buffer) the value, without a copy where
+        it can; the old value's buffer is kept for the next one (holds cond, no readers)."""
+        if self.region is not None or value.dtype != self.value.dtype or value.numel() != self.value.numel():
+            self.value.copy_(value)
+            return
+        self.recycle(self.value)
+        if self.param is not None:  # the optimizer keeps its parameter; only its data moves
+            self.param.data = value
+            self.value = self.param.data
+        else:
+            self.value = value
+
     def load(self, value: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
         """Restart from a saved value (and optimizer state) at version 0, every round dropped."""
         with self.cond:
@@ -315,7 +408,7 @@ class ShardState:
                 self.cond.wait()
             with self.writing():
                 self.value.copy_(value.reshape(-1))
-                self.version, self.rounds = 0, {}
+                self.version, self.rounds, self.durable, self.applied = 0, {}, 0, {}
                 if self.region is not None:
                     self.region.stamp(0)
             if self.region is not None:

@@ -40,6 +40,7 @@ from paratrain.kvstore.worker.checks import (
     check_tensors,
     explain_wait,
 )
+from paratrain.kvstore.worker.failover import Servers
 from paratrain.kvstore.worker.state import Entry, read_state, read_tables, write_state
 from paratrain.transport.rpc import Future, RpcClient
 from paratrain.transport.tensors import dtype_name
@@ -110,6 +111,7 @@ class DistKVStore(SparseAPI):
             for i, (host, port) in enumerate(ctx.servers)
         ]
         self._placement = Placement(len(self._clients), config.slice_elements)
+        self._servers = Servers(self._clients, ctx.config.replication)  # copies, fail-over
         self._keys: dict[Any, KeyInfo] = {}
         self._arenas: dict[int, ArenaMap] = {}  # per same-host server: its shared shards
         self._closed = False
@@ -122,13 +124,21 @@ class DistKVStore(SparseAPI):
         if self.rank == 0:
             meta = {"mode": config.policy.name, "staleness": config.staleness, "members": self._members}
             meta["average"] = config.average
+            if ctx.config.replication > 1:
+                meta["replication"] = ctx.config.replication
+                meta["servers"] = [list(address) for address in ctx.servers]
             self._all_servers("configure", meta)
         self._barrier("kvstore-create")
         atexit.register(self.close)
 
     def _server_lost(self, rank: int, error: Exception | None) -> None:
-        """The scheduler hears it from us first: the job's end then names the server, not us."""
-        if not getattr(self, "_closed", False) and self._ctx.link is not None:
+        """The scheduler hears it from us first: the job's end then names the server, not us.
+        With replication the job goes on: this worker's requests go to the server's backups."""
+        if getattr(self, "_closed", False):
+            return  # the job's end: servers stop
+        if hasattr(self, "_servers"):
+            self._servers.lost(rank, error)
+        if self._ctx.link is not None:
             self._ctx.link.peer_lost("server", rank, error)
 
     @property
@@ -137,14 +147,16 @@ class DistKVStore(SparseAPI):
         if self._tables is None:
             from paratrain.kvstore.worker.embedding import TableClient
 
+            if self._servers.replication > 1:
+                raise KVStoreError("sparse tables are not replicated yet: use JobConfig(replication=1)")
+
             self._tables = TableClient(self._clients, self.rank, self.config, self._barrier, self._timeout_s)
         return self._tables
 
     # -- helpers ----------------------------------------------------------------------------------
     def _all_servers(self, op: str, meta: dict, tensors_for: Callable[[int], list] | None = None) -> list:
-        futures = [
-            c.request(op, meta, tensors_for(i) if tensors_for else ()) for i, c in enumerate(self._clients)
-        ]
+        live = self._servers.live()  # with replication, dead servers are skipped
+        futures = [self._clients[i].request(op, meta, tensors_for(i) if tensors_for else ()) for i in live]
         return [r.meta for r in self._wait(futures)]
 
     def _wait(self, futures: list[Future]) -> list:
@@ -230,20 +242,22 @@ class DistKVStore(SparseAPI):
         )
 
         def send(with_values: bool) -> None:
-            futures = [
-                self._clients[s].request(
-                    "init",
-                    meta,
+            sent, futures = [], []
+            for s, meta in frames:  # to every copy of the slices (only the primary: no replication)
+                chain = self._servers.chain(s)
+                tensors = (
                     [
                         flat[k][a:b]
                         for k, a, b in zip(meta["keys"], meta["starts"], meta["stops"], strict=True)
                     ]
                     if with_values
-                    else (),
+                    else ()
                 )
-                for s, meta in frames
-            ]
-            for (s, meta), reply in zip(frames, self._wait(futures), strict=True):
+                for t in chain:
+                    sent.append((t, meta))
+                    copy = dict(meta, chain=chain) if len(chain) > 1 else meta
+                    futures.append(self._clients[t].request("init", copy, tensors))
+            for (s, meta), reply in zip(sent, self._wait(futures), strict=True):
                 self._map_regions(s, meta, reply.meta)
 
         if self.rank == 0:
@@ -284,7 +298,7 @@ class DistKVStore(SparseAPI):
         for s, meta in frames:
             packed = self._compressed_pull(meta)
             out = None if packed else self._dests(s, meta, views, reads)
-            futures.append(self._clients[s].request("pull", meta, (), out=out))
+            futures.append(self._servers.request(s, "pull", meta, (), out=out))
             if packed:
                 after.insert(0, self._decoder(meta, futures[-1], views))
         return self._handle("pull", keys, frames, futures, after, reads)
@@ -313,7 +327,7 @@ class DistKVStore(SparseAPI):
         for s, meta in waiting:
             query = {k: meta[k] for k in ("keys", "starts", "stops", "rank")}
             query["min_versions"] = meta["min_versions"] if pulls else [0] * len(meta["keys"])
-            probes.append((self._clients[s], "waiting", query))
+            probes.append((self._clients[self._servers.serving(s)], "waiting", query))
         return explain_wait(probes, self._timeout_s)
 
     def pull(self, keys: Keys, out: Any) -> int | None:
@@ -378,7 +392,7 @@ class DistKVStore(SparseAPI):
             op = "push" if views is None else "pushpull"
             packed = views is not None and self._compressed_pull(meta)
             out = self._dests(s, meta, views, reads) if views is not None and not packed else None
-            futures.append(self._clients[s].request(op, meta, tensors, out=out))
+            futures.append(self._servers.request(s, op, meta, tensors, out=out))
             if packed:
                 after.insert(0, self._decoder(meta, futures[-1], views))
         return self._handle("push" if views is None else "pushpull", keys, frames, futures, after, reads)
@@ -423,6 +437,8 @@ class DistKVStore(SparseAPI):
         feedback per key. Where the servers run no optimizer (rounds sum gradients), the pulled
         sums come compressed too, with the servers' own error feedback. Every worker calls it."""
         config = compression_config(compression)
+        if config is not None and self._servers.replication > 1:
+            raise KVStoreError("gradient compression is not replicated yet: use JobConfig(replication=1)")
         self._compression = None if config is None else WorkerCompression(config)
 
     def _compressed_pull(self, meta: dict) -> bool:
@@ -457,7 +473,8 @@ class DistKVStore(SparseAPI):
         # Every slice sees each push and pull of its key: counts are the same on all of them.
         combine = {"version": min, "pushes": max, "pulls": max}
         per_key: dict[Any, dict[str, int]] = {}
-        for reply in self._wait([c.request("stats") for c in self._clients]):
+        replies = self._wait([self._clients[s].request("stats") for s in self._servers.live()])
+        for reply in self._serving(replies):
             for shard in reply.meta["shards"]:
                 total = per_key.setdefault(shard["key"], {"slices": 0})
                 total["slices"] += 1
@@ -467,13 +484,24 @@ class DistKVStore(SparseAPI):
                         total[name] = both(total[name], value) if name in total else value
         return per_key
 
+    def _serving(self, replies: list) -> list:
+        """Stats replies of the live servers, keeping each slice's copy on the server serving it."""
+        if self._servers.replication == 1:
+            return replies
+        primary = {(key, p.start): p.server for key, info in self._keys.items() for p in info.slices}
+        for server, reply in zip(self._servers.live(), replies, strict=True):
+            shards = reply.meta["shards"]
+            serving = self._servers.serving
+            reply.meta["shards"] = [s for s in shards if serving(primary[(s["key"], s["start"])]) == server]
+        return replies
+
     # -- state ------------------------------------------------------------------------------------
     def save_state(self, path: str | os.PathLike[str]) -> None:
         """Every worker calls it; worker 0 writes the servers' values and optimizer state, per key,
         so the file loads into any number of servers. Written to a temporary file, then renamed."""
         self.barrier()
         if self.rank == 0:
-            replies = self._wait([c.request("get_state") for c in self._clients])
+            replies = self._wait([self._clients[s].request("get_state") for s in self._servers.live()])
             optimizer = next((r.meta["optimizer"] for r in replies if r.meta["optimizer"]), [])
             tables = self._tables.gather() if self._tables is not None and self._tables.tables else ()
             write_state(path, gather_state(replies), optimizer, tables)
@@ -486,9 +514,11 @@ class DistKVStore(SparseAPI):
         self.barrier()
         if self.rank == 0:
             per_server = scatter_state(read_state(path), self._keys)
-            futures = [
-                self._clients[s].request("set_state", {"shards": meta}, tensors)
+            futures = [  # to every live copy
+                self._clients[t].request("set_state", {"shards": meta}, tensors)
                 for s, (meta, tensors) in per_server.items()
+                for t in self._servers.chain(s)
+                if t not in self._servers.dead
             ]
             self._wait(futures)
             if self._tables is not None:
@@ -537,11 +567,19 @@ def gather_state(replies: list) -> list[Entry]:
     """Per-server shard lists -> one entry per key: whole value, whole optimizer state tensors."""
     pieces: dict[Any, list] = {}
     shapes: dict[Any, list[int]] = {}
+    newest: dict[tuple, int] = {}  # with replication a slice comes from each copy: keep the newest
+    for reply in replies:
+        for entry in reply.meta["shards"]:
+            where = (entry["key"], entry["start"])
+            newest[where] = max(newest.get(where, -1), entry["version"])
     for reply in replies:
         i = 0
         for entry in reply.meta["shards"]:
             tensors = reply.tensors[i : i + 1 + len(entry["state"])]
             i += len(tensors)
+            where = (entry["key"], entry["start"])
+            if newest.pop(where, None) != entry["version"]:
+                continue
             state = dict(zip(entry["state"], tensors[1:], strict=True))
             pieces.setdefault(entry["key"], []).append((entry["start"], tensors[0], state))
             shapes[entry["key"]] = entry["shape"]

@@ -1,0 +1,128 @@
+"""A worker's side of replicated servers (kvstore/server/replica.py): which servers live, and
+requests that fail over to a slice's next live server when the one serving it dies.
+
+A request to the servers of one primary's slices is sent to the first live server of their chain
+(placement.replicas). If its connection is lost before the reply, the server is marked dead and the
+same request (same pushes, same (worker, clock) per slice) goes to the next live server of the
+chain, with the list of dead servers, so that it stops forwarding to them. The new server drops a
+push it already has from the dead primary's replication and waits for the others' to complete a
+round; the caller's Handle never sees the fail-over. Only when every server of a chain is dead does
+the wait fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from paratrain.errors import KVStoreError, TransportError
+from paratrain.kvstore.placement import replicas
+from paratrain.transport.rpc import Future, Reply, RpcClient
+
+logger = logging.getLogger(__name__)
+
+
+class Servers:
+    """The job's servers as one worker sees them: its clients, the copies per slice, the dead."""
+
+    def __init__(self, clients: list[RpcClient], replication: int) -> None:
+        replicas(0, len(clients), replication)  # checks the count against the servers
+        self.clients = clients
+        self.replication = replication
+        self.dead: set[int] = set()
+        self._lock = threading.Lock()
+
+    def chain(self, primary: int) -> list[int]:
+        return replicas(primary, len(self.clients), self.replication)
+
+    def serving(self, primary: int) -> int:
+        """The server that serves `primary`'s slices now: the first live one of their chain."""
+        with self._lock:
+            live = [s for s in self.chain(primary) if s not in self.dead]
+        if not live:
+            raise KVStoreError(
+                f"every server holding server {primary}'s slices is dead ({self.chain(primary)}): "
+                f"replication={self.replication} copies were not enough"
+            )
+        return live[0]
+
+    def dead_list(self) -> list[int]:
+        with self._lock:
+            return sorted(self.dead)
+
+    def live(self) -> list[int]:
+        with self._lock:
+            return [s for s in range(len(self.clients)) if s not in self.dead]
+
+    def lost(self, server: int, error: object) -> bool:
+        """Marks a server dead; True the first time."""
+        with self._lock:
+            if server in self.dead:
+                return False
+            self.dead.add(server)
+        if self.replication > 1:
+            logger.warning("server %d is gone (%s): its slices fail over to their backups", server, error)
+        return True
+
+    def request(
+        self,
+        primary: int,
+        op: str,
+        meta: dict,
+        tensors: Sequence[torch.Tensor] = (),
+        out: Sequence[torch.Tensor | None] | None = None,
+    ) -> Future | FailoverFuture:
+        """A request for `primary`'s slices: plain without replication, else one that fails over."""
+        if self.replication == 1:
+            return self.clients[primary].request(op, meta, tensors, out=out)
+        return FailoverFuture(self, primary, op, meta, tensors, out)
+
+
+class FailoverFuture:
+    """A Future (wait, done, what) over the live servers of one chain, in order."""
+
+    def __init__(
+        self,
+        servers: Servers,
+        primary: int,
+        op: str,
+        meta: dict,
+        tensors: Sequence[torch.Tensor],
+        out: Sequence[torch.Tensor | None] | None,
+    ) -> None:
+        self._servers, self._primary = servers, primary
+        self._request: tuple[str, dict, Sequence[torch.Tensor], Any] = (op, meta, tensors, out)
+        self._future = self._send()
+
+    @property
+    def what(self) -> str:
+        return self._future.what
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout_s: float | None = None) -> Reply:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return self._future.wait(left)
+            except TransportError as exc:
+                self._servers.lost(self._server, exc)
+                self._future = self._send()
+
+    def _send(self) -> Future:
+        op, meta, tensors, out = self._request
+        while True:
+            self._server = self._servers.serving(self._primary)
+            dead = self._servers.dead_list()
+            sent = dict(meta, dead=dead) if dead else meta
+            try:
+                return self._servers.clients[self._server].request(op, sent, tensors, out=out)
+            except (TransportError, OSError) as exc:
+                self._servers.lost(self._server, exc)
