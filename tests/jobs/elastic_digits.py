@@ -16,9 +16,10 @@ import paratrain
 from paratrain.data import digits
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--epochs", type=int, default=6)
+parser.add_argument("--epochs", type=int, default=8)
 parser.add_argument("--kill", action="append", default=[], help="RANK:EPOCH")
 parser.add_argument("--join-by", type=int, default=None)
+parser.add_argument("--lr", type=float, default=5e-3)
 args = parser.parse_args()
 kills = {tuple(int(x) for x in kill.split(":")) for kill in args.kill}
 
@@ -36,7 +37,7 @@ model = nn.Sequential(
     nn.ReLU(),
     nn.Linear(64, 10),
 )
-optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 loader = DataLoader(digits(train=True), batch_size=32, shuffle=True)
 trainer = paratrain.Trainer(model, optimizer, loader, strategy="dist_sync", progress=False)
 trained = []

@@ -490,17 +490,10 @@ class _Job:
         return done and all(c.replacement for c in running)
 
     def _end_before_joining(self) -> None:
-        """The job finished (its scheduler exited 0) before replacements joined: stop them."""
+        """The job finished (its scheduler exited 0) while replacements run: one that joined is
+        leaving, one that never joined finds the scheduler gone; either way it exits by itself."""
         self.ending = True
         self.early.clear()
-        for child in self.children:
-            if child.role == "worker" and child.running:
-                self.printer.write(
-                    self.printer.err,
-                    f"paratrain: {child.label} (pid {child.pid}) is stopped: "
-                    "the job finished before it joined\n",
-                )
-                child.signal(signal.SIGTERM)
 
     def _lost(self, child: _Child) -> None:
         """A worker of an elastic job died: the scheduler drops it; restart it while restarts last."""
