@@ -1,22 +1,13 @@
-"""What failures cost: a job's pause when a process is SIGKILLed, and what replication costs.
+"""Failures without loss: how long a job stalls when a process dies, against the heartbeat timeout.
 
-    python benchmarks/failures.py [--rows server-death,replication] [--mb 64] [--iters 8] [--pairs 2]
+    python benchmarks/failures.py [--heartbeat-timeout 3] [--workers 4]
 
-Rows (each a function returning table rows; main() only joins them):
-
-- server-death: 2 workers, 2 servers, JobConfig.replication=2, sync rounds of pushpull over an
-  8 MB model (sliced over both servers) under a server-side SGD. Server 1 SIGKILLs itself after the
-  workers' round 20 (it notes the time first); the figure is the time from that SIGKILL to the
-  first round that worker 0 completes after it, as a ratio to the heartbeat timeout (the anchor:
-  how long a dead node takes to be named; target <= 2x), and to the median round before it.
-- replication: 2 workers, 2 servers, one sync pushpull of a 64 MB model (50 float32 tensors,
-  benchmarks/kvstore.py's sizes), median seconds per iteration of the slowest worker, with
-  replication=2 against replication=1 (the anchor; target <= 1.3x). Jobs alternate
-  (1, 2, 1, 2, ...) on this machine and the medians of each are compared; "tcp" turns the
-  same-host path off for both, "default" is what a job on one machine gets (replicated servers do
-  not keep their slices in shared memory: kvstore/server/replica.py).
-
-Every job is this file run again in its --paratrain-role mode by the local launcher.
+Worker death (elastic workers, issue 15 item 1): W workers run dist_sync rounds on one server (a
+pushpull of one small key per step); at step 20 worker W-1 dies, either by SIGKILL (its connections
+close: the scheduler sees it at once) or frozen by SIGSTOP (a lost host: only its missing heartbeats
+tell). The time to progress again is from the death to the first round worker 0 completes after it,
+less one ordinary step; its ratio to the heartbeat timeout is the figure (target <= 2x). Each row is
+a function returning table rows (`worker_death_rows`), so that other failure rows can join main().
 """
 
 from __future__ import annotations
@@ -24,183 +15,113 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-
-import _anchors  # noqa: E402
-import _jobs  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _plot  # noqa: E402
-from kvstore import model_sizes  # noqa: E402
 
-PUSHPULL = re.compile(r"FAILBENCH rank=(\d+) per_iter_s=([0-9.eE+-]+) ok=(\d)")
-DEATH = re.compile(r"FAILBENCH rank=(\d+) rounds=(\S+)")
-KILL_AFTER_ROUND = 20
-HEARTBEAT_TIMEOUT_S = 5.0  # JobConfig's default
+KILL_AT = 20
+STEPS = 40
+RESULT = re.compile(r"^\[worker 0\] (step|died) (\d+) at ([0-9.]+)$", re.M)
+VICTIM = re.compile(r"^\[worker \d+\] died (\d+) at ([0-9.]+)$", re.M)
 
 
-# ------------------------------------------------------------------------------- job roles
-def role_pushpull(args: argparse.Namespace) -> None:
-    """One replication row's job: each worker prints its median seconds per pushpull."""
+def paratrain_role(args: argparse.Namespace) -> None:
+    """One worker's (or the scheduler's, the server's) part of the job."""
+    import torch
+
     import paratrain
-    from paratrain.kvstore import create
-    from paratrain.transport.config import TransportConfig
 
-    torch.set_num_threads(1)
-    ring = TransportConfig().shm_ring_bytes if args.same_host else 0
-    paratrain.init(
-        paratrain.JobConfig(replication=args.replication, transport=TransportConfig(shm_ring_bytes=ring))
+    timeout = args.heartbeat_timeout
+    config = paratrain.JobConfig(
+        heartbeat_interval_s=timeout / 5,
+        heartbeat_timeout_s=timeout,
+        elastic=paratrain.ElasticConfig(min_workers=2),
     )
-    kv = create("dist_sync")
-    sizes = model_sizes(args.mb << 20, 50)
-    keys = list(range(len(sizes)))
-    kv.init(keys, [torch.zeros(n) for n in sizes])
-    grads = [torch.full((n,), kv.rank + 1.0) for n in sizes]
-    outs = [torch.empty(n) for n in sizes]
-    per_iter = _anchors.time_steps(lambda: kv.pushpull(keys, grads, out=outs), 2, args.iters, kv.barrier)
-    ok = all(bool((out == 3.0).all()) for out in outs)  # worker r pushes r + 1
-    print(f"FAILBENCH rank={kv.rank} per_iter_s={per_iter:.6f} ok={int(ok)}", flush=True)
+    ctx = paratrain.init(config)
+    kv = paratrain.kvstore.create("dist_sync", ctx)
+    pids = ctx.barrier(name="pids", data=os.getpid())
+    kv.init("w", torch.zeros(1024))
+    out, victim = torch.empty(1024), ctx.num_workers - 1
+    for step in range(STEPS):
+        if ctx.rank == victim and step == KILL_AT:
+            print(f"died {step} at {time.time():.6f}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP if args.freeze else signal.SIGKILL)
+        kv.pushpull("w", torch.ones(1024), out=out)
+        if ctx.rank == 0:
+            print(f"step {step} at {time.time():.6f}", flush=True)
+            if args.freeze and step == KILL_AT:  # the frozen worker was dropped: end it for good
+                os.kill(pids[victim], signal.SIGKILL)
+        time.sleep(0.02)
+    kv.close()
 
 
-def role_death(args: argparse.Namespace) -> None:
-    """The server-death row's job: server 1 kills itself once worker 0 reached round
-    KILL_AFTER_ROUND; worker 0 prints when each round ended (time.time())."""
-    import signal
-    import threading
-
-    import paratrain
-    from paratrain.kvstore import create
-
-    folder = Path(args.dir)
-    if os.environ.get("PARATRAIN_ROLE") == "server" and os.environ.get("PARATRAIN_RANK") == "1":
-
-        def die() -> None:
-            while not (folder / "go").exists():
-                time.sleep(0.001)
-            (folder / "killed").write_text(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        threading.Thread(target=die, daemon=True).start()
-    torch.set_num_threads(1)
-    paratrain.init(paratrain.JobConfig(replication=2, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S))
-    kv = create("dist_sync")
-    sizes = model_sizes(8 << 20, 50)
-    keys = list(range(len(sizes)))
-    kv.init(keys, [torch.zeros(n) for n in sizes])
-    kv.set_optimizer("torch.optim.SGD", lr=0.1)
-    grads = [torch.full((n,), 1.0) for n in sizes]
-    outs = [torch.empty(n) for n in sizes]
-    ends = []
-    for r in range(KILL_AFTER_ROUND + 20):
-        if kv.rank == 0 and r == KILL_AFTER_ROUND:
-            (folder / "go").touch()
-        kv.pushpull(keys, grads, out=outs)
-        ends.append(time.time())
-    print(f"FAILBENCH rank={kv.rank} rounds={','.join(f'{t:.6f}' for t in ends)}", flush=True)
+def stall_s(output: str) -> float:
+    """Seconds from the death to worker 0's first round after it, less one ordinary step."""
+    died = float(VICTIM.search(output)[2])
+    steps = [float(m[3]) for m in RESULT.finditer(output) if m[1] == "step"]
+    before = [t for t in steps if t < died]
+    after = [t for t in steps if t > died]
+    ordinary = statistics.median(b - a for a, b in zip(before, before[1:], strict=False))
+    return max(0.0, after[0] - died - ordinary)
 
 
-# ------------------------------------------------------------------------------- rows
-def pushpull_job(replication: int, same_host: bool, args: argparse.Namespace) -> float | None:
-    role = ["--paratrain-role", "pushpull", "--replication", str(replication), "--mb", str(args.mb)]
-    role += ["--iters", str(args.iters)] + (["--same-host"] if same_host else [])
-    found = _jobs.run_role_job(__file__, role, 2, 2, args.timeout, PUSHPULL)
-    if found is None or not all(ok == "1" for _, _, ok in found):
+def run(args: argparse.Namespace, freeze: bool) -> float | None:
+    from paratrain.launch.local import LocalJobConfig, run_local_job
+
+    role = ["--paratrain-role", "--heartbeat-timeout", str(args.heartbeat_timeout)]
+    config = LocalJobConfig(
+        script=__file__,
+        args=tuple(role + (["--freeze"] if freeze else [])),
+        num_workers=args.workers,
+        num_servers=1,
+        timeout_s=args.timeout,
+        elastic=True,
+    )
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    result = run_local_job(config, out=out, err=err)
+    if result.exit_code != 0:
+        print("\n".join(err.getvalue().splitlines()[-30:]), file=sys.stderr)
         return None
-    return max(float(s) for _, s, _ in found)
+    return stall_s(out.getvalue())
 
 
-def replication_rows(args: argparse.Namespace) -> list[list[str]]:
-    """Cost of replication=2 on pushpull time, against replication=1 measured alternately."""
+def worker_death_rows(args: argparse.Namespace) -> list[list[str]]:
+    """One row per way a worker dies: its stall and the stall's ratio to the heartbeat timeout."""
     rows = []
-    for path, same_host in (("tcp", False), ("default", True)):
-        times: dict[int, list[float]] = {1: [], 2: []}
-        for _ in range(args.pairs):
-            for replication in (1, 2):
-                took = pushpull_job(replication, same_host, args)
-                if took is not None:
-                    times[replication].append(took)
-        if not times[1] or not times[2]:
-            rows.append([f"replication {path}", "failed", "-", "-", "<= 1.3x"])
+    for name, freeze in (("worker SIGKILL (connection closes)", False), ("worker frozen (SIGSTOP)", True)):
+        stall = run(args, freeze)
+        if stall is None:
+            rows.append([name, "failed", "-", "-"])
             continue
-        one, two = statistics.median(times[1]), statistics.median(times[2])
-        rows.append(
-            [
-                f"replication {path}",
-                f"{two * 1e3:.0f} ms",
-                f"{one * 1e3:.0f} ms",
-                f"{two / one:.2f}x",
-                "<= 1.3x",
-            ]
-        )
+        ratio = stall / args.heartbeat_timeout
+        rows.append([name, f"{stall:.2f}", f"{ratio:.2f}x", "yes" if ratio <= 2 else "NO"])
     return rows
-
-
-def server_death_rows(args: argparse.Namespace) -> list[list[str]]:
-    """Time from a server's SIGKILL to the job's next round, with replication=2."""
-    with tempfile.TemporaryDirectory(prefix="failures-") as folder:
-        found = _jobs.run_role_job(
-            __file__,
-            ["--paratrain-role", "death", "--dir", folder],
-            2,
-            2,
-            args.timeout,
-            DEATH,
-            server_losses=1,
-        )
-        killed_file = Path(folder) / "killed"
-        killed = float(killed_file.read_text()) if killed_file.exists() else None
-    if found is None or killed is None:
-        return [["server death", "failed", "-", "-", "<= 2x"]]
-    ends = [float(t) for t in dict(found)["0"].split(",")]
-    after = min(t for t in ends if t > killed)
-    before = [b - a for a, b in zip(ends[:KILL_AFTER_ROUND], ends[1:KILL_AFTER_ROUND], strict=False)]
-    gap = after - killed
-    round_s = statistics.median(before)
-    return [
-        [
-            "server death",
-            f"{gap * 1e3:.0f} ms",
-            f"{HEARTBEAT_TIMEOUT_S * 1e3:.0f} ms",
-            f"{gap / HEARTBEAT_TIMEOUT_S:.2f}x",
-            "<= 2x",
-        ],
-        ["  (per round)", f"{gap * 1e3:.0f} ms", f"{round_s * 1e3:.0f} ms", f"{gap / round_s:.1f}x", "-"],
-    ]
-
-
-ROWS = {"server-death": server_death_rows, "replication": replication_rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"which rows: {', '.join(ROWS)}")
-    parser.add_argument("--mb", type=int, default=64, help="the replication rows' model size")
-    parser.add_argument("--iters", type=int, default=8, help="timed pushpulls per replication job")
-    parser.add_argument("--pairs", type=int, default=2, help="jobs of each replication per row")
-    parser.add_argument("--timeout", type=float, default=600.0, help="limit per job (s)")
-    parser.add_argument("--paratrain-role", choices=["pushpull", "death"], help=argparse.SUPPRESS)
-    parser.add_argument("--replication", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--same-host", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    parser.add_argument("--heartbeat-timeout", type=float, default=3.0, help="JobConfig's (s)")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=180.0, help="limit per job (s)")
+    parser.add_argument("--paratrain-role", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--freeze", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.paratrain_role:
-        {"pushpull": role_pushpull, "death": role_death}[args.paratrain_role](args)
+        paratrain_role(args)
         return
-    names = [n.strip() for n in args.rows.split(",") if n.strip()]
-    if unknown := [n for n in names if n not in ROWS]:
-        parser.error(f"--rows {unknown[0]!r} is not one of {', '.join(ROWS)}")
-    rows = [row for name in names for row in ROWS[name](args)]
     title = (
-        f"failures: 2 workers, 2 servers on one machine ({os.cpu_count()} cores); replication rows: "
-        f"{args.mb} MB sync pushpull, {args.pairs} jobs each, alternating"
+        f"failures: {args.workers} workers, 1 server, dist_sync, one small key per step; a worker dies "
+        f"at step {KILL_AT}; heartbeat timeout {args.heartbeat_timeout} s; the anchor is that timeout"
     )
-    head = ["row", "measured", "anchor", "ratio", "target"]
+    head = ["what dies", "time to progress (s)", "/ heartbeat timeout", "<= 2x"]
+    rows = worker_death_rows(args)
     print(title)
     print("\n".join(_plot.format_table(head, rows)))
     _plot.save_table("failures", title, head, rows)

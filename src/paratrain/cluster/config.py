@@ -14,6 +14,31 @@ from paratrain.transport.config import TransportConfig
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    """Elastic workers (off unless JobConfig.elastic is set): a worker that dies is dropped from the
+    membership instead of stopping the job, and a new worker process may join a running job."""
+
+    min_workers: int = 1
+    """The job stops (with the usual report naming the dead worker) when fewer workers are left."""
+    max_workers: int | None = None
+    """The most workers at once, and the ranks a joiner may take (0..max_workers-1); None: the
+    number the job was launched with."""
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.min_workers, bool)
+            or not isinstance(self.min_workers, int)
+            or self.min_workers < 1
+        ):
+            raise ValueError(f"ElasticConfig.min_workers={self.min_workers!r} must be an int >= 1")
+        top = self.max_workers
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < self.min_workers):
+            raise ValueError(
+                f"ElasticConfig.max_workers={top!r} must be None or an int >= min_workers={self.min_workers}"
+            )
+
+
+@dataclass(frozen=True)
 class JobConfig:
     heartbeat_interval_s: float = 1.0
     """How often every node tells the scheduler it is alive."""
@@ -31,10 +56,14 @@ class JobConfig:
     backups before any worker sees it, and up to replication - 1 servers may die without ending the
     job (workers fail over to a backup). 1: no copies, a server's death ends the job."""
     transport: TransportConfig = field(default_factory=TransportConfig)
+    elastic: ElasticConfig | None = None
+    """Elastic workers (cluster/scheduler.py's membership); None: any death stops the job."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.replication, int) or self.replication < 1:
             raise ValueError(f"JobConfig.replication={self.replication!r} must be an int >= 1")
+        if self.elastic is not None and not isinstance(self.elastic, ElasticConfig):
+            raise TypeError(f"JobConfig.elastic={self.elastic!r} must be an ElasticConfig or None")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_s") and not (isinstance(value, (int, float)) and value > 0):

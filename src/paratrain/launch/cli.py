@@ -92,6 +92,18 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
     show_default=True,
     help="local: servers that may die without failing the job, for replicated servers "
     "(JobConfig.replication - 1 in the script).",
+    "--elastic",
+    is_flag=True,
+    help="local: a worker that dies does not stop the job (the script sets JobConfig.elastic; the "
+    "scheduler drops it and stops the job below min_workers).",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="local: start a dead worker process again, up to this many times in all (implies --elastic); "
+    "the new process joins the running job. Servers and the scheduler are not restarted.",
 )
 @click.option("--address", default="auto", show_default=True, help="ray: the Ray cluster to run on.")
 @click.option("--partition", default=None, help="slurm: the partition to submit to.")
@@ -134,6 +146,8 @@ def launch(
     host: str,
     timeout_s: float | None,
     server_losses: int,
+    elastic: bool,
+    max_restarts: int,
     address: str,
     partition: str | None,
     time_limit: str | None,
@@ -180,7 +194,10 @@ def launch(
     if backend == "local":
         from paratrain.launch.local import run_launch
 
-        ctx.exit(run_launch(config, host=host, dashboard=dashboard_config(observe)))
+        restarts = {"elastic": elastic, "max_restarts": max_restarts}
+        ctx.exit(run_launch(config, host=host, dashboard=dashboard_config(observe), **restarts))
+    if elastic or max_restarts:
+        raise click.UsageError(f"--elastic and --max-restarts work with --backend local, not {backend}")
     if backend == "ray":
         from paratrain.launch.ray import RayOptions, run_ray_job
 

@@ -11,6 +11,8 @@ Requests (meta lists are parallel; every tensor is one flat slice of one key):
     pushpull      push and pull of the same slices in one frame
     set_optimizer {path, hyper}                                     from worker 0
     leave         {rank}                                            that worker pushes no more
+    join          {rank}                                            a worker that joined the running
+                  job (elastic) takes part in every round from the next one (shard.py's offsets)
     waiting       {keys, starts, stops, min_versions, rank}         from a worker whose call waits
                   long: per slice behind min_version, its round and the workers that have not
                   pushed it (logged here too, so that no wait is silent on either side)
@@ -112,6 +114,8 @@ class KVServer(Handler):
         self._senders = ReplySenders(f"server {rank}")  # pull replies go out from these (replies.py)
         self.replicator = replicator or replica.Replicator(rank, b"")  # backups (replica.py)
         self.replicator.on_durable = self._serve_ready_pulls
+        self._configured: frozenset[int] = frozenset()  # the members worker 0 configured
+        self._live: frozenset[int] | None = None  # elastic: the scheduler's live workers
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
@@ -173,6 +177,9 @@ class KVServer(Handler):
             elif op == "set_optimizer":
                 self._set_optimizer(request.meta["path"], request.meta["hyper"])
                 request.reply({})
+            elif op == "join":
+                self._join(int(request.meta["rank"]))
+                request.reply({})
             elif op == "leave":
                 self._leave(int(request.meta["rank"]))
                 request.reply({})
@@ -198,8 +205,26 @@ class KVServer(Handler):
         self.replicator.configure(int(meta.get("replication", 1)), meta.get("servers", []))
         with self._lock:
             self.rules.policy = chosen
-            self.rules.members = frozenset(int(rank) for rank in meta["members"])
+            self._configured = frozenset(int(rank) for rank in meta["members"])
+            live = self._configured if self._live is None else self._live
+            self.rules.members = (self._configured & live) - self.rules.joiners
             self.rules.average = bool(meta.get("average", False))
+
+    def set_members(self, workers: Sequence[int], joiners: Sequence[int]) -> None:
+        """The scheduler's membership changed (elastic jobs): rounds stop waiting for workers that
+        died; joiners take part from their first push (ShardState.admit)."""
+        with self._lock:
+            self._live = frozenset(workers)
+            gone = (self.rules.members | self.rules.joiners) - self._live
+            self.rules.joiners = frozenset(joiners)
+            self.rules.members = (self.rules.members & self._live) - self.rules.joiners
+            shards = list(self._shards.values())
+        for shard in shards:
+            for rank in gone:
+                shard.forget(rank)
+            shard.apply_complete_rounds()
+        self._serve_ready_pulls()
+        self.tables.members_changed()
 
     @property
     def members(self) -> frozenset[int]:
@@ -289,6 +314,7 @@ class KVServer(Handler):
         for i, was_added in enumerate(added):
             shard = self._shard(meta, i)
             push = Push(rank, int(meta["clocks"][i]), None if was_added else next(grads), owned, weight)
+            push = shard.admit(push)
             if self.replicator.enabled and shard.repeat(push):
                 continue  # sent again after a fail-over; the dead primary's backups had it
             shard.check(push)
@@ -299,12 +325,24 @@ class KVServer(Handler):
             shard.push(push)
         self._serve_ready_pulls()
 
+    def _join(self, rank: int) -> None:
+        """A worker that joined the running job (elastic), while the others wait at a barrier: every
+        round from the next one on waits for it (ShardState.join)."""
+        with self._lock:
+            self.rules.joiners = self.rules.joiners | {rank}
+            self.rules.members = self.rules.members - {rank}
+            shards = list(self._shards.values())
+        for shard in shards:
+            shard.join(rank)
+
     def _leave(self, rank: int) -> None:
         """A worker that finished early: rounds stop waiting for it."""
         with self._lock:
             self.rules.members = self.rules.members - {rank}
+            self.rules.joiners = self.rules.joiners - {rank}
             shards = list(self._shards.values())
         for shard in shards:
+            shard.forget(rank)
             shard.apply_complete_rounds()
         self._serve_ready_pulls()
         self.tables.members_changed()
@@ -340,7 +378,9 @@ class KVServer(Handler):
         for shard, reads in zip(shards, read, strict=True):
             if reads and shard.region is None:
                 raise KVError(f"{shard.describe()} is not in shared memory: it cannot be read there")
-        pending = PendingPull(request, shards, [int(v) for v in min_versions], read)
+        rank = int(meta.get("rank", -1))
+        needs = [s.pull_version(rank, int(v)) for s, v in zip(shards, min_versions, strict=True)]
+        pending = PendingPull(request, shards, needs, read)
         with self._lock:
             self._pending.append(pending)
         self._serve_ready_pulls()
@@ -396,7 +436,11 @@ class KVServer(Handler):
         """The rounds that hold back a waiting worker's pulls: per slice below its min_version,
         the round applied next and the members that have not pushed it."""
         rank = int(meta["rank"])
-        waits = [self._shard(meta, i).waiting(int(need)) for i, need in enumerate(meta["min_versions"])]
+        shards = [self._shard(meta, i) for i in range(len(meta["keys"]))]
+        needs = [
+            s.pull_version(rank, int(need)) for s, need in zip(shards, meta["min_versions"], strict=True)
+        ]
+        waits = [s.waiting(need) for s, need in zip(shards, needs, strict=True)]
         waits = [w for w in waits if w is not None]
         if waits:
             logger.warning(
