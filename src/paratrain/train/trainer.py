@@ -91,6 +91,16 @@ class LocalEngine:
     def close(self) -> None:
         pass
 
+    def after_step(self, trainer: Trainer) -> None:
+        """After every optimizer step (the elastic engine commits its state here)."""
+
+    def before_epoch(self, trainer: Trainer) -> None:
+        """Before every epoch of Trainer.epochs (the elastic engine re-divides the data here)."""
+
+    def recover(self, trainer: Trainer, error: BaseException) -> bool:
+        """Whether the engine recovered from `error`, raised in backward (then the step is skipped)."""
+        return False
+
 
 class CollectiveEngine(LocalEngine):
     """All-reduce data parallel: DDP (gradients averaged in buckets during backward), or local SGD."""
@@ -240,10 +250,8 @@ class Trainer:
         if found is not None:
             self.engine.restore(found.path)
             logger.info("resumed from %s at step %d", found.path, self.steps)
-        self.model = self.engine.model
-        self.model.register_forward_pre_hook(_BeforeForward(self))
         self.observe = StepObserver(self.ctx, self.strategy, trace_dir)
-        self.observe.attach(self.model)
+        self._bind_model()
         _make_distributed(optimizer, self)
         self.sparse = sparse_modules(model)
         if self.strategy.architecture == "hybrid":
@@ -255,6 +263,12 @@ class Trainer:
         self.metrics = open_metrics(metrics_dir, rank=self.rank) if metrics_dir and lead else NullMetrics()
         self.progress = Progress(enabled=progress and lead, initial=self.steps)
 
+    def _bind_model(self) -> None:
+        """Train the engine's model (again, when an elastic engine rebuilt it on a new group)."""
+        self.model = self.engine.model
+        self.model.register_forward_pre_hook(_BeforeForward(self))
+        self.observe.attach(self.model)
+
     def _engine(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
         arch = self.strategy.architecture
         if not self.ctx.distributed or arch == "local" or self.pipelined:
@@ -263,6 +277,10 @@ class Trainer:
             from paratrain.train.ps import PSEngine
 
             return PSEngine(model, optimizer, self.strategy, self.ctx)
+        from paratrain.train.elastic import ElasticCollectiveEngine, elastic_enabled
+
+        if elastic_enabled(self.ctx):
+            return ElasticCollectiveEngine(model, self)
         return CollectiveEngine(model, self.strategy, self.ctx)  # collective, and hybrid's dense part
 
     def _bind_tables(self) -> None:
@@ -295,7 +313,9 @@ class Trainer:
     def epochs(self, count: int) -> Iterator[int]:
         """The epochs left of `count` (all of them, unless the run resumed part-way)."""
         start = self.loader.epoch if self.loader is not None else 0
-        yield from range(start, count)
+        for epoch in range(start, count):
+            self.engine.before_epoch(self)
+            yield epoch
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """One training step on a batch with the Trainer's loss_fn, under any strategy: pipelined
@@ -349,8 +369,13 @@ class Trainer:
 
     def step(self, loss: torch.Tensor) -> None:
         """backward, optimizer step (every accumulation_steps calls) and zero_grad; logs the loss."""
-        with self.observe.backward():
-            loss.backward()
+        try:
+            with self.observe.backward():
+                loss.backward()
+        except Exception as error:
+            if not self.engine.recover(self, error):
+                raise
+            return  # the step's gradients died with the old all-reduce group
         self._scalars["loss"] = loss.detach()
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -382,6 +407,7 @@ class Trainer:
         with self.observe.optimizer():
             result = self.engine.step(self.optimizer, local_step)
         self.steps += 1
+        self.engine.after_step(self)
         self._after_step()
         return result
 
