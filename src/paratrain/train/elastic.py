@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,8 +45,9 @@ def elastic_enabled(ctx: Any) -> bool:
 
 
 def generation_of(ctx: Any) -> int:
-    """The newest membership generation this worker has heard of from the scheduler."""
-    return int(getattr(ctx.link, "generation", 0) or 0)
+    """The newest membership generation this worker has heard of from the scheduler (no round trip)."""
+    membership = ctx.link.membership if ctx.link is not None else None
+    return 0 if membership is None else membership.generation
 
 
 class ElasticCollectiveEngine(CollectiveEngine):
@@ -123,11 +123,10 @@ class ElasticCollectiveEngine(CollectiveEngine):
 
     def _await_change(self, generation: int) -> bool:
         """Wait for the scheduler to announce a generation newer than `generation`."""
-        deadline = time.monotonic() + self.timeout_s
-        while generation_of(self.ctx) <= generation:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
+        try:
+            self.ctx.link.wait_members(generation, self.timeout_s)
+        except TimeoutError:
+            return False
         return True
 
     def _form(self, trainer: Trainer) -> None:
@@ -212,7 +211,7 @@ class ElasticCollectiveEngine(CollectiveEngine):
                 self.module,
                 bucket_mb=self.strategy.bucket_mb,
                 compression=self.strategy.compression_config,
-                broadcast_buffers=False,
+                sync_buffers=False,
             )
 
 
