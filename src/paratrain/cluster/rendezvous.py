@@ -90,11 +90,17 @@ _store: dist.TCPStore | None = None
 
 
 def reform_torch_distributed(
-    ctx: Context, generation: int, backend: str = "gloo", timeout_s: float = 60.0, data: Any = None
+    ctx: Context,
+    generation: int,
+    backend: str = "gloo",
+    timeout_s: float = 60.0,
+    data: Any = None,
+    barrier_timeout_s: float | None = None,
 ) -> Formation:
     """Leave the current process group (if any) and join generation `generation`'s: the workers
-    that reach the scheduler's barrier "collective-<generation>", each bringing `data`. Every member
-    offers a store; the lowest member's is used, under the prefix "generation-<generation>/"."""
+    that reach the scheduler's barrier "collective-<generation>" (within `barrier_timeout_s`, else
+    TimeoutError), each bringing `data`. Every member offers a store; the lowest member's is used,
+    under the prefix "generation-<generation>/". `timeout_s`: the new group's collectives'."""
     global _store
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -60,8 +60,13 @@ class ElasticCollectiveEngine(CollectiveEngine):
         self.ctx, self.strategy = trainer.ctx, trainer.strategy
         self.module = unwrap(model)
         self.backend = collective.backend_for(model)
-        self.timeout_s = 2 * self.ctx.config.heartbeat_timeout_s + 10.0
-        """How long a collective waits for a peer before raising (so a frozen peer is no hang)."""
+        heartbeat_s = self.ctx.config.heartbeat_timeout_s
+        self.timeout_s = max(60.0, 4 * heartbeat_s)
+        """How long a collective waits for a peer before raising. A dead process closes its
+        connections at once; this bounds the wait on a peer cut off without a word (a lost host),
+        and a step may not be slower than this."""
+        self.drop_s = 2 * heartbeat_s + 5.0
+        """How long to wait, after a collective failed, for the scheduler to drop the dead peer."""
         self.local_sgd = None
         self.formation: Formation | None = None
         self.formations = 0
@@ -124,7 +129,7 @@ class ElasticCollectiveEngine(CollectiveEngine):
     def _await_change(self, generation: int) -> bool:
         """Wait for the scheduler to announce a generation newer than `generation`."""
         try:
-            self.ctx.link.wait_members(generation, self.timeout_s)
+            self.ctx.link.wait_members(generation, self.drop_s)
         except TimeoutError:
             return False
         return True
@@ -138,10 +143,17 @@ class ElasticCollectiveEngine(CollectiveEngine):
             try:
                 self._drop_model(trainer)
                 formation = reform_torch_distributed(
-                    self.ctx, generation, self.backend, self.timeout_s, data=mine
+                    self.ctx, generation, self.backend, self.timeout_s, mine, self.timeout_s
                 )
                 self._sync(trainer, formation)
                 self._wrap()
+            except TimeoutError:
+                # Members that read different generations wait at different barriers; those that
+                # read the older one go to the newer one. An unchanged generation is a real hang.
+                if attempt == REFORM_ATTEMPTS or generation_of(self.ctx) == generation:
+                    raise
+                logger.warning("re-forming generation %d timed out; the membership moved on", generation)
+                continue
             except Exception as error:
                 if attempt == REFORM_ATTEMPTS or not state.is_peer_failure(error):
                     raise
