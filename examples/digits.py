@@ -4,6 +4,7 @@
     paratrain launch -w 2 -s 1 --strategy dist_async examples/digits.py
     paratrain launch -w 2 -s 0 examples/digits.py                       # collective (all-reduce)
     python examples/digits.py                                           # one process
+    paratrain launch -w 4 -s 1 --max-restarts 2 examples/digits.py --elastic 2   # survives worker deaths
 
 The script is an ordinary PyTorch loop; the Trainer adds the strategy (from `--strategy` here, or from
 `paratrain launch --strategy`), this worker's shard of the data, checkpoints and the progress line.
@@ -29,6 +30,13 @@ parser.add_argument("--lr", type=float, default=2e-3)
 parser.add_argument("--checkpoint-dir", default=None, help="checkpoint every epoch here; a rerun resumes")
 parser.add_argument("--metrics-dir", default=None, help="JSON lines and TensorBoard scalars")
 parser.add_argument(
+    "--elastic",
+    type=int,
+    default=None,
+    metavar="MIN_WORKERS",
+    help="go on while at least MIN_WORKERS workers live (launch with --elastic or --max-restarts N)",
+)
+parser.add_argument(
     "--compile",
     nargs="?",
     const="inductor",
@@ -39,7 +47,8 @@ parser.add_argument(
 )
 args = parser.parse_args()
 
-ctx = paratrain.init()  # the scheduler and the servers serve inside this call, then exit
+elastic = None if args.elastic is None else paratrain.ElasticConfig(min_workers=args.elastic)
+ctx = paratrain.init(paratrain.JobConfig(elastic=elastic))  # the scheduler and servers serve in here
 torch.manual_seed(0)
 model = nn.Sequential(
     nn.Conv2d(1, 16, 3, padding=1),

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from paratrain.cluster import context as _context
 from paratrain.version import __version__
 
-__all__ = ["Context", "JobConfig", "Strategy", "Trainer", "init", "prepare", "__version__"]
+__all__ = ["Context", "ElasticConfig", "JobConfig", "Strategy", "Trainer", "init", "prepare", "__version__"]
 
 SUBPACKAGES = (
     "checkpoint",
@@ -30,7 +30,7 @@ SUBPACKAGES = (
 )
 
 if TYPE_CHECKING:
-    from paratrain.cluster.config import JobConfig
+    from paratrain.cluster.config import ElasticConfig, JobConfig
     from paratrain.node import Context, init
     from paratrain.train import Strategy, Trainer, prepare
 
@@ -56,10 +56,10 @@ def __getattr__(name: str) -> Any:
         from paratrain import train
 
         return getattr(train, name)
-    if name == "JobConfig":
-        from paratrain.cluster.config import JobConfig
+    if name in ("JobConfig", "ElasticConfig"):
+        from paratrain.cluster import config
 
-        return JobConfig
+        return getattr(config, name)
     if name in SUBPACKAGES:  # `import paratrain` then `paratrain.kvstore.create(...)`, as mx.kv.create
         return importlib.import_module(f"paratrain.{name}")
     raise AttributeError(f"module 'paratrain' has no attribute {name!r}")

@@ -110,6 +110,8 @@ def _serve(spec: ClusterSpec, config: JobConfig) -> int:
         name=f"server {spec.rank}",
     ).start()
     link = SchedulerLink(spec, config, report=lambda: server_report(kv))
+    if config.elastic is not None:  # rounds complete with the workers that are left
+        link.on_members(lambda m: kv.set_members(m.workers, m.joiners))
     link.register("server", port=server.port)
     observe.align_trace(trace, link)
     link.shutdown.wait()
@@ -138,6 +140,7 @@ def _join_as_worker(spec: ClusterSpec, config: JobConfig) -> Context:
         config=config,
         spec=spec,
         link=link,
+        joined=roster.joined,
     )
 
 

@@ -110,6 +110,8 @@ def run_job(
     place: Mapping[str, Sequence[int]] | None = None,
     dashboard: DashboardConfig | None = None,
     watch: Callable[[str], None] | None = None,
+    elastic: bool = False,
+    max_restarts: int = 0,
 ) -> JobOutcome:
     """Runs `script` (a path, or Python source if it contains a newline) as a job of `workers`
     workers, `servers` servers and a scheduler on 127.0.0.1, and checks what it left behind.
@@ -118,6 +120,7 @@ def run_job(
     of each rank per role ({"scheduler": [0], "server": [0, 1], "worker": [1, 2, 3]}); by default
     `place_on_hosts` spreads them. `dashboard`: serve the job's dashboard (its URL is a line of
     stdout); `watch` is called with every line of output as it comes (from the printing thread).
+    `elastic`, `max_restarts`: a worker's death does not stop the job (LocalJobConfig's).
 
     Raises AssertionError if a child process survived the job, if the scheduler's port is still
     listening, or if the job's success does not match `expect` (None: either is fine).
@@ -137,6 +140,8 @@ def run_job(
             if hosts is not None
             else {},
             dashboard=dashboard,
+            elastic=elastic,
+            max_restarts=max_restarts,
         )
         by_child: dict[tuple[str, int], list[tuple[str, str]]] = {}
         out, err = _Capture("stdout", by_child, watch), _Capture("stderr", by_child, watch)

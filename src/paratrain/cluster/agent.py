@@ -27,13 +27,31 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Membership:
+    """The job's live workers (scheduler.py's module docstring): `generation` goes up by one at
+    each change; `workers` are the live ranks, sorted; `joiners` those that joined the running job."""
+
+    generation: int
+    workers: tuple[int, ...]
+    joiners: tuple[int, ...] = ()
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> Membership:
+        return cls(int(meta["generation"]), tuple(meta["workers"]), tuple(meta.get("joiners", ())))
+
+
+@dataclass(frozen=True)
 class Roster:
     """What registration tells every node: its rank and where everyone is."""
 
     rank: int
     servers: list[tuple[str, int]]
     workers: list[tuple[str, int]]
-    """(host, pid) of each worker, by rank."""
+    """(host, pid) of each registered worker, by rank."""
+    membership: Membership | None = None
+    """The membership when this node registered (workers only)."""
+    joined: bool = False
+    """This worker registered into a running elastic job (a replacement or an extra worker)."""
 
 
 class SchedulerLink:
@@ -47,6 +65,9 @@ class SchedulerLink:
         self.shutdown = threading.Event()
         self._leaving = False
         self._stop = threading.Event()
+        self._members_changed = threading.Condition()
+        self._membership: Membership | None = None
+        self._on_members: list[Callable[[Membership], None]] = []
         self.client = RpcClient(
             spec.scheduler_host,
             spec.scheduler_port,
@@ -84,11 +105,58 @@ class SchedulerLink:
                 f"not every node registered with the scheduler at {self.spec.scheduler_address}"
             ) from None
         m = reply.meta
+        membership = Membership.from_meta(m["membership"]) if "membership" in m else None
+        if membership is not None:
+            self._learn(membership)
         return Roster(
             rank=m["rank"],
             servers=[(h, p) for h, p in m["servers"]],
             workers=[(h, p) for h, p in m["workers"]],
+            membership=membership,
+            joined=bool(m.get("joined", False)),
         )
+
+    # -- membership (elastic jobs) ---------------------------------------------------------------
+    def members(self, timeout_s: float | None = None) -> Membership:
+        """The scheduler's membership now (a round trip)."""
+        timeout = self.config.barrier_timeout_s if timeout_s is None else timeout_s
+        membership = Membership.from_meta(self.client.call("members", {}, timeout_s=timeout).meta)
+        self._learn(membership)
+        return membership
+
+    @property
+    def membership(self) -> Membership | None:
+        """The newest membership this process heard of (registration or a notice); no round trip."""
+        return self._membership
+
+    def wait_members(self, after: int, timeout_s: float) -> Membership:
+        """Wait until the membership's generation is above `after`; TimeoutError after `timeout_s`."""
+        with self._members_changed:
+            if not self._members_changed.wait_for(
+                lambda: self._membership is not None and self._membership.generation > after, timeout_s
+            ):
+                raise TimeoutError(
+                    f"the job's membership did not change from generation {after} within {timeout_s} s"
+                )
+            assert self._membership is not None
+            return self._membership
+
+    def on_members(self, callback: Callable[[Membership], None]) -> None:
+        """Call `callback(membership)` at each change the scheduler announces, in order, from the
+        link's reader thread: it must be quick and must not call the scheduler."""
+        self._on_members.append(callback)
+
+    def _learn(self, membership: Membership) -> None:
+        with self._members_changed:
+            if self._membership is not None and membership.generation <= self._membership.generation:
+                return
+            self._membership = membership
+            self._members_changed.notify_all()
+            for callback in self._on_members:  # under the lock: callbacks see changes in order
+                try:
+                    callback(membership)
+                except Exception:
+                    logger.exception("a membership callback failed")
 
     def barrier(
         self, group: str = "workers", name: str = "", timeout_s: float | None = None, data: Any = None
@@ -160,6 +228,8 @@ class SchedulerLink:
     def _notice(self, header: Header, _tensors: list) -> None:
         if header.op == "abort":
             _exit_aborted(f"the scheduler aborted the job: {header.meta.get('reason')}")
+        elif header.op == "members":
+            self._learn(Membership.from_meta(header.meta))
         elif header.op == "shutdown":
             self._leaving = True
             self.shutdown.set()

@@ -14,6 +14,31 @@ from paratrain.transport.config import TransportConfig
 
 
 @dataclass(frozen=True)
+class ElasticConfig:
+    """Elastic workers (off unless JobConfig.elastic is set): a worker that dies is dropped from the
+    membership instead of stopping the job, and a new worker process may join a running job."""
+
+    min_workers: int = 1
+    """The job stops (with the usual report naming the dead worker) when fewer workers are left."""
+    max_workers: int | None = None
+    """The most workers at once, and the ranks a joiner may take (0..max_workers-1); None: the
+    number the job was launched with."""
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.min_workers, bool)
+            or not isinstance(self.min_workers, int)
+            or self.min_workers < 1
+        ):
+            raise ValueError(f"ElasticConfig.min_workers={self.min_workers!r} must be an int >= 1")
+        top = self.max_workers
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < self.min_workers):
+            raise ValueError(
+                f"ElasticConfig.max_workers={top!r} must be None or an int >= min_workers={self.min_workers}"
+            )
+
+
+@dataclass(frozen=True)
 class JobConfig:
     heartbeat_interval_s: float = 1.0
     """How often every node tells the scheduler it is alive."""
@@ -26,8 +51,12 @@ class JobConfig:
     finish_timeout_s: float = 60.0
     """How long the scheduler waits for servers to exit once every worker finished."""
     transport: TransportConfig = field(default_factory=TransportConfig)
+    elastic: ElasticConfig | None = None
+    """Elastic workers (cluster/scheduler.py's membership); None: any death stops the job."""
 
     def __post_init__(self) -> None:
+        if self.elastic is not None and not isinstance(self.elastic, ElasticConfig):
+            raise TypeError(f"JobConfig.elastic={self.elastic!r} must be an ElasticConfig or None")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_s") and not (isinstance(value, (int, float)) and value > 0):

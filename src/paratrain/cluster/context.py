@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from paratrain.cluster.agent import Membership
 from paratrain.cluster.config import JobConfig
 from paratrain.errors import ClusterError
 
@@ -34,6 +35,9 @@ class Context:
     config: JobConfig = field(default_factory=JobConfig)
     spec: ClusterSpec | None = None
     link: SchedulerLink | None = field(default=None, repr=False)
+    joined: bool = False
+    """This worker registered into a running elastic job (JobConfig.elastic): it skips the start's
+    barriers and worker 0's duties, and takes the job's parameters and epoch as they are."""
 
     @property
     def distributed(self) -> bool:
@@ -47,6 +51,13 @@ class Context:
         if self.link is None:
             return {0: data}
         return self.link.barrier(group, name, timeout_s, data)
+
+    def members(self) -> Membership:
+        """The job's live workers now (cluster/scheduler.py): generation, ranks, joiners. Without
+        elasticity it never changes while the job runs (generation 0: ranks 0..num_workers-1)."""
+        if self.link is None or self.config.elastic is None:
+            return Membership(0, tuple(range(self.num_workers)))
+        return self.link.members()
 
 
 _provider: Callable[[], Context] | None = None

@@ -3,7 +3,8 @@
 Protocol (requests carry an id and get a reply; heartbeats are one-way):
 
     register  {role, rank?, host, port, pid, version, config}  -> replied once every node has
-              registered: {rank, servers: [[host, port]...], workers: [[host, pid]...]}
+              registered: {rank, servers: [[host, port]...], workers: [[host, pid]...],
+              membership: {generation, workers, joiners}, joined}
     heartbeat {report?}                                        (one-way, every interval; the
               report, this process's figures, goes to the observer: the dashboard's board)
     clock     {}                                               -> {time}: the scheduler's clock,
@@ -16,12 +17,34 @@ Protocol (requests carry an id and get a reply; heartbeats are one-way):
     roster    {}                                               from a read-only client that is no
               node (a serving process): {servers, workers} once the job started; no membership
 
-and, from the scheduler, one-way notices: `abort {reason}` (some node failed: stop now) and
-`shutdown {}` (every worker finished: servers exit cleanly).
+    members   {}                                               -> {generation, workers, joiners}
 
-Membership is counted live (workers that are registered and not finished), so a round or barrier can
-later shrink when a node leaves or grow when one joins. A node that disconnects before finishing, or
-that sends no heartbeat for `heartbeat_timeout_s`, aborts the job with a message naming it.
+and, from the scheduler, one-way notices: `abort {reason}` (some node failed: stop now),
+`shutdown {}` (every worker finished: servers exit cleanly) and, in an elastic job,
+`members {generation, workers, joiners}` to every node each time the membership changes.
+
+Membership is the live workers: registered, not finished, not dropped. Barriers count it live, so a
+barrier completes with the workers that are left. Without elasticity (JobConfig.elastic None) a node
+that disconnects before finishing, or that sends no heartbeat for `heartbeat_timeout_s`, aborts the
+job with a message naming it.
+
+Elastic membership (JobConfig.elastic = ElasticConfig(min_workers, max_workers)). Once the job has
+started, a worker that dies (its connection closes, it sends no heartbeat for heartbeat_timeout_s,
+or a peer reports it lost) is dropped instead: its rank is freed, its barrier entries are taken
+back, the barriers it held up complete, and the membership's generation goes up. Below min_workers
+the job is aborted naming the worker that died, as without elasticity. A worker process that
+registers into a running job gets a rank (the rank it asks for, else the lowest free one below
+max_workers; a rank still held by a worker not yet declared dead waits for it) and its reply at
+once; it is a joiner: `joiners` lists the live workers that registered after the start (servers
+let a joiner into rounds from its first push). Servers and the scheduler are never dropped.
+
+    generation  an int, 0 at the start, +1 at each change: a worker dropped, joined or finished
+    workers     the live worker ranks, sorted
+    joiners     the live workers that joined the running job (a subset of workers)
+
+A process reads it with `SchedulerLink.members()` (a round trip) or `.membership` (the last notice),
+waits for a change with `SchedulerLink.wait_members(generation, timeout_s)`, and is called back
+with `SchedulerLink.on_members(callback)`; a worker's `Context.members()` is the same.
 """
 
 from __future__ import annotations
@@ -68,6 +91,10 @@ class Node:
     stopped: bool = False
     """It left after the job was aborted (a consequence, not a cause)."""
     joined_wall: float = field(default_factory=time.time)
+    joiner: bool = False
+    """It registered into the running job (elastic)."""
+    lost: bool = False
+    """It died and was dropped from an elastic job's membership."""
 
     def describe(self) -> str:
         return f"{self.role} {self.rank} (host {self.host}, pid {self.pid})"
@@ -75,6 +102,8 @@ class Node:
     def state(self, job_started: bool) -> str:
         if self.failed:
             return "failed"
+        if self.lost:
+            return "lost"
         if self.finished:
             return "finished"
         if self.stopped:
@@ -101,6 +130,16 @@ class Scheduler(Handler):
         self._refused: deque[tuple[str, str]] = deque(maxlen=16)
         """(address, reason) of the last refused registrations."""
         self.outcome: str | None = None  # None while running; "" on success, else the reason
+        self.elastic = config.elastic
+        self.max_workers = spec.num_workers
+        if self.elastic is not None and self.elastic.max_workers is not None:
+            self.max_workers = max(spec.num_workers, self.elastic.max_workers)
+        self.generation = 0
+        """Membership's generation: +1 at each change (elastic jobs notify every node of it)."""
+        self._lost: list[Node] = []
+        """Workers dropped from the membership (the dashboard still lists them)."""
+        self._joining: list[Request] = []
+        """Registrations into the running job that wait for their rank to be freed."""
         sock = listen_socket(spec)
         self.server = RpcServer(spec.secret, self, sock=sock, config=config.transport, name="scheduler")
 
@@ -187,10 +226,10 @@ class Scheduler(Handler):
             if late:
                 node = late[0]
                 heard = datetime.fromtimestamp(node.last_seen_wall).strftime("%H:%M:%S.%f")[:-3]
-                self.abort(
+                self._failed(
+                    node,
                     f"{node.describe()} sent no heartbeat for {now - node.last_seen:.1f} s "
                     f"(last heard at {heard}; timeout {self.config.heartbeat_timeout_s} s)",
-                    node,
                 )
             elif missing and now - start > self.config.start_timeout_s:
                 self.abort(
@@ -229,6 +268,9 @@ class Scheduler(Handler):
             self._peer_lost(request)
         elif op == "roster":
             self._roster_query(request)
+        elif op == "members":
+            with self._lock:
+                request.reply(self._membership())
         else:
             request.fail(f"unknown op {op!r}")
 
@@ -246,6 +288,7 @@ class Scheduler(Handler):
         now = time.time()
         with self._lock:
             nodes = sorted(self._nodes.values(), key=lambda n: (n.role != "server", n.role, n.rank))
+            nodes += list(self._lost)
             started = self._started
         return [
             {
@@ -279,6 +322,9 @@ class Scheduler(Handler):
         }
 
     def _register(self, request: Request) -> None:
+        if self._started and self.elastic is not None and request.meta.get("role") == "worker":
+            self._join(request)
+            return
         try:
             with self._lock:
                 node = self._admit(request)
@@ -298,12 +344,33 @@ class Scheduler(Handler):
         logger.info("registered %s", node.describe())
         if ready:
             roster = self._roster()
+            with self._lock:
+                roster["membership"] = self._membership()
             for waiter, member in waiting:
-                _quietly(waiter.reply, {"rank": member.rank, **roster})
+                _quietly(waiter.reply, {"rank": member.rank, **roster, "joined": False})
 
     def _admit(self, request: Request) -> Node:
         """Check a registration against the job; called with the lock held."""
         meta = request.meta
+        role, rank = self._check_node(meta)
+        count = self.spec.num_servers if role == "server" else self.max_workers
+        if rank is None:
+            taken = {r for (ro, r) in self._nodes if ro == role}
+            rank = min((r for r in range(count) if r not in taken), default=count)
+        if not isinstance(rank, int) or not 0 <= rank < count:
+            raise RegistrationError(
+                f"{self._who(meta)}: rank {rank!r} is outside 0..{count - 1} for {count} {role}s"
+            )
+        if (role, rank) in self._nodes:
+            raise RegistrationError(f"{self._who(meta)}: {role} {rank} is already registered")
+        return self._add_node(request, role, rank)
+
+    @staticmethod
+    def _who(meta: dict) -> str:
+        return f"{meta.get('role')} {meta.get('rank', '?')} (host {meta.get('host')}, pid {meta.get('pid')})"
+
+    def _check_node(self, meta: dict) -> tuple[str, Any]:
+        """(role, requested rank) of a registration whose version and JobConfig match the job's."""
         role, pid, host = meta.get("role"), meta.get("pid"), meta.get("host")
         who = f"{role} {meta.get('rank', '?')} (host {host}, pid {pid})"
         if meta.get("version") != version.__version__:
@@ -315,20 +382,133 @@ class Scheduler(Handler):
             raise RegistrationError(f"{who} has a different JobConfig: {'; '.join(diffs) or 'digest only'}")
         if role not in ("server", "worker"):
             raise RegistrationError(f"{who}: role {role!r} cannot register")
-        count = self.spec.num_servers if role == "server" else self.spec.num_workers
-        rank = meta.get("rank")
-        if rank is None:
-            taken = {r for (ro, r) in self._nodes if ro == role}
-            rank = min((r for r in range(count) if r not in taken), default=count)
-        if not isinstance(rank, int) or not 0 <= rank < count:
-            raise RegistrationError(f"{who}: rank {rank!r} is outside 0..{count - 1} for {count} {role}s")
-        if (role, rank) in self._nodes:
-            raise RegistrationError(f"{who}: {role} {rank} is already registered")
+        return str(role), meta.get("rank")
+
+    def _add_node(self, request: Request, role: str, rank: int, joiner: bool = False) -> Node:
+        meta = request.meta
         port = meta.get("port") or 0
-        node = Node(role, rank, str(host), int(port), int(pid or 0), request.conn)
+        node = Node(role, rank, str(meta.get("host")), int(port), int(meta.get("pid") or 0), request.conn)
+        node.joiner = joiner
         self._nodes[role, rank] = node
         self._by_conn[request.conn] = node
         return node
+
+    # -- elastic membership ------------------------------------------------------------------------
+    def _membership(self) -> dict[str, Any]:
+        """{generation, workers, joiners}: see the module docstring; called with the lock held."""
+        live = [n for n in self._nodes.values() if n.role == "worker" and not n.finished]
+        return {
+            "generation": self.generation,
+            "workers": sorted(n.rank for n in live),
+            "joiners": sorted(n.rank for n in live if n.joiner),
+        }
+
+    def _notify(self, membership: dict[str, Any]) -> None:
+        """Tell every node the new membership (elastic jobs only)."""
+        with self._lock:
+            conns = list(self._by_conn)
+        logger.info("membership generation %d: workers %s", membership["generation"], membership["workers"])
+        for conn in conns:
+            _quietly(conn.send, "members", 0, membership)
+
+    def _failed(self, node: Node, reason: str) -> None:
+        """A node died: an elastic job drops a worker that died after the start; else abort."""
+        if self.elastic is not None and node.role == "worker" and self._started and not node.finished:
+            self._drop(node, reason)
+        else:
+            self.abort(reason, node)
+
+    def _drop(self, node: Node, reason: str) -> None:
+        """Take a dead worker out of the membership: free its rank, take back what it brought to
+        barriers, release the barriers it held up, admit a joiner waiting for a rank."""
+        assert self.elastic is not None
+        with self._lock:
+            if self.outcome is not None or self._nodes.get(("worker", node.rank)) is not node:
+                return
+            del self._nodes["worker", node.rank]
+            self._by_conn.pop(node.conn, None)
+            node.lost = True
+            self._lost.append(node)
+            for key, arrived in self._barriers.items():
+                kept = [i for i, (_, n) in enumerate(arrived) if n is not node]
+                self._barriers[key] = [arrived[i] for i in kept]
+                self._barrier_data[key] = [self._barrier_data[key][i] for i in kept]
+            left = sum(1 for n in self._nodes.values() if n.role == "worker" and not n.finished)
+            below = left < self.elastic.min_workers
+            if not below:
+                self.generation += 1
+                released = self._complete_barriers()
+                membership = self._membership()
+                done = self._all_finished()
+        if below:
+            self.abort(
+                f"{reason}; {left} worker(s) left, fewer than min_workers={self.elastic.min_workers}", node
+            )
+            return
+        logger.warning("dropped %s from the membership: %s", node.describe(), reason)
+        # A worker declared dead that is still there (frozen, cut off) must not come back as itself.
+        _quietly(node.conn.send, "abort", 0, {"reason": f"dropped from the membership: {reason}"})
+        self._release(released)
+        self._notify(membership)
+        self._admit_joiners()
+        if done:
+            self._finish_job()
+
+    def _all_finished(self) -> bool:
+        """Every worker finished (and the job started); called with the lock held."""
+        return self._started and all(n.finished for n in self._nodes.values() if n.role == "worker")
+
+    def _join(self, request: Request) -> None:
+        """A worker registering into the running elastic job: a rank now, or once one is freed."""
+        try:
+            with self._lock:
+                self._check_node(request.meta)
+                self._joining.append(request)
+        except RegistrationError as exc:
+            request.fail(str(exc))
+            logger.warning("refused a registration from %s: %s", request.conn.peer, exc)
+            self._refused.append((request.conn.peer, str(exc)))
+            return
+        self._admit_joiners()
+
+    def _free_rank(self, wanted: Any) -> int | None:
+        """The rank a joiner gets: `wanted` or the lowest free one below max_workers; None while
+        none is free. Raises RegistrationError for a rank that can never be. Holds the lock."""
+        live = {r for (role, r) in self._nodes if role == "worker"}
+        if wanted is None:
+            return min((r for r in range(self.max_workers) if r not in live), default=None)
+        if not isinstance(wanted, int) or not 0 <= wanted < self.max_workers:
+            raise RegistrationError(f"rank {wanted!r} is outside 0..{self.max_workers - 1} (max_workers)")
+        return None if wanted in live else wanted
+
+    def _admit_joiners(self) -> None:
+        """Give each waiting joiner whose rank is free its rank and the roster."""
+        admitted, refused = [], []
+        with self._lock:
+            if self.outcome is not None:
+                return
+            for request in list(self._joining):
+                try:
+                    rank = self._free_rank(request.meta.get("rank"))
+                except RegistrationError as exc:
+                    self._joining.remove(request)
+                    refused.append((request, exc))
+                    continue
+                if rank is None:
+                    continue
+                self._joining.remove(request)
+                admitted.append((request, self._add_node(request, "worker", rank, joiner=True)))
+                self.generation += 1
+            membership = self._membership()
+        for request, exc in refused:
+            _quietly(request.fail, f"{self._who(request.meta)}: {exc}")
+        if not admitted:
+            return
+        roster = self._roster()
+        for request, node in admitted:
+            logger.warning("%s joined the running job", node.describe())
+            _quietly(request.reply, {"rank": node.rank, **roster, "membership": membership, "joined": True})
+        self._notify(membership)
 
     def _roster(self) -> dict:
         with self._lock:
@@ -386,11 +566,15 @@ class Scheduler(Handler):
             return
         with self._lock:
             node.finished = True
-            done = all(n.finished for n in self._nodes.values() if n.role == "worker")
-            done = done and self._started
+            done = self._all_finished()
             released = self._complete_barriers()
+            if self.elastic is not None:
+                self.generation += 1
+                membership = self._membership()
         self._release(released)
         request.reply({})
+        if self.elastic is not None and not done:
+            self._notify(membership)
         logger.info("%s finished", node.describe())
         if done:
             self._finish_job()
@@ -403,22 +587,23 @@ class Scheduler(Handler):
         lost = self._nodes.get((meta.get("role"), meta.get("rank")))  # type: ignore[arg-type]
         if reporter is None or lost is None or self.outcome is not None:
             return
-        self.abort(
+        self._failed(
+            lost,
             f"{lost.describe()} is unreachable: {reporter.describe()} lost its connection to it "
             f"({meta.get('error')})",
-            lost,
         )
 
     def disconnected(self, conn: Connection, error: Exception | None) -> None:
         with self._lock:
             node = self._by_conn.pop(conn, None)
+            self._joining = [r for r in self._joining if r.conn is not conn]
         if node is None or node.finished:
             return
         if self.outcome is not None:
             node.stopped = True
             return
         cause = f": {error}" if error else ""
-        self.abort(f"{node.describe()} lost its connection to the scheduler{cause}", node)
+        self._failed(node, f"{node.describe()} lost its connection to the scheduler{cause}")
 
 
 def listen_socket(spec: ClusterSpec):

@@ -60,6 +60,7 @@ class ShardedLoader:
         seed: int = 0,
         drop_last: bool = False,
         drop_remainder: bool = True,
+        elastic: bool = False,
         **dataloader_kwargs: Any,
     ) -> None:
         self.batch_size = check_int("batch_size", batch_size, 1)
@@ -76,6 +77,7 @@ class ShardedLoader:
             shuffle=shuffle,
             seed=seed,
             drop_remainder=drop_remainder,
+            elastic=elastic,
         )
         self.dataloader = DataLoader(
             dataset, batch_size=batch_size, sampler=self.sampler, drop_last=drop_last, **dataloader_kwargs
@@ -100,6 +102,7 @@ class ShardedLoader:
         seed: int = 0,
         *,
         drop_remainder: bool = True,
+        elastic: bool = False,
     ) -> ShardedLoader:
         """The same data set, batch size, collate_fn, workers etc. as `loader`, sharded for `rank`.
 
@@ -126,6 +129,7 @@ class ShardedLoader:
             seed=seed,
             drop_last=loader.drop_last,
             drop_remainder=drop_remainder,
+            elastic=elastic,
             **kwargs,
         )
 
@@ -165,6 +169,13 @@ class ShardedLoader:
         """Batches yielded in the current epoch."""
         return self._batches
 
+    def reshard(self, num_replicas: int, rank: int) -> None:
+        """Divide the data over `num_replicas` members from the next epoch on, or at once where this
+        epoch's first batch has not been yielded (ShardSampler.reshard; elastic jobs)."""
+        if self._batches == 0:
+            self.sampler.position = 0
+        self.sampler.reshard(num_replicas, rank)
+
     def set_epoch(self, epoch: int) -> None:
         """Make `epoch` current; a different epoch than the current one starts at its first batch."""
         if check_int("epoch", epoch, 0) != self.epoch:
@@ -185,10 +196,15 @@ class ShardedLoader:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue after `state`'s batch; the data set, replica count, seed and batch size must match."""
         identity = ("seed", "size", "num_replicas") + (("batch_size",) if "batch_size" in state else ())
-        check_identity(state, self.state_dict(), identity)
+        own = self.state_dict()
+        if self.sampler.elastic and "num_replicas" in state:
+            own["num_replicas"] = state["num_replicas"]  # another division: from an epoch's start
+        check_identity(state, own, identity)
         require_keys(state, ("epoch", "batches"))
         epoch = check_int("epoch", state["epoch"], 0)
         batches = check_int("batches", state["batches"], 0)
+        if state["num_replicas"] != self.sampler.num_replicas:
+            epoch, batches = (epoch + 1 if batches else epoch), 0
         if batches > len(self):
             raise ValueError(f"batches must be <= {len(self)} (batches per epoch), got {batches}")
         self.sampler.set_epoch(epoch)

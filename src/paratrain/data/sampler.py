@@ -5,6 +5,16 @@ shuffling) and takes every `num_replicas`-th entry starting at its rank. Nothing
 is read twice in an epoch and metrics are not skewed by duplicates. `position` is where this rank's
 shard resumes; iterating does not move it, because the consumer (ShardedLoader) knows what was really
 consumed while a DataLoader's workers prefetch ahead.
+
+Elastic jobs (the membership changes while the job runs): `reshard(num_replicas, rank)` divides the
+data over the current members from the next epoch on (at once where this rank's epoch has not
+started). Within an epoch the division never changes, so a worker that dies mid-epoch leaves the rest
+of its share unread in that epoch: those samples are not handed to the survivors (that would need
+every survivor to agree on who read what), and from the next epoch the survivors divide the whole
+data set again, so nothing is lost for more than the rest of one epoch. A state saved under another
+number of replicas loads (with `elastic=True`) at the start of the next epoch of the saved one (or at
+that epoch's start if it had not begun): a position only means something under the division it was
+counted in.
 """
 
 from __future__ import annotations
@@ -63,7 +73,10 @@ class ShardSampler(torch.utils.data.Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_remainder: bool = True,
+        elastic: bool = False,
     ) -> None:
+        """`elastic`: a state saved with another num_replicas loads at an epoch boundary (see the
+        module docstring) instead of being refused."""
         self.size = check_int("size", size, 0)
         self.num_replicas = check_int("num_replicas", num_replicas, 1)
         self.rank = check_int("rank", rank, 0)
@@ -72,8 +85,11 @@ class ShardSampler(torch.utils.data.Sampler[int]):
         self.seed = check_int("seed", seed)
         self.shuffle = bool(shuffle)
         self.drop_remainder = bool(drop_remainder)
+        self.elastic = bool(elastic)
         self._epoch = 0
         self._position = 0
+        self._next: tuple[int, int] | None = None
+        """(num_replicas, rank) from the next epoch on (reshard)."""
 
     # -- what this rank reads ----------------------------------------------------------------------
     @property
@@ -111,11 +127,27 @@ class ShardSampler(torch.utils.data.Sampler[int]):
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Make `epoch` current; a different epoch than the current one starts at position 0."""
+        """Make `epoch` current; a different epoch than the current one starts at position 0 (with
+        the division a `reshard` asked for)."""
         check_int("epoch", epoch, 0)
         if epoch != self._epoch:
             self._epoch = epoch
             self._position = 0
+            if self._next is not None:
+                self.num_replicas, self.rank = self._next
+                self._next = None
+
+    def reshard(self, num_replicas: int, rank: int) -> None:
+        """Divide the data over `num_replicas` (this one being `rank`) from the next epoch on, or at
+        once if this rank has read nothing of the current epoch yet."""
+        check_int("num_replicas", num_replicas, 1)
+        check_int("rank", rank, 0)
+        if rank >= num_replicas:
+            raise ValueError(f"rank must be < num_replicas ({num_replicas}), got {rank}")
+        if self._position == 0:
+            self.num_replicas, self.rank, self._next = num_replicas, rank, None
+        else:
+            self._next = (num_replicas, rank)
 
     @property
     def position(self) -> int:
@@ -139,12 +171,26 @@ class ShardSampler(torch.utils.data.Sampler[int]):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at `state`'s epoch and position; the data set, replica count and seed must match."""
-        check_identity(state, self.state_dict(), _IDENTITY)
+        """Resume at `state`'s epoch and position; the data set, replica count and seed must match
+        (an elastic sampler takes another replica count: see the module docstring)."""
+        replicas = state.get("num_replicas")
+        regrouped = self.elastic and replicas != self.num_replicas
+        own = self.state_dict() | ({"num_replicas": replicas} if regrouped else {})
+        check_identity(state, own, _IDENTITY)
         require_keys(state, ("epoch", "position"))
         epoch = check_int("epoch", state["epoch"], 0)
         position = check_int("position", state["position"], 0)
+        if regrouped:
+            epoch, position = (epoch + 1 if position else epoch), 0
+            logger.info(
+                "saved with %s replicas, now %d: rank %d resumes at the start of epoch %d",
+                replicas,
+                self.num_replicas,
+                self.rank,
+                epoch,
+            )
         self._epoch = epoch
+        self._next = None
         self.position = position
         logger.debug("rank %d resumes at epoch %d, sample %d", self.rank, epoch, position)
 

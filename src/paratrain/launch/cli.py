@@ -85,6 +85,20 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
     default=None,
     help="Stop the whole job after this many seconds.",
 )
+@click.option(
+    "--elastic",
+    is_flag=True,
+    help="local: a worker that dies does not stop the job (the script sets JobConfig.elastic; the "
+    "scheduler drops it and stops the job below min_workers).",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="local: start a dead worker process again, up to this many times in all (implies --elastic); "
+    "the new process joins the running job. Servers and the scheduler are not restarted.",
+)
 @click.option("--address", default="auto", show_default=True, help="ray: the Ray cluster to run on.")
 @click.option("--partition", default=None, help="slurm: the partition to submit to.")
 @click.option("--time", "time_limit", default=None, help="slurm: the job's time limit (sbatch --time).")
@@ -125,6 +139,8 @@ def launch(
     strategy: str | None,
     host: str,
     timeout_s: float | None,
+    elastic: bool,
+    max_restarts: int,
     address: str,
     partition: str | None,
     time_limit: str | None,
@@ -170,7 +186,10 @@ def launch(
     if backend == "local":
         from paratrain.launch.local import run_launch
 
-        ctx.exit(run_launch(config, host=host, dashboard=dashboard_config(observe)))
+        restarts = {"elastic": elastic, "max_restarts": max_restarts}
+        ctx.exit(run_launch(config, host=host, dashboard=dashboard_config(observe), **restarts))
+    if elastic or max_restarts:
+        raise click.UsageError(f"--elastic and --max-restarts work with --backend local, not {backend}")
     if backend == "ray":
         from paratrain.launch.ray import RayOptions, run_ray_job
 

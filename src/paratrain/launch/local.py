@@ -8,7 +8,13 @@ One waiter thread per child posts its exit (with a monotonic timestamp) to a que
 reacts to those exits, to the job timeout and to SIGINT/SIGTERM. The job succeeds when every worker
 exits 0 and then the scheduler and servers exit 0 by themselves. On the first failure everything is
 stopped (SIGTERM to each process group, then SIGKILL), and the report names the first failure that
-is a cause: an exit with EXIT_ABORTED is a consequence of another node's failure. How the outcome is
+is a cause: an exit with EXIT_ABORTED is a consequence of another node's failure.
+
+Elastic jobs (`elastic`, or `max_restarts` > 0; the script's JobConfig.elastic must be set too): a
+worker that dies does not stop the job here, since the scheduler drops it from the membership (and
+stops the job itself below min_workers); with restarts left the launcher starts a new process in
+its place, which joins the running job with the dead worker's rank. Only workers are restarted:
+a dead scheduler or server still ends the job. How the outcome is
 described (the result and record types, exit reasons, the report text) lives in report.py.
 """
 
@@ -103,6 +109,10 @@ class LocalJobConfig:
     dashboard: DashboardConfig | None = None
     """Serve the live dashboard and /metrics from the scheduler (metrics/dashboard.py); the
     launcher binds its port, passes it on like the scheduler's, and prints the URL with the token."""
+    elastic: bool = False
+    """A worker's death does not stop the job (the scheduler's elastic membership decides)."""
+    max_restarts: int = 0
+    """How many times in all a dead worker process is started again (implies `elastic`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "script", os.fspath(self.script))
@@ -115,6 +125,7 @@ class LocalJobConfig:
                 raise TypeError(f"{name} must be a str, got {value!r}")
         _check_int("num_workers", self.num_workers, minimum=1)
         _check_int("num_servers", self.num_servers, minimum=0)
+        _check_int("max_restarts", self.max_restarts, minimum=0)
         if not self.host:
             raise ValueError(f"host must be an address, got {self.host!r}")
         if self.timeout_s is not None and not self.timeout_s > 0:
@@ -288,6 +299,8 @@ class _Job:
         self.started = time.monotonic()
         self.deadline = None if config.timeout_s is None else self.started + config.timeout_s
         self.interrupt: int | None = None
+        self.restarts = 0
+        self._secret, self._port = b"", 0
         cores, processes = host_cores(), config.num_workers + config.num_servers
         self.threads = thread_env(cores, processes, {**os.environ, **config.env})
         """OMP_NUM_THREADS for every child: its share of this machine's cores, unless the user chose."""
@@ -305,6 +318,7 @@ class _Job:
             listener = _listen(where.host)
             port = listener.getsockname()[1]
         self.scheduler_address = f"{where.host}:{port}"
+        self._secret, self._port = secret, port
         logger.info("%s\n  %s", _describe(cfg, self.scheduler_address), self.threads_line)
         board = self._dashboard_socket(secret)
         try:
@@ -442,6 +456,9 @@ class _Job:
         child.returncode, child.exit_time = event.returncode, event.time
         if stopping:
             return True
+        if event.returncode != 0 and child.role == "worker" and self._elastic():
+            self._lost(child)
+            return True
         if event.returncode != 0:
             child.failure_reason = _exit_reason(event.returncode)
             self.failed.append(child)
@@ -452,6 +469,22 @@ class _Job:
             child.failure_reason = "exited early (code 0) before every worker finished"
             self.early.append(child)
         return True
+
+    def _elastic(self) -> bool:
+        return self.config.elastic or self.config.max_restarts > 0
+
+    def _lost(self, child: _Child) -> None:
+        """A worker of an elastic job died: the scheduler drops it; restart it while restarts last."""
+        reason = _exit_reason(child.returncode or 0)
+        again = self.restarts < self.config.max_restarts
+        what = f"restart {self.restarts + 1} of {self.config.max_restarts}" if again else "not restarted"
+        self.printer.write(
+            self.printer.err,
+            f"paratrain: {child.label} (pid {child.pid}) {reason}; the job goes on ({what})\n",
+        )
+        if again:
+            self.restarts += 1
+            self._spawn("worker", child.rank, self._secret, self._port)
 
     # -- stopping
 
@@ -578,7 +611,11 @@ def _interrupt_handlers(events: queue.SimpleQueue[Any]) -> Iterator[None]:
 
 
 def run_launch(
-    config: LaunchConfig, host: str = "127.0.0.1", dashboard: DashboardConfig | None = None
+    config: LaunchConfig,
+    host: str = "127.0.0.1",
+    dashboard: DashboardConfig | None = None,
+    elastic: bool = False,
+    max_restarts: int = 0,
 ) -> int:
     """`paratrain launch --backend local`: the job as processes of this machine; its exit status.
     The children's output is folded: their abort notices and repeated tracebacks are left out."""
@@ -592,6 +629,8 @@ def run_launch(
         timeout_s=config.timeout_s,
         python=config.python,
         dashboard=dashboard,
+        elastic=elastic,
+        max_restarts=max_restarts,
     )
     return run_local_job(local, fold=True).exit_code
 

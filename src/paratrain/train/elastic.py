@@ -53,6 +53,8 @@ def generation_of(ctx: Any) -> int:
 class ElasticCollectiveEngine(CollectiveEngine):
     """See the module docstring. Made by the Trainer once its optimizer, loader and steps are set."""
 
+    regroups_itself = True
+
     def __init__(self, model: nn.Module, trainer: Trainer) -> None:
         LocalEngine.__init__(self, model)
         from paratrain import collective
@@ -108,7 +110,7 @@ class ElasticCollectiveEngine(CollectiveEngine):
             logger.info(
                 "data divided over %d member(s) from epoch %d: shard %d", replicas, loader.epoch, rank
             )
-            sampler.num_replicas, sampler.rank = replicas, rank
+            loader.reshard(replicas, rank)  # at an epoch's start: at once
 
     def recover(self, trainer: Trainer, error: BaseException) -> bool:
         """After a collective raised `error`: if a member died (the scheduler's membership changed),
@@ -193,7 +195,7 @@ class ElasticCollectiveEngine(CollectiveEngine):
         vacant = [r for r in range(replicas) if r not in taken]
         index = joiners.index(self.ctx.rank)
         shard = vacant[index] if index < len(vacant) else index % replicas
-        loader.sampler.num_replicas, loader.sampler.rank = replicas, shard
+        loader.reshard(replicas, shard)  # nothing read yet: at once
         loader.load_state_dict(position)
         logger.info(
             "joined at epoch %d, batch %d, reading shard %d of %d%s",

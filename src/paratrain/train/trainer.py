@@ -91,6 +91,10 @@ class LocalEngine:
     def close(self) -> None:
         pass
 
+    regroups_itself = False
+    """Whether the engine follows an elastic job's membership itself (then the Trainer's epochs do
+    not meet at the scheduler: the elastic collective engine, whose members run in lockstep)."""
+
     def after_step(self, trainer: Trainer) -> None:
         """After every optimizer step (the elastic engine commits its state here)."""
 
@@ -234,8 +238,18 @@ class Trainer:
                 f"Strategy.pipeline_stages={stages} does not divide the job's {self.num_workers} workers"
             )
         self.replicas, self.replica = self.num_workers // stages, self.rank // stages
+        self.elastic = self.ctx.distributed and self.ctx.config.elastic is not None
+        """Elastic workers (JobConfig.elastic): each epoch starts with the workers that are left."""
+        if self.elastic and stages > 1:
+            raise ValueError(f"Strategy.pipeline_stages={stages} cannot run with JobConfig.elastic")
+        if self.ctx.joined and self.strategy.architecture == "ps" and self.strategy.update_on != "server":
+            raise ValueError(
+                f"Strategy.update_on={self.strategy.update_on!r}: a worker joining a running elastic job "
+                "takes the weights from the servers, so they must run the optimizer (update_on='server')"
+            )
         self.steps = 0
         """Optimizer steps taken (accumulation micro-steps count once)."""
+        self._joined_in = False  # a joiner has met the others at an epoch's start
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every, self.keep, self.log_every = checkpoint_every, keep, log_every
         self._micro = 0
@@ -306,16 +320,43 @@ class Trainer:
         if loader is None or isinstance(loader, ShardedLoader):
             return loader
         if isinstance(loader, DataLoader):
-            return ShardedLoader.from_loader(loader, self.replicas, self.replica, seed)
+            return ShardedLoader.from_loader(loader, self.replicas, self.replica, seed, elastic=self.elastic)
         raise TypeError(f"loader must be a torch DataLoader or a ShardedLoader, not {type(loader).__name__}")
 
     # -- the training loop ------------------------------------------------------------------------
     def epochs(self, count: int) -> Iterator[int]:
-        """The epochs left of `count` (all of them, unless the run resumed part-way)."""
+        """The epochs left of `count` (all of them, unless the run resumed part-way). In an elastic
+        job each epoch starts with the workers that are left (and those that joined)."""
         start = self.loader.epoch if self.loader is not None else 0
-        for epoch in range(start, count):
-            self.engine.before_epoch(self)
+        if not self.elastic or self.engine.regroups_itself:
+            for epoch in range(start, count):
+                self.engine.before_epoch(self)
+                yield epoch
+            return
+        epoch = start
+        while (epoch := self._start_epoch(epoch, count)) < count:
             yield epoch
+            epoch += 1
+
+    def _start_epoch(self, epoch: int, count: int) -> int:
+        """Elastic: the live workers meet before each epoch (and once after the last), agree on it
+        and divide its data among themselves (ShardedLoader.reshard). A joiner brings no epoch: it
+        takes the others' (the job's end, where they are gone) and the servers' current weights."""
+        joining = self.ctx.joined and not self._joined_in
+        arrived = self.ctx.barrier(name="elastic-epoch", data=None if joining else epoch)
+        told = [value for value in arrived.values() if value is not None]
+        if joining:
+            self._joined_in = True
+            epoch = max(told) if told else count
+            logger.warning("worker %d joins the running job at epoch %d", self.rank, epoch)
+            if hasattr(self.engine, "pull_parameters"):
+                self.engine.pull_parameters()
+        members = sorted(arrived)
+        self.replicas, self.replica = len(members), members.index(self.rank)
+        if self.loader is not None and epoch < count:
+            self.loader.set_epoch(epoch)
+            self.loader.reshard(self.replicas, self.replica)
+        return epoch
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """One training step on a batch with the Trainer's loss_fn, under any strategy: pipelined

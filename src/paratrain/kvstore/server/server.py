@@ -98,6 +98,8 @@ class KVServer(Handler):
         self.staleness: Counter[int] = Counter()
         """Pushed slices by how many updates their key took since the pusher's pull (report.py)."""
         self.compression = ServerCompression()  # compressed pushes and pulls (compressed.py)
+        self._configured: frozenset[int] = frozenset()  # the members worker 0 configured
+        self._live: frozenset[int] | None = None  # elastic: the scheduler's live workers
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
@@ -175,8 +177,26 @@ class KVServer(Handler):
         chosen = policy(meta["mode"], int(meta.get("staleness", 0)))
         with self._lock:
             self.rules.policy = chosen
-            self.rules.members = frozenset(int(rank) for rank in meta["members"])
+            self._configured = frozenset(int(rank) for rank in meta["members"])
+            live = self._configured if self._live is None else self._live
+            self.rules.members = (self._configured & live) - self.rules.joiners
             self.rules.average = bool(meta.get("average", False))
+
+    def set_members(self, workers: Sequence[int], joiners: Sequence[int]) -> None:
+        """The scheduler's membership changed (elastic jobs): rounds stop waiting for workers that
+        died; joiners take part from their first push (ShardState.admit)."""
+        with self._lock:
+            self._live = frozenset(workers)
+            gone = (self.rules.members | self.rules.joiners) - self._live
+            self.rules.joiners = frozenset(joiners)
+            self.rules.members = (self.rules.members & self._live) - self.rules.joiners
+            shards = list(self._shards.values())
+        for shard in shards:
+            for rank in gone:
+                shard.forget(rank)
+            shard.apply_complete_rounds()
+        self._serve_ready_pulls()
+        self.tables.members_changed()
 
     @property
     def members(self) -> frozenset[int]:
@@ -264,6 +284,7 @@ class KVServer(Handler):
         for i, was_added in enumerate(added):
             shard = self._shard(meta, i)
             push = Push(rank, int(meta["clocks"][i]), None if was_added else next(grads), owned, weight)
+            push = shard.admit(push)
             shard.check(push)
             work.append((shard, push))
         for shard, push in work:
@@ -276,8 +297,10 @@ class KVServer(Handler):
         """A worker that finished early: rounds stop waiting for it."""
         with self._lock:
             self.rules.members = self.rules.members - {rank}
+            self.rules.joiners = self.rules.joiners - {rank}
             shards = list(self._shards.values())
         for shard in shards:
+            shard.forget(rank)
             shard.apply_complete_rounds()
         self._serve_ready_pulls()
         self.tables.members_changed()
@@ -290,7 +313,9 @@ class KVServer(Handler):
         for shard, reads in zip(shards, read, strict=True):
             if reads and shard.region is None:
                 raise KVError(f"{shard.describe()} is not in shared memory: it cannot be read there")
-        pending = PendingPull(request, shards, [int(v) for v in min_versions], read)
+        rank = int(meta.get("rank", -1))
+        needs = [s.pull_version(rank, int(v)) for s, v in zip(shards, min_versions, strict=True)]
+        pending = PendingPull(request, shards, needs, read)
         with self._lock:
             self._pending.append(pending)
         self._serve_ready_pulls()

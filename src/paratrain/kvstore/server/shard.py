@@ -51,6 +51,9 @@ class Rules:
     """The workers a round waits for (the scheduler's membership, as the workers sent it)."""
     average: bool = False
     """A round's update is the mean of its pushes (over the workers they stand for), not the sum."""
+    joiners: frozenset[int] = frozenset()
+    """Elastic jobs: live workers that joined the running job. A round waits for one only from its
+    first push to the shard on (ShardState.admit), so a joiner never holds back a round it missed."""
 
 
 @dataclass
@@ -105,6 +108,38 @@ class ShardState:
     buffer open for its pushes."""
     value_buffer: int = 0
     opened: dict[int, int] = field(default_factory=dict)
+    offsets: dict[int, int] = field(default_factory=dict)
+    """Per joiner that pushed this shard: the round its clock 0 stands for (it pushes and pulls
+    in its own clocks, counted from its start; the shard shifts them)."""
+
+    # -- elastic membership -----------------------------------------------------------------------
+    def waits_for(self) -> frozenset[int]:
+        """The workers a round waits for: the members, and the joiners that pushed this shard."""
+        return self.rules.members | (self.offsets.keys() & self.rules.joiners)
+
+    def admit(self, push: Push) -> Push:
+        """A joiner's push in the shard's rounds: its first one joins the round applied next (or the
+        first after those its dead predecessor of the same rank pushed to), and fixes its shift."""
+        if push.rank not in self.rules.joiners or not self.rules.policy.rounds:
+            return push
+        with self.cond:
+            if push.rank not in self.offsets:
+                start = self.version
+                while start in self.rounds and push.rank in self.rounds[start].pushed:
+                    start += 1
+                self.offsets[push.rank] = start - push.clock
+            push.clock += self.offsets[push.rank]
+            return push
+
+    def pull_version(self, rank: int, min_version: int) -> int:
+        """A pull's min_version in this shard's versions (a joiner's are shifted)."""
+        shift = self.offsets.get(rank)
+        return min_version if shift is None or min_version == 0 else min_version + shift
+
+    def forget(self, rank: int) -> None:
+        """A joiner left or died: the rank's shift goes (a later worker of that rank starts anew)."""
+        with self.cond:
+            self.offsets.pop(rank, None)
 
     # -- buffers ----------------------------------------------------------------------------------
     def buffer(self) -> torch.Tensor:
@@ -213,7 +248,7 @@ class ShardState:
         with self.cond:
             while True:
                 entry = self.rounds.get(self.version)
-                if entry is None or not self.rules.members <= entry.pushed:
+                if entry is None or not self.waits_for() <= entry.pushed:
                     return
                 if self.readers:  # a pull is being sent from the value: wait, then look again
                     self.cond.wait()
@@ -285,7 +320,7 @@ class ShardState:
             if self.version >= need:
                 return None
             entry = self.rounds.get(self.version)
-            missing = sorted(self.rules.members - (entry.pushed if entry is not None else set()))
+            missing = sorted(self.waits_for() - (entry.pushed if entry is not None else set()))
             where = {"key": self.key, "start": self.start, "stop": self.stop}
             return where | {"version": self.version, "round": self.version, "missing": missing}
 

@@ -119,11 +119,16 @@ class DistKVStore(SparseAPI):
         self._members = list(range(ctx.num_workers)) if members is None else members
         self._weight = weight
         self._barrier = barrier or (lambda name: ctx.barrier(name=name))
-        if self.rank == 0:
+        # A worker that joined a running elastic job finds the servers configured, initialized and
+        # with their optimizer: it skips the start's barriers and worker 0's duties (the others are
+        # training), and its pushes join the rounds from the next one its first push reaches.
+        self._joined = ctx.joined
+        if self.rank == 0 and not self._joined:
             meta = {"mode": config.policy.name, "staleness": config.staleness, "members": self._members}
             meta["average"] = config.average
             self._all_servers("configure", meta)
-        self._barrier("kvstore-create")
+        if not self._joined:
+            self._barrier("kvstore-create")
         atexit.register(self.close)
 
     def _server_lost(self, rank: int, error: Exception | None) -> None:
@@ -246,6 +251,9 @@ class DistKVStore(SparseAPI):
             for (s, meta), reply in zip(frames, self._wait(futures), strict=True):
                 self._map_regions(s, meta, reply.meta)
 
+        if self._joined:
+            send(with_values=False)
+            return
         if self.rank == 0:
             send(with_values=True)
         self._barrier("kvstore-init")
@@ -370,7 +378,8 @@ class DistKVStore(SparseAPI):
                     continue
                 region = self._keys[k].regions.get(s)
                 piece = flat[k][a:b]
-                added.append(rounds and region is not None and region.add(clock, piece))
+                # A joiner's clocks are its own (the server shifts them): it never adds in place.
+                added.append(rounds and not self._joined and region is not None and region.add(clock, piece))
                 if not added[-1]:
                     tensors.append(piece)
             if any(added):
@@ -444,6 +453,8 @@ class DistKVStore(SparseAPI):
         optim.resolve(path)
         hyper = optim.check_hyperparameters(hyperparameters)
         self._server_optimizer = True
+        if self._joined:
+            return  # the servers have it, with its state
         if self.rank == 0:
             self._all_servers("set_optimizer", {"path": path, "hyper": hyper})
         self._barrier("kvstore-optimizer")
