@@ -3,12 +3,19 @@ and a replacement joins (collective/elastic.py, cluster/rendezvous.py, train/ela
 
 from __future__ import annotations
 
+import importlib
+import re
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 from paratrain.cluster.rendezvous import rank_map
 from paratrain.collective import elastic
+from paratrain.data import ShardedLoader, digits
+from paratrain.testing import run_job
 
 
 def test_rank_map_orders_the_members_by_worker_rank():
@@ -79,3 +86,62 @@ def test_peer_failures_are_told_from_other_errors():
     assert elastic.is_peer_failure(dist.DistBackendError("anything"))
     assert not elastic.is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not elastic.is_peer_failure(ValueError("Connection closed by peer"))
+
+
+# -- a worker dies (and is replaced) in a running collective job --------------------------------------
+JOB = Path(__file__).parent / "jobs" / "elastic_collective_digits.py"
+
+
+@pytest.fixture(scope="module")
+def reference_accuracy() -> float:
+    """The job without failure, in one process: 4 workers' batches of 32 are one batch of 128."""
+    sys.path.insert(0, str(JOB.parent))
+    try:
+        job = importlib.import_module(JOB.stem)
+    finally:
+        sys.path.remove(str(JOB.parent))
+    model = job.make_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    loader = ShardedLoader(digits(train=True), 128)
+    for epoch in range(job.EPOCHS):
+        for group in optimizer.param_groups:
+            group["lr"] = job.learning_rate(epoch)
+        for images, labels in loader:
+            nn.functional.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    test = digits(train=False)
+    with torch.no_grad():
+        return (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
+
+
+def _finals(outcome, ranks) -> list[tuple[float, int, bool]]:
+    """(accuracy, steps, joined) that each worker of `ranks` printed last."""
+    finals = []
+    for rank in ranks:
+        lines = outcome.lines("worker", rank, "stdout")
+        found = re.search(
+            r"test accuracy ([0-9.]+) steps (\d+) joined (True|False)", lines[-1] if lines else ""
+        )
+        assert found, (rank, lines[-3:], outcome.stderr[-3000:])
+        finals.append((float(found.group(1)), int(found.group(2)), found.group(3) == "True"))
+    return finals
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("restart", [False, True], ids=["killed", "killed-and-replaced"])
+def test_collective_job_survives_a_killed_worker(restart, reference_accuracy):
+    args = ["--kill", "2"] + (["--await-replacement"] if restart else [])
+    outcome = run_job(JOB, workers=4, args=args, timeout_s=300, elastic=True, max_restarts=int(restart))
+    assert "dropped worker 2" in outcome.stderr
+    ranks = (0, 1, 2, 3) if restart else (0, 1, 3)
+    finals = _finals(outcome, ranks)
+    accuracies = {accuracy for accuracy, _, _ in finals}
+    assert len(accuracies) == 1, finals  # one model on every member: the group re-formed, in step
+    assert len({steps for _, steps, _ in finals}) == 1, finals
+    assert abs(accuracies.pop() - reference_accuracy) <= 0.01, (finals, reference_accuracy)
+    assert [joined for _, _, joined in finals] == [rank == 2 and restart for rank in ranks]
+    if restart:
+        assert "joined at epoch 1, batch 9, reading shard 2 of 4" in outcome.stderr
+    else:
+        assert not [line for line in outcome.lines("worker", 2, "stdout") if "accuracy" in line]

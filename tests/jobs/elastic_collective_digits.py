@@ -1,67 +1,73 @@
-"""The digits job (examples/digits.py) under `collective` with elasticity on; one worker may SIGKILL
-itself mid-epoch: `--kill RANK --at EPOCH BATCH`. A marker file beside `--marker` makes the kill happen
-once, so a replacement of that worker (`paratrain launch --max-restarts`) trains on."""
+"""The digits job (examples/digits.py's model and loop) under `collective` in an elastic job
+(JobConfig.elastic, min_workers 2): worker `--kill RANK` SIGKILLs itself in the middle of epoch 1, as
+a lost host would die; a replacement started by `--max-restarts` joins the running job and does not.
+With `--await-replacement` the others wait for it at batch 8 of that epoch (this job's training is
+quicker than a new process's start), so it joins mid-epoch and takes the dead worker's shard.
+The learning rate drops for the last two epochs, so the final accuracy is stable from run to run.
+Every worker prints its test accuracy, its steps and whether it joined."""
 
 import argparse
 import os
 import signal
-from pathlib import Path
+import time
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 import paratrain
-from paratrain.cluster.config import ElasticConfig, JobConfig
 from paratrain.data import digits
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--epochs", type=int, default=6)
-parser.add_argument("--lr", type=float, default=4e-3)
-parser.add_argument("--kill", type=int, default=None, help="this worker rank SIGKILLs itself")
-parser.add_argument("--at", type=int, nargs=2, default=(1, 5), metavar=("EPOCH", "BATCH"))
-parser.add_argument("--marker", default=None, help="a file: the kill happens only where it is absent")
-args = parser.parse_args()
-
-ctx = paratrain.init(JobConfig(heartbeat_timeout_s=3.0, elastic=ElasticConfig(min_workers=2)))
-torch.manual_seed(0)
-model = nn.Sequential(
-    nn.Conv2d(1, 16, 3, padding=1),
-    nn.ReLU(),
-    nn.Conv2d(16, 32, 3, padding=1),
-    nn.ReLU(),
-    nn.MaxPool2d(2),
-    nn.Flatten(),
-    nn.Linear(32 * 4 * 4, 64),
-    nn.ReLU(),
-    nn.Linear(64, 10),
-)
-optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-loader = DataLoader(digits(train=True), batch_size=32, shuffle=True)
-trainer = paratrain.Trainer(model, optimizer, loader, strategy="collective", progress=False)
+EPOCHS = 6
 
 
-def kill_here(epoch: int, batch: int) -> bool:
-    if ctx.rank != args.kill or (epoch, batch) != tuple(args.at):
-        return False
-    if args.marker is not None:
-        if Path(args.marker).exists():
-            return False
-        Path(args.marker).touch()
-    return True
+def learning_rate(epoch: int) -> float:
+    """1e-2, then 2e-3 and 4e-4 for the last two epochs (the same on every worker)."""
+    return 1e-2 * 0.2 ** max(0, epoch - EPOCHS + 3)
 
 
-for epoch in trainer.epochs(args.epochs):
-    for batch, (images, labels) in enumerate(trainer.loader):
-        if kill_here(epoch, batch):
-            print(f"worker {ctx.rank}: killing myself at epoch {epoch}, batch {batch}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        trainer.step(nn.functional.cross_entropy(trainer.model(images), labels))
-trainer.close()
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
 
-test = digits(train=False)
-with torch.no_grad():
-    predicted = trainer.eval_step(test.tensors[0]).argmax(1)
-accuracy = (predicted == test.tensors[1]).float().mean().item()
-members = ctx.link.membership.workers if ctx.link is not None and ctx.link.membership else ()
-print(f"worker {ctx.rank}: test accuracy {accuracy:.4f} after {trainer.steps} steps, members {list(members)}")
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kill", type=int, default=None, help="the rank that dies at epoch 1, batch 5")
+    parser.add_argument("--await-replacement", action="store_true")
+    args = parser.parse_args()
+    config = paratrain.JobConfig(
+        heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0, elastic=paratrain.ElasticConfig(min_workers=2)
+    )
+    ctx = paratrain.init(config)
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate(0))
+    loader = DataLoader(digits(train=True), batch_size=32, shuffle=True)
+    trainer = paratrain.Trainer(model, optimizer, loader, strategy="collective", progress=False)
+    for epoch in trainer.epochs(EPOCHS):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(epoch)
+        for batch, (images, labels) in enumerate(trainer.loader):
+            if (epoch, batch, ctx.rank) == (1, 5, args.kill) and not ctx.joined:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if (epoch, batch) == (1, 8) and args.await_replacement and not ctx.joined:
+                deadline = time.monotonic() + 120
+                while len(ctx.members().workers) < 4 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            trainer.step(nn.functional.cross_entropy(trainer.model(images), labels))
+    trainer.close()
+
+    test = digits(train=False)
+    with torch.no_grad():
+        accuracy = (trainer.eval_step(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
+    print(f"worker {ctx.rank}: test accuracy {accuracy:.4f} steps {trainer.steps} joined {ctx.joined}")

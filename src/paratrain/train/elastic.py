@@ -197,7 +197,7 @@ class ElasticCollectiveEngine(CollectiveEngine):
         shard = vacant[index] if index < len(vacant) else index % replicas
         loader.reshard(replicas, shard)  # nothing read yet: at once
         loader.load_state_dict(position)
-        logger.info(
+        logger.warning(
             "joined at epoch %d, batch %d, reading shard %d of %d%s",
             position["epoch"],
             position["batches"],
