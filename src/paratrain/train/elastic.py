@@ -67,6 +67,8 @@ class ElasticCollectiveEngine(CollectiveEngine):
         """How long a collective waits for a peer before raising. A dead process closes its
         connections at once; this bounds the wait on a peer cut off without a word (a lost host),
         and a step may not be slower than this."""
+        self.meet_s = max(self.timeout_s, self.ctx.config.start_timeout_s)
+        """How long a re-formation waits at its barrier: a replacement is a process still starting."""
         self.drop_s = 2 * heartbeat_s + 5.0
         """How long to wait, after a collective failed, for the scheduler to drop the dead peer."""
         self.local_sgd = None
@@ -145,7 +147,7 @@ class ElasticCollectiveEngine(CollectiveEngine):
             try:
                 self._drop_model(trainer)
                 formation = reform_torch_distributed(
-                    self.ctx, generation, self.backend, self.timeout_s, mine, self.timeout_s
+                    self.ctx, generation, self.backend, self.timeout_s, mine, self.meet_s
                 )
                 self._sync(trainer, formation)
                 self._wrap()
