@@ -1,8 +1,9 @@
 """The digits job (examples/digits.py's model and loop) under `collective` in an elastic job
-(JobConfig.elastic, min_workers 2): worker `--kill RANK` SIGKILLs itself in the middle of epoch 1, as
-a lost host would die; a replacement started by `--max-restarts` joins the running job and does not.
-With `--await-replacement` the others wait for it at batch 8 of that epoch (this job's training is
-quicker than a new process's start), so it joins mid-epoch and takes the dead worker's shard.
+(JobConfig.elastic, min_workers 2): with `--kill RANK:EPOCH` (repeatable) that worker SIGKILLs itself
+at batch 5 of that epoch, as a lost host would die; a replacement started by `--max-restarts` joins
+the running job and does not. With `--await-replacement` the others wait for it at batch 8 of the
+first death's epoch (this job's training is quicker than a new process's start), so it joins
+mid-epoch and takes the dead worker's shard.
 The learning rate drops for the last two epochs, so the final accuracy is stable from run to run.
 Every worker prints its test accuracy, its steps and whether it joined."""
 
@@ -43,9 +44,11 @@ def make_model() -> nn.Module:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--kill", type=int, default=None, help="the rank that dies at epoch 1, batch 5")
+    parser.add_argument("--kill", action="append", default=[], help="RANK:EPOCH (dies at batch 5)")
     parser.add_argument("--await-replacement", action="store_true")
     args = parser.parse_args()
+    deaths = {tuple(int(n) for n in kill.split(":")) for kill in args.kill}
+    first = min((epoch for _, epoch in deaths), default=None)
     config = paratrain.JobConfig(
         heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0, elastic=paratrain.ElasticConfig(min_workers=2)
     )
@@ -58,9 +61,9 @@ if __name__ == "__main__":
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(epoch)
         for batch, (images, labels) in enumerate(trainer.loader):
-            if (epoch, batch, ctx.rank) == (1, 5, args.kill) and not ctx.joined:
+            if batch == 5 and (ctx.rank, epoch) in deaths and not ctx.joined:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if (epoch, batch) == (1, 8) and args.await_replacement and not ctx.joined:
+            if (epoch, batch) == (first, 8) and args.await_replacement and not ctx.joined:
                 deadline = time.monotonic() + 120
                 while len(ctx.members().workers) < 4 and time.monotonic() < deadline:
                     time.sleep(0.1)
