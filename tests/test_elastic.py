@@ -1,24 +1,32 @@
 """Elastic workers (issue 15, item 1): the scheduler's membership, servers' rounds over the workers
 that are left, the sampler over the current members, and the digits job losing (and regaining) a
-worker. The membership tests run the scheduler in this process and talk to it over real sockets
-with plain RPC clients standing in for nodes; no process is started."""
+worker (the one test that starts processes). The membership tests run the scheduler in this process
+and talk to it over real sockets, with plain RPC clients standing in for nodes."""
 
 from __future__ import annotations
 
 import queue
+import re
 import threading
+from pathlib import Path
 
 import pytest
+import torch
 
 from paratrain import version
 from paratrain.cluster.config import ElasticConfig, JobConfig
 from paratrain.cluster.scheduler import Scheduler
 from paratrain.cluster.spec import ClusterSpec
 from paratrain.errors import RemoteError
-from paratrain.testing import free_port
+from paratrain.kvstore.consistency import Sync
+from paratrain.kvstore.server.server import KVServer
+from paratrain.kvstore.server.shard import Push, Rules, ShardState
+from paratrain.testing import free_port, run_job
 from paratrain.transport.rpc import RpcClient
 
 SECRET = b"elastic-test-secret-0123456789ab"
+JOB = Path(__file__).parent / "jobs" / "elastic_digits.py"
+EPOCHS, LR = 8, 5e-3  # the job's defaults
 
 
 class FakeNode:
@@ -161,3 +169,102 @@ def test_a_sampler_state_loads_across_a_membership_change_at_an_epoch_boundary()
     after.load_state_dict(before.state_dict())
     assert (after.epoch, after.batches_done) == (1, 0)
     assert sorted(x for batch in after for x in batch.tolist()) == sorted(after.sampler.shard(1).tolist())
+
+
+def admitted(state: ShardState, rank: int, clock: int, grad: list[float]) -> None:
+    """A push as the server takes it: a joiner's clock shifted (ShardState.admit), then checked."""
+    p = state.admit(Push(rank, clock, torch.tensor(grad)))
+    state.check(p)
+    state.push(p)
+
+
+def test_a_round_completes_with_the_workers_left_and_a_joiner_counts_from_its_join():
+    server = KVServer()
+    server._configure({"mode": "sync", "members": [0, 1, 2], "average": True})
+    state = ShardState("w", 0, 2, 2, [2], "float32", torch.zeros(2), server.rules)
+    server._shards["w", 0, 2] = state
+    admitted(state, 0, 0, [2.0, 4.0])
+    admitted(state, 1, 0, [4.0, 8.0])
+    assert state.version == 0  # waits for worker 2
+    server.set_members([0, 1], [])  # worker 2 died: the round is the mean of the two pushes
+    assert state.version == 1 and state.value.tolist() == [3.0, 6.0]
+    admitted(state, 0, 1, [1.0, 1.0])
+    server.set_members([0, 1, 2], [2])  # a new worker 2 joined the job: not in rounds yet
+    admitted(state, 1, 1, [3.0, 3.0])
+    assert state.version == 2 and state.value.tolist() == [2.0, 2.0]
+    server._join(2)  # at an epoch's start: every round from version 2 on waits for it
+    admitted(state, 0, 2, [1.0, 1.0])
+    admitted(state, 1, 2, [1.0, 1.0])
+    assert state.version == 2 and state.waiting(3)["missing"] == [2]
+    admitted(state, 2, 0, [4.0, 4.0])  # its clock 0 is round 2
+    assert state.version == 3 and state.value.tolist() == [2.0, 2.0]
+    assert state.pull_version(2, 1) == 3 and state.pull_version(0, 3) == 3
+    server.set_members([0, 1], [])  # the joiner died too: its shift goes, rounds go on without it
+    assert state.offsets == {} and state.waits_for() == {0, 1}
+
+
+def test_a_joiner_with_a_dead_workers_rank_skips_the_rounds_its_predecessor_pushed():
+    rules = Rules(Sync(), frozenset({0, 1}))
+    state = ShardState("w", 0, 2, 2, [2], "float32", torch.zeros(2), rules)
+    admitted(state, 1, 0, [1.0, 1.0])  # worker 1's last push, then it dies
+    rules.members, rules.joiners = frozenset({0}), frozenset({1})  # ... and a new worker 1 joins
+    admitted(state, 1, 0, [5.0, 5.0])  # its first push: round 0 already has worker 1's
+    admitted(state, 0, 0, [1.0, 1.0])
+    assert state.version == 1 and state.value.tolist() == [2.0, 2.0]
+    assert state.offsets == {1: 1} and 1 in state.rounds[1].pushed
+
+
+def digits_reference(workers: int = 4) -> float:
+    """The test accuracy of the job without failures, in this process: dist_sync with the optimizer
+    on the servers takes one step per round on the mean of the workers' batch losses, each worker
+    reading its shard (the Trainer's ShardedLoader, seed 0)."""
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from paratrain.data import ShardedLoader, digits
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(  # tests/jobs/elastic_digits.py's model
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    loader = DataLoader(digits(train=True), batch_size=32, shuffle=True)
+    shards = [ShardedLoader.from_loader(loader, workers, rank, seed=0) for rank in range(workers)]
+    for _epoch in range(EPOCHS):
+        for batches in zip(*shards, strict=True):
+            optimizer.zero_grad()
+            loss = sum(nn.functional.cross_entropy(model(x), y) for x, y in batches) / workers
+            loss.backward()
+            optimizer.step()
+    test = digits(train=False)
+    with torch.no_grad():
+        return (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
+
+
+def test_the_digits_job_loses_a_worker_and_a_restarted_one_joins_without_losing_accuracy():
+    # Worker 2 is SIGKILLed mid-epoch 1 and restarted (--max-restarts 1): its replacement joins at
+    # epoch 3 (the others wait for it to register there). Worker 3 is SIGKILLed mid-epoch 4 and
+    # not restarted (no restarts left). One job shows both a drop and a join.
+    args = ["--kill", "2:1", "--kill", "3:4", "--join-by", "3"]
+    outcome = run_job(JOB, workers=4, servers=1, args=args, max_restarts=1, timeout_s=400, exit_grace_s=60)
+    results = {}
+    for rank in (0, 1, 2):
+        line = next(t for t in outcome.lines("worker", rank, "stdout") if "test accuracy" in t)
+        found = re.search(r"test accuracy ([0-9.]+) epochs \[([0-9, ]*)\] joined (\w+)", line)
+        results[rank] = (float(found[1]), found[2], found[3])
+    assert results[2][1:] == ("3, 4, 5, 6, 7", "True"), results  # the replacement's epochs
+    assert results[0][1:] == (", ".join(map(str, range(EPOCHS))), "False"), results
+    assert "worker 2" in outcome.stderr and "(restart 1 of 1)" in outcome.stderr
+    assert "worker 3" in outcome.stderr and "(not restarted)" in outcome.stderr
+    reference = digits_reference()
+    for accuracy, _, _ in results.values():
+        assert abs(accuracy - reference) <= 0.01, (results, reference)

@@ -185,6 +185,8 @@ class _Child:
         self.returncode: int | None = None
         self.exit_time: float | None = None
         self.failure_reason: str | None = None
+        self.replacement = False
+        """Started in place of a dead worker (elastic jobs): it may not have joined yet."""
         self._pumps: list[threading.Thread] = []
 
     @property
@@ -300,6 +302,8 @@ class _Job:
         self.deadline = None if config.timeout_s is None else self.started + config.timeout_s
         self.interrupt: int | None = None
         self.restarts = 0
+        self.ending = False
+        """Elastic: the job is done while replacements that never joined still start; stop them."""
         self._secret, self._port = b"", 0
         cores, processes = host_cores(), config.num_workers + config.num_servers
         self.threads = thread_env(cores, processes, {**os.environ, **config.env})
@@ -456,8 +460,9 @@ class _Job:
         child.returncode, child.exit_time = event.returncode, event.time
         if stopping:
             return True
-        if event.returncode != 0 and child.role == "worker" and self._elastic():
-            self._lost(child)
+        if child.role == "worker" and self._elastic() and (self.ending or event.returncode != 0):
+            if not self.ending:
+                self._lost(child)
             return True
         if event.returncode != 0:
             child.failure_reason = _exit_reason(event.returncode)
@@ -465,13 +470,30 @@ class _Job:
             self.failed.extend(self.early)  # an earlier clean exit may be the cause of this one
             self.early.clear()
             return False
-        if child.role != "worker" and self._workers_running():
+        if child.role != "worker" and self._workers_running() and not self.ending:
             child.failure_reason = "exited early (code 0) before every worker finished"
             self.early.append(child)
+        if self._only_replacements_left():
+            self._end_before_joining()
         return True
 
     def _elastic(self) -> bool:
         return self.config.elastic or self.config.max_restarts > 0
+
+    def _only_replacements_left(self) -> bool:
+        """The scheduler ended the job and every worker still running is a replacement (one that had
+        joined would have kept the scheduler going)."""
+        if not self._elastic() or self.ending:
+            return False
+        done = any(c.role == "scheduler" and c.returncode == 0 for c in self.children)
+        running = [c for c in self.children if c.role == "worker" and c.running]
+        return done and all(c.replacement for c in running)
+
+    def _end_before_joining(self) -> None:
+        """The job finished (its scheduler exited 0) while replacements run: one that joined is
+        leaving, one that never joined finds the scheduler gone; either way it exits by itself."""
+        self.ending = True
+        self.early.clear()
 
     def _lost(self, child: _Child) -> None:
         """A worker of an elastic job died: the scheduler drops it; restart it while restarts last."""
@@ -485,6 +507,7 @@ class _Job:
         if again:
             self.restarts += 1
             self._spawn("worker", child.rank, self._secret, self._port)
+            self.children[-1].replacement = True
 
     # -- stopping
 

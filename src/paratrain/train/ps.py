@@ -186,6 +186,11 @@ class PSEngine:
             for p, value in zip(self.params, outs, strict=True):
                 p.copy_(value)
 
+    def join(self) -> None:
+        """Elastic: this worker joined the running job; the others wait at a barrier meanwhile."""
+        self.kv.join()
+        self.pull_parameters()
+
     # -- checkpoints ------------------------------------------------------------------------------
     def save(self, folder: Path) -> None:
         """Every worker calls it: the servers' values and optimizer state (worker 0 writes)."""

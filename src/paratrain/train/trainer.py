@@ -349,8 +349,10 @@ class Trainer:
             self._joined_in = True
             epoch = max(told) if told else count
             logger.warning("worker %d joins the running job at epoch %d", self.rank, epoch)
-            if hasattr(self.engine, "pull_parameters"):
-                self.engine.pull_parameters()
+            if epoch < count and hasattr(self.engine, "join"):
+                self.engine.join()  # the others wait below: no round is in flight
+        if len(told) < len(arrived) and told:
+            self.ctx.barrier(name="elastic-joined")
         members = sorted(arrived)
         self.replicas, self.replica = len(members), members.index(self.rank)
         if self.loader is not None and epoch < count:

@@ -11,6 +11,8 @@ Requests (meta lists are parallel; every tensor is one flat slice of one key):
     pushpull      push and pull of the same slices in one frame
     set_optimizer {path, hyper}                                     from worker 0
     leave         {rank}                                            that worker pushes no more
+    join          {rank}                                            a worker that joined the running
+                  job (elastic) takes part in every round from the next one (shard.py's offsets)
     waiting       {keys, starts, stops, min_versions, rank}         from a worker whose call waits
                   long: per slice behind min_version, its round and the workers that have not
                   pushed it (logged here too, so that no wait is silent on either side)
@@ -153,6 +155,9 @@ class KVServer(Handler):
             elif op == "set_optimizer":
                 self._set_optimizer(request.meta["path"], request.meta["hyper"])
                 request.reply({})
+            elif op == "join":
+                self._join(int(request.meta["rank"]))
+                request.reply({})
             elif op == "leave":
                 self._leave(int(request.meta["rank"]))
                 request.reply({})
@@ -293,6 +298,16 @@ class KVServer(Handler):
             shard.push(push)
         self._serve_ready_pulls()
 
+    def _join(self, rank: int) -> None:
+        """A worker that joined the running job (elastic), while the others wait at a barrier: every
+        round from the next one on waits for it (ShardState.join)."""
+        with self._lock:
+            self.rules.joiners = self.rules.joiners | {rank}
+            self.rules.members = self.rules.members - {rank}
+            shards = list(self._shards.values())
+        for shard in shards:
+            shard.join(rank)
+
     def _leave(self, rank: int) -> None:
         """A worker that finished early: rounds stop waiting for it."""
         with self._lock:
@@ -349,7 +364,11 @@ class KVServer(Handler):
         """The rounds that hold back a waiting worker's pulls: per slice below its min_version,
         the round applied next and the members that have not pushed it."""
         rank = int(meta["rank"])
-        waits = [self._shard(meta, i).waiting(int(need)) for i, need in enumerate(meta["min_versions"])]
+        shards = [self._shard(meta, i) for i in range(len(meta["keys"]))]
+        needs = [
+            s.pull_version(rank, int(need)) for s, need in zip(shards, meta["min_versions"], strict=True)
+        ]
+        waits = [s.waiting(need) for s, need in zip(shards, needs, strict=True)]
         waits = [w for w in waits if w is not None]
         if waits:
             logger.warning(

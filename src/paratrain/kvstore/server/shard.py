@@ -118,18 +118,24 @@ class ShardState:
         return self.rules.members | (self.offsets.keys() & self.rules.joiners)
 
     def admit(self, push: Push) -> Push:
-        """A joiner's push in the shard's rounds: its first one joins the round applied next (or the
-        first after those its dead predecessor of the same rank pushed to), and fixes its shift."""
+        """A joiner's push in the shard's rounds, in the shard's clocks. One that did not `join`
+        first joins with its first push (the round applied next: it may have missed rounds)."""
         if push.rank not in self.rules.joiners or not self.rules.policy.rounds:
             return push
         with self.cond:
             if push.rank not in self.offsets:
-                start = self.version
-                while start in self.rounds and push.rank in self.rounds[start].pushed:
-                    start += 1
-                self.offsets[push.rank] = start - push.clock
+                self.join(push.rank, push.clock)
             push.clock += self.offsets[push.rank]
             return push
+
+    def join(self, rank: int, clock: int = 0) -> None:
+        """Rounds wait for joiner `rank` from the next one on, which its clock `clock` stands for
+        (after those its dead predecessor of the same rank pushed to)."""
+        with self.cond:
+            start = self.version
+            while start in self.rounds and rank in self.rounds[start].pushed:
+                start += 1
+            self.offsets[rank] = start - clock
 
     def pull_version(self, rank: int, min_version: int) -> int:
         """A pull's min_version in this shard's versions (a joiner's are shifted)."""

@@ -459,6 +459,11 @@ class DistKVStore(SparseAPI):
             self._all_servers("set_optimizer", {"path": path, "hyper": hyper})
         self._barrier("kvstore-optimizer")
 
+    def join(self) -> None:
+        """A worker that joined a running elastic job: every round from the next one on waits for
+        it. Call it while the other workers wait (at a barrier), so that none is in flight."""
+        self._all_servers("join", {"rank": self.rank})
+
     def barrier(self) -> None:
         self._barrier("kvstore-barrier")
 
