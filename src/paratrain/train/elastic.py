@@ -10,10 +10,15 @@ current generation (cluster/rendezvous.py), the member with the newest commit br
 and DDP is rebuilt on the new group.
 
 Data: in the epoch where membership changes, survivors keep their shards (every one of them still
-runs the same number of steps, which all-reduce needs); the dead worker's unread share of that epoch
-is not read; a replacement takes a shard left vacant in that epoch at the survivors' position (or, if
-none is vacant, reads a copy of one). From the next epoch the data is divided over the members.
-The batch in flight when the group broke is not trained on.
+runs the same number of steps, which all-reduce needs), so the dead worker's unread share of that
+epoch is not read, unless a replacement comes: it takes a shard left vacant in that epoch at the
+survivors' position (or, if none is vacant, reads a copy of one). From the next epoch the data is
+divided over the members (ShardedLoader.reshard). The batch in flight when the group broke is not
+trained on. The members run in lockstep, so epochs need no meeting at the scheduler.
+
+Not handled: a replacement that registers while the others are inside a checkpoint's barrier makes
+that barrier wait for it, and it waits for them at its re-formation, until `meet_s` ends it (the
+replacement fails; a restart tries again).
 """
 
 from __future__ import annotations
