@@ -16,9 +16,10 @@ survivors' position (or, if none is vacant, reads a copy of one). From the next 
 divided over the members (ShardedLoader.reshard). The batch in flight when the group broke is not
 trained on. The members run in lockstep, so epochs need no meeting at the scheduler.
 
-Not handled: a replacement that registers while the others are inside a checkpoint's barrier makes
-that barrier wait for it, and it waits for them at its re-formation, until `meet_s` ends it (the
-replacement fails; a restart tries again).
+Not handled: a replacement in a hybrid job (refused: its embedding tables' rounds on the servers
+would need joining too; the survivors of a hybrid job go on, untested). A replacement that registers
+while the others are inside a checkpoint's barrier makes that barrier wait for it, and it waits for
+them at its re-formation, until `meet_s` ends it (the replacement fails; a restart tries again).
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ class ElasticCollectiveEngine(CollectiveEngine):
         from paratrain import collective
 
         self.ctx, self.strategy = trainer.ctx, trainer.strategy
+        if self.ctx.joined and self.strategy.architecture == "hybrid":
+            raise ValueError(
+                "Strategy.architecture='hybrid': a worker cannot join a running elastic hybrid job yet "
+                "(its tables' rounds on the servers are not joined mid-epoch); the job goes on without it"
+            )
         self.module = unwrap(model)
         self.backend = collective.backend_for(model)
         heartbeat_s = self.ctx.config.heartbeat_timeout_s
