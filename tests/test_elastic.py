@@ -250,6 +250,7 @@ def digits_reference(workers: int = 4) -> float:
         return (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
 
 
+@pytest.mark.timeout(420)
 def test_the_digits_job_loses_a_worker_and_a_restarted_one_joins_without_losing_accuracy():
     # Worker 2 is SIGKILLed mid-epoch 1 and restarted (--max-restarts 1): its replacement joins at
     # epoch 3 (the others wait for it to register there). Worker 3 is SIGKILLed mid-epoch 4 and

@@ -343,6 +343,11 @@ class Trainer:
         and divide its data among themselves (ShardedLoader.reshard). A joiner brings no epoch: it
         takes the others' (the job's end, where they are gone) and the servers' current weights."""
         joining = self.ctx.joined and not self._joined_in
+        if joining and self.sparse:
+            raise ValueError(
+                "a worker cannot join a running job whose model has sparse tables yet (their rounds "
+                "take no joiners); the job goes on without it"
+            )
         arrived = self.ctx.barrier(name="elastic-epoch", data=None if joining else epoch)
         told = [value for value in arrived.values() if value is not None]
         if joining:
