@@ -328,9 +328,10 @@ class Trainer:
         """The epochs left of `count` (all of them, unless the run resumed part-way). In an elastic
         job each epoch starts with the workers that are left (and those that joined)."""
         start = self.loader.epoch if self.loader is not None else 0
-        if not self.elastic or self.engine.regroups_itself:
+        if not self.elastic or getattr(self.engine, "regroups_itself", False):
             for epoch in range(start, count):
-                self.engine.before_epoch(self)
+                if hasattr(self.engine, "before_epoch"):  # PSEngine is no LocalEngine
+                    self.engine.before_epoch(self)
                 yield epoch
             return
         epoch = start
@@ -421,7 +422,7 @@ class Trainer:
             with self.observe.backward():
                 loss.backward()
         except Exception as error:
-            if not self.engine.recover(self, error):
+            if not (hasattr(self.engine, "recover") and self.engine.recover(self, error)):
                 raise
             return  # the step's gradients died with the old all-reduce group
         self._scalars["loss"] = loss.detach()
@@ -455,7 +456,8 @@ class Trainer:
         with self.observe.optimizer():
             result = self.engine.step(self.optimizer, local_step)
         self.steps += 1
-        self.engine.after_step(self)
+        if hasattr(self.engine, "after_step"):
+            self.engine.after_step(self)
         self._after_step()
         return result
 
