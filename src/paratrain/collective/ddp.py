@@ -22,13 +22,19 @@ def backend_for(model: nn.Module) -> str:
 
 
 def wrap_ddp(
-    model: nn.Module, *, bucket_mb: float = 25.0, compression: str | dict | CompressionConfig | None = None
+    model: nn.Module,
+    *,
+    bucket_mb: float = 25.0,
+    compression: str | dict | CompressionConfig | None = None,
+    sync_buffers: bool = True,
 ) -> nn.Module:
     """`model` in DistributedDataParallel on the default process group; gradients are averaged
-    over the world, compressed as `compression` says when given (collective/compression.py)."""
+    over the world, compressed as `compression` says when given (collective/compression.py).
+    `sync_buffers`: rank 0's buffers reach every rank at each forward (DDP's default)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     device_ids = [device] if device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_mb)
+    options = {} if sync_buffers else {"forward_sync_buffers": False}
+    ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_mb, **options)
     config = CompressionConfig.parse(compression)
     if config is not None:
         compression_hooks.register(ddp, config)

@@ -91,6 +91,20 @@ class LocalEngine:
     def close(self) -> None:
         pass
 
+    regroups_itself = False
+    """Whether the engine follows an elastic job's membership itself (then the Trainer's epochs do
+    not meet at the scheduler: the elastic collective engine, whose members run in lockstep)."""
+
+    def after_step(self, trainer: Trainer) -> None:
+        """After every optimizer step (the elastic engine commits its state here)."""
+
+    def before_epoch(self, trainer: Trainer) -> None:
+        """Before every epoch of Trainer.epochs (the elastic engine re-divides the data here)."""
+
+    def recover(self, trainer: Trainer, error: BaseException) -> bool:
+        """Whether the engine recovered from `error`, raised in backward (then the step is skipped)."""
+        return False
+
 
 class CollectiveEngine(LocalEngine):
     """All-reduce data parallel: DDP (gradients averaged in buckets during backward), or local SGD."""
@@ -250,10 +264,8 @@ class Trainer:
         if found is not None:
             self.engine.restore(found.path)
             logger.info("resumed from %s at step %d", found.path, self.steps)
-        self.model = self.engine.model
-        self.model.register_forward_pre_hook(_BeforeForward(self))
         self.observe = StepObserver(self.ctx, self.strategy, trace_dir)
-        self.observe.attach(self.model)
+        self._bind_model()
         _make_distributed(optimizer, self)
         self.sparse = sparse_modules(model)
         if self.strategy.architecture == "hybrid":
@@ -265,6 +277,12 @@ class Trainer:
         self.metrics = open_metrics(metrics_dir, rank=self.rank) if metrics_dir and lead else NullMetrics()
         self.progress = Progress(enabled=progress and lead, initial=self.steps)
 
+    def _bind_model(self) -> None:
+        """Train the engine's model (again, when an elastic engine rebuilt it on a new group)."""
+        self.model = self.engine.model
+        self.model.register_forward_pre_hook(_BeforeForward(self))
+        self.observe.attach(self.model)
+
     def _engine(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
         arch = self.strategy.architecture
         if not self.ctx.distributed or arch == "local" or self.pipelined:
@@ -273,6 +291,10 @@ class Trainer:
             from paratrain.train.ps import PSEngine
 
             return PSEngine(model, optimizer, self.strategy, self.ctx)
+        from paratrain.train.elastic import ElasticCollectiveEngine, elastic_enabled
+
+        if elastic_enabled(self.ctx):
+            return ElasticCollectiveEngine(model, self)
         return CollectiveEngine(model, self.strategy, self.ctx)  # collective, and hybrid's dense part
 
     def _bind_tables(self) -> None:
@@ -306,8 +328,11 @@ class Trainer:
         """The epochs left of `count` (all of them, unless the run resumed part-way). In an elastic
         job each epoch starts with the workers that are left (and those that joined)."""
         start = self.loader.epoch if self.loader is not None else 0
-        if not self.elastic:
-            yield from range(start, count)
+        if not self.elastic or getattr(self.engine, "regroups_itself", False):
+            for epoch in range(start, count):
+                if hasattr(self.engine, "before_epoch"):  # PSEngine is no LocalEngine
+                    self.engine.before_epoch(self)
+                yield epoch
             return
         epoch = start
         while (epoch := self._start_epoch(epoch, count)) < count:
@@ -393,8 +418,13 @@ class Trainer:
 
     def step(self, loss: torch.Tensor) -> None:
         """backward, optimizer step (every accumulation_steps calls) and zero_grad; logs the loss."""
-        with self.observe.backward():
-            loss.backward()
+        try:
+            with self.observe.backward():
+                loss.backward()
+        except Exception as error:
+            if not (hasattr(self.engine, "recover") and self.engine.recover(self, error)):
+                raise
+            return  # the step's gradients died with the old all-reduce group
         self._scalars["loss"] = loss.detach()
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -426,6 +456,8 @@ class Trainer:
         with self.observe.optimizer():
             result = self.engine.step(self.optimizer, local_step)
         self.steps += 1
+        if hasattr(self.engine, "after_step"):
+            self.engine.after_step(self)
         self._after_step()
         return result
 
