@@ -23,18 +23,18 @@ bounds what batching can gain on this machine, and the server process's CPU time
 from __future__ import annotations
 
 import argparse
-import http.client
+import asyncio
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 
+import httptools
 import torch
 from torch import nn
 
@@ -127,62 +127,120 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+BODY = torch.randn(1, 1, 28, 28).numpy().tobytes()
+REQUEST = (
+    b"POST /predict HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/octet-stream\r\n"
+    b"x-dtype: float32\r\nx-shape: 1,1,28,28\r\naccept: application/octet-stream\r\n"
+    b"content-length: %d\r\n\r\n" % len(BODY)
+) + BODY
+WARMUP = 5  # requests per client before the clock starts (connections open, server warm)
+
+
 def load(port: int, concurrency: int, requests: int, seconds: float, server_pid: int) -> dict[str, float]:
     """`concurrency` clients back to back until `requests` answers or `seconds`; raises on any non-200."""
-    body = torch.randn(1, 1, 28, 28).numpy().tobytes()
-    headers = {
-        "content-type": "application/octet-stream",
-        "x-dtype": "float32",
-        "x-shape": "1,1,28,28",
-        "accept": "application/octet-stream",
-    }
-    latencies: list[float] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-    go = threading.Event()
-    start = [0.0]
+    try:
+        import uvloop  # what `uvicorn[standard]` brings: the cheapest loop for the clients too
 
-    def client(warmup: int) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        try:
-            for _ in range(warmup):
-                _post(conn, body, headers)
-            go.wait()
-            while True:
-                with lock:
-                    if len(latencies) >= requests or time.perf_counter() - start[0] > seconds:
-                        return
-                t = time.perf_counter()
-                status = _post(conn, body, headers)
-                elapsed = time.perf_counter() - t
-                with lock:
-                    latencies.append(elapsed)
-                    if status != 200:
-                        errors.append(str(status))
-        finally:
-            conn.close()
-
-    threads = [threading.Thread(target=client, args=(5,)) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    time.sleep(1.0)  # every client warmed up (connections open)
-    server_cpu = cpu_s(server_pid)
-    start[0] = time.perf_counter()
-    go.set()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed: {errors[:5]}")
-    figures = summary(latencies, time.perf_counter() - start[0])
-    figures["server_cpu_ms"] = 1e3 * (cpu_s(server_pid) - server_cpu) / len(latencies)
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    load_run = run(_load(port, LoadRun(concurrency, requests, seconds, server_pid)))
+    if load_run.errors:
+        raise RuntimeError(f"{len(load_run.errors)} requests failed: {load_run.errors[:5]}")
+    figures = summary(load_run.latencies, load_run.elapsed)
+    figures["server_cpu_ms"] = 1e3 * load_run.server_cpu_s / len(load_run.latencies)
     return figures
 
 
-def _post(conn: http.client.HTTPConnection, body: bytes, headers: dict[str, str]) -> int:
-    conn.request("POST", "/predict", body, headers)
-    reply = conn.getresponse()
-    reply.read()
-    return reply.status
+async def _load(port: int, load_run: LoadRun) -> LoadRun:
+    loop = asyncio.get_running_loop()
+    load_run.warmed, load_run.done = loop.create_future(), loop.create_future()
+    for _ in range(load_run.concurrency):
+        await loop.create_connection(lambda: Client(load_run), "127.0.0.1", port)
+    await asyncio.wait_for(load_run.warmed, 120)
+    await asyncio.sleep(0.2)
+    load_run.begin()
+    await asyncio.wait_for(load_run.done, load_run.seconds + 120)
+    for client in load_run.clients:
+        client.transport.close()
+    return load_run
+
+
+class LoadRun:
+    """What the clients share: the clock, the latencies and when to stop."""
+
+    def __init__(self, concurrency: int, requests: int, seconds: float, server_pid: int) -> None:
+        self.concurrency, self.requests, self.seconds = concurrency, requests, seconds
+        self.server_pid, self.server_cpu_s = server_pid, 0.0
+        self.latencies: list[float] = []
+        self.errors: list[str] = []
+        self.clients: list[Client] = []
+        self.start = self.elapsed = 0.0
+        self.timing = False
+        self.warm = self.idle = 0
+        self.warmed: asyncio.Future
+        self.done: asyncio.Future
+
+    def begin(self) -> None:
+        self.timing, self.idle = True, 0
+        self.server_cpu_s = -cpu_s(self.server_pid)
+        self.start = time.perf_counter()
+        for client in self.clients:
+            client.send()
+
+    def answered(self, client: Client, latency: float, status: int) -> None:
+        if not self.timing:
+            client.warmup -= 1
+            if client.warmup > 0:
+                client.send()
+                return
+            self.warm += 1
+            if self.warm == self.concurrency:
+                self.warmed.set_result(None)
+            return
+        self.latencies.append(latency)
+        if status != 200:
+            self.errors.append(str(status))
+        now = time.perf_counter()
+        if len(self.latencies) < self.requests and now - self.start <= self.seconds:
+            client.send()
+            return
+        self.idle += 1
+        if self.idle == self.concurrency:
+            self.elapsed = now - self.start
+            self.server_cpu_s += cpu_s(self.server_pid)
+            self.done.set_result(None)
+
+
+class Client(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection sending the same request back to back: the request is
+    bytes made once and the answer is parsed by httptools (uvicorn's parser), so that the clients,
+    which share the machine with the server, take little of its CPU."""
+
+    def __init__(self, load_run: LoadRun) -> None:
+        self.load_run, self.warmup = load_run, WARMUP
+        self.parser = httptools.HttpResponseParser(self)
+        self.sent = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.load_run.clients.append(self)
+        self.send()
+
+    def send(self) -> None:
+        self.sent = time.perf_counter()
+        self.transport.write(REQUEST)
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_message_complete(self) -> None:
+        self.load_run.answered(self, time.perf_counter() - self.sent, self.parser.get_status_code())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for future in (self.load_run.warmed, self.load_run.done):
+            if not future.done():
+                future.set_exception(ConnectionError(f"the server closed a connection ({exc})"))
 
 
 def main() -> None:
