@@ -21,7 +21,7 @@ the median over `rounds` rounds; "x off" is the median of each round's on/off ra
 The clients and the server share the machine's cores (the clients' own cost is in every figure).
 Also printed: the model's CPU time per image at batch 1 and 32 (thread time, one thread), which
 bounds what batching can gain on this machine, and the server process's CPU time per answer (from
-/proc), which a busy machine distorts far less than requests/s.
+/proc), which a busy machine distorts far less than requests/s, and the clients' (this process's).
 """
 
 from __future__ import annotations
@@ -153,6 +153,7 @@ def load(port: int, concurrency: int, requests: int, seconds: float, server_pid:
         raise RuntimeError(f"{len(load_run.errors)} requests failed: {load_run.errors[:5]}")
     figures = summary(load_run.latencies, load_run.elapsed)
     figures["server_cpu_ms"] = 1e3 * load_run.server_cpu_s / len(load_run.latencies)
+    figures["client_cpu_ms"] = 1e3 * load_run.client_cpu_s / len(load_run.latencies)
     return figures
 
 
@@ -175,7 +176,7 @@ class LoadRun:
 
     def __init__(self, concurrency: int, requests: int, seconds: float, server_pid: int) -> None:
         self.concurrency, self.requests, self.seconds = concurrency, requests, seconds
-        self.server_pid, self.server_cpu_s = server_pid, 0.0
+        self.server_pid, self.server_cpu_s, self.client_cpu_s = server_pid, 0.0, 0.0
         self.latencies: list[float] = []
         self.errors: list[str] = []
         self.clients: list[Client] = []
@@ -187,7 +188,7 @@ class LoadRun:
 
     def begin(self) -> None:
         self.timing, self.idle = True, 0
-        self.server_cpu_s = -cpu_s(self.server_pid)
+        self.server_cpu_s, self.client_cpu_s = -cpu_s(self.server_pid), -time.process_time()
         self.start = time.perf_counter()
         for client in self.clients:
             client.send()
@@ -213,6 +214,7 @@ class LoadRun:
         if self.idle == self.concurrency:
             self.elapsed = now - self.start
             self.server_cpu_s += cpu_s(self.server_pid)
+            self.client_cpu_s += time.process_time()
             self.done.set_result(None)
 
 
@@ -304,7 +306,7 @@ def report(args, anchor: dict, results: dict, levels: list[int]) -> None:  # noq
     cpu = anchor["cpu_ms"]
     print(f"model CPU time per image, one thread: {cpu[1]:.3f} ms at batch 1, {cpu[32]:.3f} ms at batch 32")
     head = f"{'setup':<28}{'clients':>8}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'x off':>8}{'x loop':>8}"
-    print(f"{head}{'srv CPU ms/req':>16}")
+    print(f"{head}{'srv CPU ms/req':>16}{'cli CPU ms/req':>16}")
     loop = anchor
     print(
         f"{'plain loop (no HTTP)':<28}{1:>8}{loop['rps']:>10.0f}{loop['p50_ms']:>9.2f}{loop['p99_ms']:>9.2f}"
@@ -317,6 +319,7 @@ def report(args, anchor: dict, results: dict, levels: list[int]) -> None:  # noq
                 f"{'serve, batching ' + mode:<28}{c:>8}{r['rps']:>10.0f}"
                 f"{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}"
                 f"{vs_off:>7.2f}x{r['rps'] / anchor['rps']:>7.2f}x{r['server_cpu_ms']:>16.2f}"
+                f"{r['client_cpu_ms']:>16.3f}"
             )
     top = max(levels)
     on, off = results["on", top], results["off", top]
