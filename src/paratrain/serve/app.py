@@ -138,8 +138,8 @@ def build_app(
 class Predict:
     """POST /predict as a plain ASGI app (Starlette routes to it as to any endpoint): the headers are
     read once into a dict and the answer goes out as two ASGI messages. Starlette's Request and
-    Response objects around the same work were a third of the server's CPU per request beside a
-    model that costs nothing (measured with benchmarks/serve.py's clients)."""
+    Response objects and the request/response wrapper around the same work held the GIL about as
+    long as the handler itself, beside a model that costs almost nothing (py-spy)."""
 
     def __init__(self, batcher: Batcher, config: ServeConfig, metrics: ServeMetrics) -> None:
         self.batcher, self.config, self.metrics = batcher, config, metrics

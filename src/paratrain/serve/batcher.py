@@ -16,8 +16,9 @@ unit test can drive without HTTP. The hand-offs between the threads are per batc
 (each one wakes a thread, and on a busy machine a wake-up costs as much CPU as an HTTP request): a
 request wakes the batch thread only if it waits for a first request or the batch it gathers can now
 be filled, and the answers of a batch reach an event loop in one call (`call_soon_threadsafe`).
-Measured with a model that costs nothing, 32 clients: 0.56 ms of server CPU per request with a
-wake-up and a hand-off per request, ... ms without.
+Measured beside a model that costs almost nothing (784 -> 10), 32 clients, batches of 32: the batch
+thread took 0.2 ms of CPU per request with a wake-up and a hand-off per request (and 0.28 ms more
+in an OpenMP thread, see `_loop`), 0.05 ms without.
 """
 
 from __future__ import annotations
