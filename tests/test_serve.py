@@ -4,6 +4,7 @@ server goes on, a newer checkpoint is picked up with no failed request, and expo
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -275,6 +276,35 @@ def test_the_batcher_groups_by_signature_within_the_limit_and_isolates_failures(
     batcher.close()
     # 4 of the same signature; the other 2 with the bad one, which fails, so each runs alone; the odd one
     assert runs == [4, 3, 1, 1, 1, 1]
+
+
+def test_the_batcher_answers_an_event_loop_in_one_hand_off_per_batch_and_skips_cancelled_requests():
+    batcher = Batcher(lambda inputs: (inputs["inputs"] + 1, "tag"), max_batch=8, batch_wait_s=0.2)
+    hand_offs: list[object] = []
+
+    async def main() -> list:
+        loop = asyncio.get_running_loop()
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted(*args: object) -> object:
+            hand_offs.append(args[0])
+            return call_soon_threadsafe(*args)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        tasks = [
+            asyncio.ensure_future(batcher.predict({"inputs": torch.full((1, 2), float(i))})) for i in range(4)
+        ]
+        await asyncio.sleep(0)  # all four queued, the batch still gathering
+        tasks[1].cancel()  # its client went away: the batch runs it, nobody takes the answer
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(main())
+    batcher.close()
+    assert isinstance(results[1], asyncio.CancelledError)
+    for i in (0, 2, 3):
+        output, tag = results[i]
+        assert tag == "tag" and torch.equal(output, torch.full((1, 2), i + 1.0))
+    assert len(hand_offs) == 1  # the batch's answers in one call onto the loop
 
 
 def start_cli(*args: str, timeout_s: float = 240) -> tuple[subprocess.Popen, str]:

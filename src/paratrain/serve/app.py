@@ -13,8 +13,8 @@ a process serving stages) do not collide.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -33,6 +33,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
 
 from paratrain.errors import ParatrainError
 from paratrain.serve import codec
@@ -105,23 +106,6 @@ def build_app(
 
     batcher = Batcher(run, config.max_batch, config.batch_wait_s, on_batch=metrics.batch)
 
-    async def predict(request: Request) -> Response:
-        start = time.perf_counter()
-        try:
-            response = await _predict(request, batcher, endpoint, config)
-        except BadRequest as exc:
-            response = JSONResponse({"error": str(exc)}, status_code=exc.status)
-        except ModelInputError as exc:
-            response = JSONResponse({"error": str(exc)}, status_code=422)
-        except ParatrainError as exc:  # a server or stage process is gone: try again later
-            response = JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=503)
-        except Exception as exc:  # the server's fault: say so, keep serving
-            logger.exception("/predict failed")
-            response = JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=500)
-        metrics.requests.labels(str(response.status_code)).inc()
-        metrics.latency.observe(time.perf_counter() - start)
-        return response
-
     async def healthz(request: Request) -> Response:
         doc = {"status": "ok", "model_step": endpoint.step(), "source": endpoint.source()}
         return JSONResponse(doc | endpoint.info())
@@ -140,7 +124,7 @@ def build_app(
 
     app = Starlette(
         routes=[
-            Route("/predict", predict, methods=["POST"]),
+            Route("/predict", Predict(batcher, config, metrics), methods=["POST"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
             *routes,
@@ -151,21 +135,72 @@ def build_app(
     return app
 
 
-async def _predict(request: Request, batcher: Batcher, endpoint: Endpoint, config: ServeConfig) -> Response:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-        raise BadRequest(413, f"the body is {length} bytes; the limit is {config.max_body_bytes}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > config.max_body_bytes:
-            raise BadRequest(413, f"the body is over the limit of {config.max_body_bytes} bytes")
-    inputs = codec.decode(
-        bytes(body), request.headers.get("content-type", ""), request.headers, config.inputs
-    )
-    rows = codec.rows_of(inputs)
-    if rows > config.max_request_rows:
-        raise BadRequest(413, f"the request has {rows} rows; the limit is {config.max_request_rows}")
-    output, step = await asyncio.wrap_future(batcher.submit(inputs))
-    body_out, media_type, headers = codec.encode(output, request.headers.get("accept", ""), step)
-    return Response(body_out, media_type=media_type, headers=headers)
+class Predict:
+    """POST /predict as a plain ASGI app (Starlette routes to it as to any endpoint): the headers are
+    read once into a dict and the answer goes out as two ASGI messages. Starlette's Request and
+    Response objects and the request/response wrapper around the same work held the GIL about as
+    long as the handler itself, beside a model that costs almost nothing (py-spy)."""
+
+    def __init__(self, batcher: Batcher, config: ServeConfig, metrics: ServeMetrics) -> None:
+        self.batcher, self.config, self.metrics = batcher, config, metrics
+        self._ok = metrics.requests.labels("200")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        start = time.perf_counter()
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+        status, error = 200, ""
+        try:
+            body, media_type, extra = await self._answer(headers, receive)
+        except ClientGone:
+            return
+        except BadRequest as exc:
+            status, error = exc.status, str(exc)
+        except ModelInputError as exc:
+            status, error = 422, str(exc)
+        except ParatrainError as exc:  # a server or stage process is gone: try again later
+            status, error = 503, f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # the server's fault: say so, keep serving
+            logger.exception("/predict failed")
+            status, error = 500, f"{type(exc).__name__}: {exc}"
+        if status != 200:
+            body, media_type, extra = json.dumps({"error": error}).encode(), codec.JSON, {}
+        head = [(b"content-type", media_type.encode()), (b"content-length", b"%d" % len(body))]
+        head += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in extra.items()]
+        await send({"type": "http.response.start", "status": status, "headers": head})
+        await send({"type": "http.response.body", "body": body})
+        (self._ok if status == 200 else self.metrics.requests.labels(str(status))).inc()
+        self.metrics.latency.observe(time.perf_counter() - start)
+
+    async def _answer(self, headers: dict[str, str], receive: Receive) -> tuple[bytes, str, dict[str, str]]:
+        limit = self.config.max_body_bytes
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise BadRequest(413, f"the body is {length} bytes; the limit is {limit}")
+        body = await _read_body(receive, limit)
+        inputs = codec.decode(body, headers.get("content-type", ""), headers, self.config.inputs)
+        rows = codec.rows_of(inputs)
+        if rows > self.config.max_request_rows:
+            raise BadRequest(413, f"the request has {rows} rows; the limit is {self.config.max_request_rows}")
+        output, step = await self.batcher.predict(inputs)
+        return codec.encode(output, headers.get("accept", ""), step)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request's body arrived: nobody to answer."""
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        if not chunks and not message.get("more_body", False):
+            return chunk  # the whole body in one piece: no copy
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(413, f"the body is over the limit of {limit} bytes")
+        if not message.get("more_body", False):
+            return b"".join(chunks)

@@ -1,21 +1,29 @@
 """Dynamic batching: requests that arrive close together run through the model as one batch.
 
 `Batcher.submit(inputs)` queues one request (named tensors, [rows, ...] each) and returns a Future
-of (its output rows, the batch's tag). One thread takes the oldest request, waits up to
-`batch_wait_s` from its arrival for more requests of the same signature (names, dtypes, row
-shapes) until `max_batch` rows are queued, concatenates them, runs `run_batch` once and hands each
-request its own slice of the output. Requests of another signature wait for the next batch, in
-order. If a batch of several requests fails, each is run alone, so a bad request fails only itself
-(a `ModelInputError` for it); a model that fails alone on every request fails them all. A
-ParatrainError (a server or stage process gone) fails the whole batch at once.
+of (its output rows, the batch's tag); `await Batcher.predict(inputs)` is the same in an event loop.
+One thread takes the oldest request, waits up to `batch_wait_s` from its arrival for more requests
+of the same signature (names, dtypes, row shapes) until `max_batch` rows are queued, concatenates
+them, runs `run_batch` once and hands each request its own slice of the output. Requests of
+another signature wait for the next batch, in order. If a batch of several requests fails, each is
+run alone, so a bad request fails only itself (a `ModelInputError` for it); a model that fails alone
+on every request fails them all. A ParatrainError (a server or stage process gone) fails the whole
+batch at once.
 
 Why a thread and not asyncio: the model runs outside the event loop anyway (torch releases the GIL
 in its kernels), and a thread with a condition variable keeps the batching policy in one loop that a
-unit test can drive without HTTP.
+unit test can drive without HTTP. The hand-offs between the threads are per batch, not per request
+(each one wakes a thread, and on a busy machine a wake-up costs as much CPU as an HTTP request): a
+request wakes the batch thread only if it waits for a first request or the batch it gathers can now
+be filled, and the answers of a batch reach an event loop in one call (`call_soon_threadsafe`).
+Measured beside a model that costs almost nothing (784 -> 10), 32 clients, batches of 32: the batch
+thread took 0.2 ms of CPU per request with a wake-up and a hand-off per request (and 0.28 ms more
+in an OpenMP thread, see `_loop`), 0.05 ms without.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -45,8 +53,33 @@ class Item:
     inputs: Inputs
     rows: int
     signature: tuple
+    future: Future | asyncio.Future
+    loop: asyncio.AbstractEventLoop | None = None
+    """The loop of an asyncio future (set from that loop only), None for a concurrent one."""
     arrived: float = field(default_factory=time.monotonic)
-    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class Outcome:
+    """One request's answer (output rows and the batch's tag) or error, before its future has it."""
+
+    item: Item
+    result: tuple[torch.Tensor, object] | None = None
+    error: BaseException | None = None
+
+    def settle(self) -> None:
+        future = self.item.future
+        if future.done():  # an asyncio future whose request was cancelled (the client went away)
+            return
+        if self.error is not None:
+            future.set_exception(self.error)
+        else:
+            future.set_result(self.result)
+
+    @staticmethod
+    def settle_all(outcomes: list[Outcome]) -> None:
+        for outcome in outcomes:
+            outcome.settle()
 
 
 def signature(inputs: Inputs) -> tuple:
@@ -71,29 +104,52 @@ class Batcher:
         self.run_batch, self.max_batch, self.batch_wait_s = run_batch, max_batch, batch_wait_s
         self.on_batch = on_batch
         self._queue: deque[Item] = deque()
+        self._queued_rows = 0
+        self._wanted: int | None = None
+        """Rows the batch being gathered still wants (None: the thread is not gathering)."""
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, inputs: Inputs) -> Future:
+        future: Future = Future()
+        self._enqueue(inputs, future, None)
+        return future
+
+    async def predict(self, inputs: Inputs) -> tuple[torch.Tensor, object]:
+        """submit's answer, awaited in the running loop with no thread hand-off of its own."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._enqueue(inputs, future, loop)
+        return await future
+
+    def _enqueue(
+        self, inputs: Inputs, future: Future | asyncio.Future, loop: asyncio.AbstractEventLoop | None
+    ) -> None:
         rows = next(iter(inputs.values())).shape[0]
-        item = Item(inputs, rows, signature(inputs))
+        item = Item(inputs, rows, signature(inputs), future, loop)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
             self._queue.append(item)
-            self._cond.notify()
-        return item.future
+            self._queued_rows += rows
+            if self._wanted is None or self._queued_rows >= self._wanted:
+                self._cond.notify()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Run what is queued, then stop the thread."""
         with self._cond:
             self._closed = True
-            self._cond.notify()
+            self._cond.notify_all()
         self._thread.join(timeout_s)
 
     def _loop(self) -> None:
+        # A new thread's OpenMP team is the machine's size, not what torch.set_num_threads set on
+        # the main thread: without this, MKL's GEMMs of a batch started a second thread here that
+        # spun after each of them (with --threads 1 on 2 cores, beside a tiny model: 0.28 ms of CPU
+        # per request, where the rest of the server took 0.4 ms).
+        torch.set_num_threads(torch.get_num_threads())
         while True:
             batch = self._next_batch()
             if batch is None:
@@ -106,7 +162,7 @@ class Batcher:
                 if self._closed:
                     return None
                 self._cond.wait()
-            first = self._queue.popleft()
+            first = self._take(0)
             batch, rows = [first], first.rows
             deadline = first.arrived + self.batch_wait_s
             while rows < self.max_batch:
@@ -118,18 +174,41 @@ class Batcher:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     break
-                self._cond.wait(left)
+                self._wanted = self.max_batch - rows
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._wanted = None
             return batch
+
+    def _take(self, i: int) -> Item:
+        item = self._queue[i]
+        del self._queue[i]
+        self._queued_rows -= item.rows
+        return item
 
     def _take_matching(self, sig: tuple, room: int) -> Item | None:
         """The oldest queued request of signature `sig` with at most `room` rows (holds the lock)."""
         for i, item in enumerate(self._queue):
             if item.signature == sig and item.rows <= room:
-                del self._queue[i]
-                return item
+                return self._take(i)
         return None
 
     def _run(self, batch: list[Item]) -> None:
+        outcomes = self._outcomes(batch)
+        by_loop: dict[asyncio.AbstractEventLoop, list[Outcome]] = {}
+        for outcome in outcomes:
+            if outcome.item.loop is None:
+                outcome.settle()
+            else:
+                by_loop.setdefault(outcome.item.loop, []).append(outcome)
+        for loop, group in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(Outcome.settle_all, group)
+            except RuntimeError:  # the loop is closed: nobody waits for these answers
+                pass
+
+    def _outcomes(self, batch: list[Item]) -> list[Outcome]:
         inputs = (
             batch[0].inputs
             if len(batch) == 1
@@ -139,25 +218,20 @@ class Batcher:
         try:
             output, tag = self._forward(inputs, rows)
         except ParatrainError as exc:  # the system failed (a server or stage is gone), not a request
-            for item in batch:
-                item.future.set_exception(exc)
-            return
+            return [Outcome(item, error=exc) for item in batch]
         except Exception as exc:
             if len(batch) == 1:
-                batch[0].future.set_exception(
-                    ModelInputError(f"the model failed on {describe(inputs)}: {type(exc).__name__}: {exc}")
-                )
-                return
+                text = f"the model failed on {describe(inputs)}: {type(exc).__name__}: {exc}"
+                return [Outcome(batch[0], error=ModelInputError(text))]
             logger.info("a batch of %d requests failed (%s); running each alone", len(batch), exc)
-            for item in batch:
-                self._run([item])
-            return
+            return [outcome for item in batch for outcome in self._outcomes([item])]
         if self.on_batch is not None:
             self.on_batch(rows, len(batch))
-        at = 0
+        outcomes, at = [], 0
         for item in batch:
-            item.future.set_result((output[at : at + item.rows], tag))
+            outcomes.append(Outcome(item, (output[at : at + item.rows], tag)))
             at += item.rows
+        return outcomes
 
     def _forward(self, inputs: Inputs, rows: int) -> tuple[torch.Tensor, object]:
         output, tag = self.run_batch(inputs)

@@ -27,7 +27,11 @@ class HttpServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on", backlog=2048)
+        # No proxy-header middleware: nothing here reads the client's address, and it is a layer
+        # every request passes through.
+        config = uvicorn.Config(
+            app, log_level=log_level, access_log=False, lifespan="on", backlog=2048, proxy_headers=False
+        )
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 

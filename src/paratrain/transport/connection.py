@@ -170,7 +170,7 @@ class Connection:
             and dest.dtype == dtype
             and dest.is_contiguous()
             and dest.numel() * dest.element_size() == size
-            and dest.device.type == "cpu"
+            and dest.is_cpu
         )
         if source is None:
             tensor = dest if fits and dest is not None else torch.empty(shape, dtype=dtype)

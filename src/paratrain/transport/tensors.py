@@ -40,7 +40,7 @@ def nbytes(dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> int:
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable memoryview of a contiguous CPU tensor's bytes, sharing its memory (no copy)."""
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:  # not device.type: 30x the cost, on every frame
         raise ValueError(f"tensor on {tensor.device} must be copied to the CPU before it is sent")
     if not tensor.is_contiguous():
         raise ValueError("tensor must be contiguous to be sent or received in place")
