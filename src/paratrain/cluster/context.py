@@ -13,12 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from paratrain.cluster.agent import Membership
 from paratrain.cluster.config import JobConfig
 from paratrain.errors import ClusterError
 
 if TYPE_CHECKING:
-    from paratrain.cluster.agent import SchedulerLink
+    from paratrain.cluster.agent import Membership, SchedulerLink
     from paratrain.cluster.spec import ClusterSpec
 
 
@@ -55,6 +54,8 @@ class Context:
     def members(self) -> Membership:
         """The job's live workers now (cluster/scheduler.py): generation, ranks, joiners. Without
         elasticity it never changes while the job runs (generation 0: ranks 0..num_workers-1)."""
+        from paratrain.cluster.agent import Membership  # the transport, torch: not on a bare import
+
         if self.link is None or self.config.elastic is None:
             return Membership(0, tuple(range(self.num_workers)))
         return self.link.members()

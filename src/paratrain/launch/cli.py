@@ -92,6 +92,8 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
     show_default=True,
     help="local: servers that may die without failing the job, for replicated servers "
     "(JobConfig.replication - 1 in the script).",
+)
+@click.option(
     "--elastic",
     is_flag=True,
     help="local: a worker that dies does not stop the job (the script sets JobConfig.elastic; the "

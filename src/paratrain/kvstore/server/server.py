@@ -55,8 +55,8 @@ from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.compressed import ServerCompression
 from paratrain.kvstore.consistency import policy
-from paratrain.kvstore.server.replies import ReplySenders
 from paratrain.kvstore.server import replica
+from paratrain.kvstore.server.replies import ReplySenders
 from paratrain.kvstore.server.shard import Push, Rules, ShardState
 from paratrain.kvstore.server.sparse import SparseTables
 from paratrain.kvstore.shared import Arena
