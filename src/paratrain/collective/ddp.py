@@ -6,6 +6,8 @@ choice of backend.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -33,7 +35,7 @@ def wrap_ddp(
     `sync_buffers`: rank 0's buffers reach every rank at each forward (DDP's default)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     device_ids = [device] if device.type == "cuda" else None
-    options = {} if sync_buffers else {"forward_sync_buffers": False}
+    options: dict[str, Any] = {} if sync_buffers else {"forward_sync_buffers": False}
     ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_mb, **options)
     config = CompressionConfig.parse(compression)
     if config is not None:

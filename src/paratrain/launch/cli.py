@@ -196,8 +196,10 @@ def launch(
     if backend == "local":
         from paratrain.launch.local import run_launch
 
-        restarts = {"elastic": elastic, "max_restarts": max_restarts}
-        ctx.exit(run_launch(config, host=host, dashboard=dashboard_config(observe), **restarts))
+        exit_code = run_launch(
+            config, host=host, dashboard=dashboard_config(observe), elastic=elastic, max_restarts=max_restarts
+        )
+        ctx.exit(exit_code)
     if elastic or max_restarts:
         raise click.UsageError(f"--elastic and --max-restarts work with --backend local, not {backend}")
     if backend == "ray":
