@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import re
+import sys
 import threading
 from pathlib import Path
 
@@ -223,19 +224,13 @@ def digits_reference(workers: int = 4) -> float:
 
     from paratrain.data import ShardedLoader, digits
 
+    sys.path.insert(0, str(JOB.parent))
+    try:
+        from digits_cnn import make_model  # tests/jobs/: the job's model
+    finally:
+        sys.path.remove(str(JOB.parent))
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = nn.Sequential(  # tests/jobs/elastic_digits.py's model
-        nn.Conv2d(1, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(32 * 4 * 4, 64),
-        nn.ReLU(),
-        nn.Linear(64, 10),
-    )
+    model = make_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     loader = DataLoader(digits(train=True), batch_size=32, shuffle=True)
     shards = [ShardedLoader.from_loader(loader, workers, rank, seed=0) for rank in range(workers)]

@@ -13,6 +13,7 @@ import signal
 import time
 
 import torch
+from digits_cnn import make_model  # beside this script
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -25,21 +26,6 @@ EPOCHS = 6
 def learning_rate(epoch: int) -> float:
     """1e-2, then 2e-3 and 4e-4 for the last two epochs (the same on every worker)."""
     return 1e-2 * 0.2 ** max(0, epoch - EPOCHS + 3)
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(32 * 4 * 4, 64),
-        nn.ReLU(),
-        nn.Linear(64, 10),
-    )
 
 
 if __name__ == "__main__":

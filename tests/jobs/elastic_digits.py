@@ -9,6 +9,7 @@ import os
 import signal
 
 import torch
+from digits_cnn import make_model  # beside this script
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -25,18 +26,7 @@ kills = {tuple(int(x) for x in kill.split(":")) for kill in args.kill}
 
 config = paratrain.JobConfig(heartbeat_timeout_s=5.0, elastic=paratrain.ElasticConfig(min_workers=2))
 ctx = paratrain.init(config)
-torch.manual_seed(0)
-model = nn.Sequential(
-    nn.Conv2d(1, 16, 3, padding=1),
-    nn.ReLU(),
-    nn.Conv2d(16, 32, 3, padding=1),
-    nn.ReLU(),
-    nn.MaxPool2d(2),
-    nn.Flatten(),
-    nn.Linear(32 * 4 * 4, 64),
-    nn.ReLU(),
-    nn.Linear(64, 10),
-)
+model = make_model()
 optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 loader = DataLoader(digits(train=True), batch_size=32, shuffle=True)
 trainer = paratrain.Trainer(model, optimizer, loader, strategy="dist_sync", progress=False)
