@@ -186,6 +186,14 @@ def test_trainer_trace_dir_writes_a_timeline_and_telemetry(tmp_path: Path) -> No
     assert report["steps"] == before + 3 and report["loss"] is not None and report["strategy"] == "local"
 
 
+class FakeConn:
+    """The connection of a FakeRequest: hashable, as the server keys its reply senders by it."""
+
+    recv_ring = None
+    closed = False
+    peer = "fake"
+
+
 class FakeRequest:
     """A frame as KVServer.handle sees it, from a worker on another host; keeps the reply."""
 
@@ -194,7 +202,7 @@ class FakeRequest:
 
         self.op, self.meta, self.tensors = op, meta, tensors or []
         self.header = SimpleNamespace(op=op, meta=meta, at=None)
-        self.conn = SimpleNamespace(recv_ring=None)
+        self.conn = FakeConn()
         self.replies: list = []
 
     def reply(self, meta: dict | None = None, tensors: list | tuple = ()) -> None:
@@ -231,9 +239,18 @@ def _push(kv, rank: int, clock: int = 0) -> None:  # noqa: ANN001
 
 
 def _pull(kv, rank: int) -> None:  # noqa: ANN001
+    """A pull, once its reply went out: the server replies from a sender thread (replies.py)."""
+    import time
+
+    from paratrain.kvstore.server.report import server_report
+
+    before = server_report(kv)["pulls"]
     kv.handle(
         FakeRequest("pull", {"keys": ["w"], "starts": [0], "stops": [4], "min_versions": [0], "rank": rank})
     )
+    deadline = time.monotonic() + 30
+    while server_report(kv)["pulls"] == before and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def test_server_counts_how_stale_each_push_is_and_reports_it() -> None:
