@@ -178,8 +178,10 @@ def restore(shard: ShardState, request: Request) -> None:
     meta, tensors = request.meta, request.tensors
     if len(tensors) != 1 + len(meta["state"]):
         raise KVError(f"replicate of {shard.describe()} carried {len(tensors)} tensors")
+    if request.header.at is not None:  # views into a same-host ring, which later frames overwrite
+        tensors = [tensor.clone() for tensor in tensors]
     state = dict(zip(meta["state"], tensors[1:], strict=True))
-    value = tensors[0] if request.header.at is None else tensors[0].clone()  # a ring view: copy
+    value = tensors[0]
     applied = {
         int(rank): Clocks(int(below), {int(c) for c in ahead}) for rank, below, ahead in meta["applied"]
     }
