@@ -130,6 +130,7 @@ def _serve(spec: ClusterSpec, config: JobConfig) -> int:
     link.shutdown.wait()
     kv.replicator.close()
     server.close()
+    kv.close()
     link.close()
     if scheduler_thread is not None:  # it has told every node; let it finish and release its port
         scheduler_thread.join(config.finish_timeout_s + config.heartbeat_timeout_s)

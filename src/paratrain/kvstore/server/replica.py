@@ -171,6 +171,10 @@ class Replicator:
                 client.close()
             except (OSError, TransportError):
                 pass
+        with self._lock:
+            confirming = self._confirming
+        if confirming is not None:  # not inside torch when the process exits (replies.py, close_all)
+            confirming.join(CONNECT_TIMEOUT_S)
 
 
 def restore(shard: ShardState, request: Request) -> None:

@@ -37,6 +37,7 @@ class ReplySenders:
         self.name = name
         self._lock = threading.Lock()
         self._queues: dict[Connection, queue.SimpleQueue[Job | None]] = {}
+        self._threads: list[threading.Thread] = []
 
     def send(self, conn: Connection, job: Job) -> None:
         """Run `job` on `conn`'s sender (started on first use); a closed connection's job runs
@@ -46,7 +47,9 @@ class ReplySenders:
             if jobs is None and not conn.closed:
                 jobs = self._queues[conn] = queue.SimpleQueue()
                 name = f"{self.name}-reply"
-                threading.Thread(target=self._run, args=(jobs,), name=name, daemon=True).start()
+                thread = threading.Thread(target=self._run, args=(jobs,), name=name, daemon=True)
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+                thread.start()
         if jobs is None:
             job()
         else:
@@ -59,6 +62,18 @@ class ReplySenders:
             jobs = self._queues.pop(conn, None)
         if jobs is not None:
             jobs.put(None)
+
+    def close_all(self, timeout_s: float = 5.0) -> None:
+        """The server stops: every sender finishes what it has queued, then ends, before the
+        process exits. (A daemon thread still inside torch when Python 3.11 finalises is ended by
+        pthread_exit, which aborts the process: "terminate called without an active exception".)"""
+        with self._lock:
+            queues, self._queues = list(self._queues.values()), {}
+            threads = list(self._threads)
+        for jobs in queues:
+            jobs.put(None)
+        for thread in threads:
+            thread.join(timeout_s)
 
     @staticmethod
     def _run(jobs: queue.SimpleQueue[Job | None]) -> None:

@@ -429,6 +429,11 @@ class KVServer(Handler):
         except TransportError as exc:
             logger.debug("server %d: an error to %s was not sent: %s", self.rank, request.conn.peer, exc)
 
+    def close(self) -> None:
+        """The job ended (after the RpcServer closed): the threads that send replies end before the
+        process exits (replies.py, ReplySenders.close_all)."""
+        self._senders.close_all()
+
     def disconnected(self, conn: Connection, error: Exception | None) -> None:
         self._senders.close(conn)
 
