@@ -30,19 +30,24 @@ RESULT = re.compile(r"^\[worker 0\] (step|died) (\d+) at ([0-9.]+)$", re.M)
 VICTIM = re.compile(r"^\[worker \d+\] died (\d+) at ([0-9.]+)$", re.M)
 
 
+def elastic_config(timeout_s: float):  # noqa: ANN201 (paratrain is imported in the job only)
+    """The jobs' config: elastic workers, heartbeats every timeout_s / 5."""
+    import paratrain
+
+    return paratrain.JobConfig(
+        heartbeat_interval_s=timeout_s / 5,
+        heartbeat_timeout_s=timeout_s,
+        elastic=paratrain.ElasticConfig(min_workers=2),
+    )
+
+
 def paratrain_role(args: argparse.Namespace) -> None:
     """One worker's (or the scheduler's, the server's) part of the job."""
     import torch
 
     import paratrain
 
-    timeout = args.heartbeat_timeout
-    config = paratrain.JobConfig(
-        heartbeat_interval_s=timeout / 5,
-        heartbeat_timeout_s=timeout,
-        elastic=paratrain.ElasticConfig(min_workers=2),
-    )
-    ctx = paratrain.init(config)
+    ctx = paratrain.init(elastic_config(args.heartbeat_timeout))
     kv = paratrain.kvstore.create("dist_sync", ctx)
     pids = ctx.barrier(name="pids", data=os.getpid())
     kv.init("w", torch.zeros(1024))

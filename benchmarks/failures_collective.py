@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _plot  # noqa: E402
-from failures import KILL_AT, STEPS, stall_s  # noqa: E402 (the same protocol and measure)
+from failures import KILL_AT, STEPS, elastic_config, stall_s  # noqa: E402 (the same protocol and measure)
 
 
 def paratrain_role(args: argparse.Namespace) -> None:
@@ -33,13 +33,7 @@ def paratrain_role(args: argparse.Namespace) -> None:
 
     import paratrain
 
-    timeout = args.heartbeat_timeout
-    config = paratrain.JobConfig(
-        heartbeat_interval_s=timeout / 5,
-        heartbeat_timeout_s=timeout,
-        elastic=paratrain.ElasticConfig(min_workers=2),
-    )
-    ctx = paratrain.init(config)
+    ctx = paratrain.init(elastic_config(args.heartbeat_timeout))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
