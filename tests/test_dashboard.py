@@ -187,7 +187,10 @@ class Scenario:
 
     def _look_at_pages(self, page: Any, url: str) -> None:
         page.goto(url)
-        page.wait_for_selector('tr[data-role="worker"][data-rank="1"]', timeout=WAIT_S * 1000)
+        # the nodes register in any order: wait until the page lists all four
+        page.wait_for_function(
+            "() => document.querySelectorAll('tr[data-role]').length >= 4", timeout=WAIT_S * 1000
+        )
         self.seen["roles"] = page.eval_on_selector_all(
             "tr[data-role]", "rows => rows.map(r => [r.dataset.role, +r.dataset.rank, r.dataset.state])"
         )
