@@ -11,10 +11,17 @@ import pytest
 import torch
 
 from paratrain.cluster.config import JobConfig
+from paratrain.kvstore.api import KVError
 from paratrain.kvstore.consistency import Async, Sync
 from paratrain.kvstore.placement import Placement, replicas
+from paratrain.kvstore.server.rejoin import install, installation
+from paratrain.kvstore.server.replica import Replicator
+from paratrain.kvstore.server.server import KVServer
 from paratrain.kvstore.server.shard import Clocks, Push, Rules, ShardState
+from paratrain.kvstore.worker.failover import Servers
 from paratrain.testing import run_job
+from paratrain.transport.frame import Header
+from paratrain.transport.rpc import Request
 
 JOBS = Path(__file__).parent / "jobs"
 
@@ -171,18 +178,103 @@ def test_a_backup_takes_only_newer_state_and_repeats_are_recognised() -> None:
     assert sync.repeat(Push(1, 0, grad())) and sync.ready(1)
 
 
-@pytest.mark.parametrize("mode,seed", [("sync", 3), ("async", 8)])
-def test_counting_job_with_a_server_sigkilled_ends_at_exactly_the_acknowledged_pushes(
-    tmp_path: Path, mode: str, seed: int
+def frame(op: str, meta: dict, tensors: list[torch.Tensor]) -> Request:
+    """A request as a server's read loop hands it over (id 0: its replies go nowhere)."""
+    return Request(None, Header(op, meta=meta), tensors)  # type: ignore[arg-type]
+
+
+def test_a_restarted_server_installs_the_state_then_takes_updates_and_serves_alone() -> None:
+    """The catch-up without processes: a live server's slice, with momentum (optimizer state) and
+    async clocks, is installed on a fresh server, which then takes forwarded updates in order,
+    drops an update of a slice not installed yet while catching up, and, once the live one died,
+    serves alone: nothing acknowledged lost, nothing applied twice."""
+    live, restarted = KVServer(0), KVServer(1)
+    for server in (live, restarted):
+        server.configure(
+            {"mode": "async", "members": [0, 1], "replication": 2, "servers": [["h", 1]] * 2}
+        )
+    live.set_optimizer("torch.optim.SGD", {"lr": 1.0, "momentum": 0.5})
+    live.replicator.dead.add(1)  # server 1 is dead: its forwards are skipped
+    meta = {"key": "w", "start": 0, "stop": 3, "numel": 3, "shape": [3], "dtype": "float32", "chain": [1, 0]}
+    shard = live.adopt(meta)
+    for clock in range(3):
+        shard.push(Push(0, clock, grad()))
+    shard.push(Push(1, 1, grad()))  # worker 1's clock 0 is still to come
+    restarted.replicator.catching_up = True
+    other = dict(meta, key="v")
+    restarted._replicate(
+        frame("replicate", other | {"version": 9, "applied": [], "state": []}, [torch.ones(3)])
+    )
+    assert restarted.shard_list() == []  # dropped: not installed yet
+    with shard.cond:
+        install_meta, tensors = installation(shard, live.optimizer_spec)
+    install(restarted, frame("install", install_meta, [t.clone() for t in tensors]))
+    copy = restarted.shard_list()[0]
+    assert copy.chain == [1, 0] and copy.version == shard.version == 4
+    assert torch.equal(copy.value, shard.value) and copy.applied == shard.applied
+    assert torch.equal(
+        copy.optimizer.state[copy.param]["momentum_buffer"],
+        shard.optimizer.state[shard.param]["momentum_buffer"],
+    )
+    shard.push(Push(1, 0, grad()))  # forwarded in order after the install
+    forward_meta, tensors = shard.replica()
+    restarted._replicate(frame("replicate", forward_meta, [t.clone() for t in tensors]))
+    restarted.replicator.catching_up = False
+    with pytest.raises(KVError, match="not on server 1"):
+        restarted._replicate(
+            frame("replicate", other | {"version": 9, "applied": [], "state": []}, [torch.ones(3)])
+        )
+    restarted.replicator.dead.add(0)  # the live one died: the restarted copy serves alone
+    for push in (Push(1, 0, grad()), Push(0, 2, grad()), Push(0, 3, grad())):  # two repeats, one new
+        if not copy.repeat(push):
+            copy.push(push)
+    reference = KVServer(2)
+    reference.configure({"mode": "async", "members": [0, 1]})
+    reference.set_optimizer("torch.optim.SGD", {"lr": 1.0, "momentum": 0.5})
+    alone = reference.adopt(meta)
+    for rank, clock in ((0, 0), (0, 1), (0, 2), (1, 1), (1, 0), (0, 3)):
+        alone.push(Push(rank, clock, grad()))
+    assert copy.version == 6 and torch.equal(copy.value, alone.value), (copy.value, alone.value)
+
+
+def test_rejoined_servers_come_last_and_an_older_list_of_the_dead_does_not_kill_them_again() -> None:
+    servers = Servers([None] * 3, 2)  # type: ignore[list-item]
+    servers.lost(0, "killed")
+    assert servers.order(0) == [1] and servers.serving(2) == 2
+    servers.back(0, None)  # type: ignore[arg-type]
+    assert servers.order(0) == [1, 0] and servers.order(2) == [2, 0] and servers.serving(0) == 1
+    servers.lost(1, "killed")
+    assert servers.serving(0) == 0  # every other copy dead: the rejoined one serves
+    replicator = Replicator(1, b"")
+    replicator.configure(2, [["h", 1], ["h", 2], ["h", 3]])
+    replicator.mark_dead([0])
+    assert not replicator.serves([2, 0], without=2) and replicator.serves([0, 1], without=2)
+    replicator.rejoined(0, ("h", 4))
+    assert replicator.address(0) == ("h", 4) and 0 not in replicator.dead
+    replicator.mark_dead([0])  # a worker's list from before the rejoin
+    assert 0 not in replicator.dead and replicator.others() == [0, 2]
+    replicator._lost(0, None, client=object())  # type: ignore[arg-type]  # its earlier process's link
+    assert 0 not in replicator.dead
+    replicator._lost(0, None)  # this server's own loss of it counts
+    assert 0 in replicator.dead and 0 not in replicator.back
+
+
+@pytest.mark.parametrize("mode,servers,seed", [("sync", 2, 5), ("async", 3, 2)])
+def test_a_restarted_server_catches_up_and_the_job_survives_another_death(
+    tmp_path: Path, mode: str, servers: int, seed: int
 ) -> None:
+    """A server is SIGKILLed and restarted; once it caught up ANOTHER server dies: with r=2 the
+    job survives that only if the restarted one holds every acknowledged update."""
     outcome = run_job(
         JOBS / "replication_count.py",
         workers=2,
-        servers=2,
-        args=[mode, "12", str(seed), str(tmp_path)],
+        servers=servers,
+        args=[mode, "10", str(seed), str(tmp_path), "rejoin"],
         server_losses=1,
-        timeout_s=120,
+        max_restarts=1,
+        timeout_s=150,
     )
-    assert "killed by signal SIGKILL; the job goes on" in outcome.stderr  # the launcher
-    for rank in range(2):
-        assert outcome.lines("worker", rank, "stdout") == ["count ok 24"]
+    assert "killed by signal SIGKILL; the job goes on (restart 1 of 1)" in outcome.stderr
+    assert "killed by signal SIGKILL; the job goes on (not restarted)" in outcome.stderr
+    counts = [outcome.lines("worker", rank, "stdout") for rank in range(2)]
+    assert counts[0] == counts[1] and counts[0][0].startswith("count ok "), counts

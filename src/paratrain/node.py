@@ -107,6 +107,7 @@ def _start_embedded_scheduler(spec: ClusterSpec, config: JobConfig) -> threading
 
 
 def _serve(spec: ClusterSpec, config: JobConfig) -> int:
+    from paratrain.kvstore.server import rejoin
     from paratrain.kvstore.server.replica import Replicator
     from paratrain.kvstore.server.report import server_report
     from paratrain.kvstore.server.server import KVServer  # servers serve the kvstore (and "ping")
@@ -125,7 +126,11 @@ def _serve(spec: ClusterSpec, config: JobConfig) -> int:
     link = SchedulerLink(spec, config, report=lambda: server_report(kv))
     if config.elastic is not None:  # rounds complete with the workers that are left
         link.on_members(lambda m: kv.set_members(m.workers, m.joiners))
-    link.register("server", port=server.port)
+    roster = link.register("server", port=server.port)
+    if roster.joined:  # restarted into a running replicated job: catch up, then count as a copy
+        kv.replicator.configure(config.replication, roster.servers)
+        rejoin.catch_up(kv, list(roster.lost), config.transport.request_timeout_s)
+        link.caught_up()
     observe.align_trace(trace, link)
     link.shutdown.wait()
     kv.replicator.close()

@@ -51,7 +51,10 @@ class Roster:
     membership: Membership | None = None
     """The membership when this node registered (workers only)."""
     joined: bool = False
-    """This worker registered into a running elastic job (a replacement or an extra worker)."""
+    """This worker registered into a running elastic job (a replacement or an extra worker), or
+    this server into a running replicated job (a restarted one, which catches up first)."""
+    lost: tuple[int, ...] = ()
+    """A rejoining server: the other servers lost now (their copies cannot send it anything)."""
 
 
 class SchedulerLink:
@@ -68,6 +71,7 @@ class SchedulerLink:
         self._members_changed = threading.Condition()
         self._membership: Membership | None = None
         self._on_members: list[Callable[[Membership], None]] = []
+        self._on_server_back: list[Callable[[int, str, int], None]] = []
         self.client = RpcClient(
             spec.scheduler_host,
             spec.scheduler_port,
@@ -114,7 +118,18 @@ class SchedulerLink:
             workers=[(h, p) for h, p in m["workers"]],
             membership=membership,
             joined=bool(m.get("joined", False)),
+            lost=tuple(int(rank) for rank in m.get("lost", ())),
         )
+
+    # -- replicated servers ----------------------------------------------------------------------
+    def caught_up(self) -> None:
+        """A rejoined server holds its copies again: the scheduler counts it and tells every node."""
+        self.client.call("caught_up", {}, timeout_s=self.config.barrier_timeout_s)
+
+    def on_server_back(self, callback: Callable[[int, str, int], None]) -> None:
+        """Call `callback(rank, host, port)` when a restarted server has caught up (it listens at
+        a new port), from the link's reader thread."""
+        self._on_server_back.append(callback)
 
     # -- membership (elastic jobs) ---------------------------------------------------------------
     def members(self, timeout_s: float | None = None) -> Membership:
@@ -230,6 +245,12 @@ class SchedulerLink:
             _exit_aborted(f"the scheduler aborted the job: {header.meta.get('reason')}")
         elif header.op == "members":
             self._learn(Membership.from_meta(header.meta))
+        elif header.op == "server_back":
+            for callback in self._on_server_back:
+                try:
+                    callback(int(header.meta["rank"]), str(header.meta["host"]), int(header.meta["port"]))
+                except Exception:
+                    logger.exception("a server_back callback failed")
         elif header.op == "shutdown":
             self._leaving = True
             self.shutdown.set()

@@ -274,6 +274,8 @@ class Scheduler(Handler):
         elif op == "members":
             with self._lock:
                 request.reply(self._membership())
+        elif op == "caught_up":
+            self._caught_up(request)
         else:
             request.fail(f"unknown op {op!r}")
 
@@ -327,6 +329,9 @@ class Scheduler(Handler):
     def _register(self, request: Request) -> None:
         if self._started and self.elastic is not None and request.meta.get("role") == "worker":
             self._join(request)
+            return
+        if self._started and request.meta.get("role") == "server":
+            self._rejoin(request)
             return
         try:
             with self._lock:
@@ -611,6 +616,51 @@ class Scheduler(Handler):
         if self._survivable(node, f"lost its connection to the scheduler{cause}"):
             return
         self._failed(node, f"{node.describe()} lost its connection to the scheduler{cause}")
+
+    # -- replicated servers: a restarted one rejoins -------------------------------------------------
+    def _rejoin(self, request: Request) -> None:
+        """A restarted server registers into the running job, with the rank of a lost server (the
+        placement of slices is a function of the server count: a fresh rank would hold nothing). It
+        gets the roster and the other lost servers at once and catches up from the live ones
+        (kvstore/server/replica.py); it counts as a copy again only once it reports `caught_up`."""
+        try:
+            with self._lock:
+                role, rank = self._check_node(request.meta)
+                if rank not in self.lost_servers:
+                    raise RegistrationError(
+                        f"{self._who(request.meta)}: the job is running and server {rank!r} is not lost "
+                        f"(lost: {sorted(self.lost_servers)}); only a lost server's rank can rejoin"
+                    )
+                old = self._nodes.get((role, rank))
+                if old is not None:  # a frozen one's connection, if still open, is no longer it
+                    self._by_conn.pop(old.conn, None)
+                node = self._add_node(request, role, rank)
+                lost = sorted(self.lost_servers - {rank})
+                membership = self._membership()
+        except RegistrationError as exc:
+            request.fail(str(exc))
+            logger.warning("refused a registration from %s: %s", request.conn.peer, exc)
+            self._refused.append((request.conn.peer, str(exc)))
+            return
+        logger.warning("%s rejoins the running job; it catches up from the live servers", node.describe())
+        roster = self._roster()
+        reply = {"rank": rank, **roster, "membership": membership, "joined": True, "lost": lost}
+        _quietly(request.reply, reply)
+
+    def _caught_up(self, request: Request) -> None:
+        """A rejoined server holds every slice it backs up: it counts as a copy again, and every
+        node hears where it listens now (`server_back {rank, host, port}`)."""
+        node = self._by_conn.get(request.conn)
+        if node is None or node.role != "server":
+            request.fail("caught_up from a node that is not a registered server")
+            return
+        with self._lock:
+            self.lost_servers.discard(node.rank)
+            conns = list(self._by_conn)
+        request.reply({})
+        logger.warning("%s caught up: it holds copies again", node.describe())
+        for conn in conns:
+            _quietly(conn.send, "server_back", 0, {"rank": node.rank, "host": node.host, "port": node.port})
 
     def _survivable(self, node: Node, what: str) -> bool:
         """Whether the job goes on without `node`: a server, while fewer than JobConfig.replication

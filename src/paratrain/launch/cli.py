@@ -105,7 +105,8 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
     default=0,
     show_default=True,
     help="local: start a dead worker process again, up to this many times in all (implies --elastic); "
-    "the new process joins the running job. Servers and the scheduler are not restarted.",
+    "the new process joins the running job. With --server-losses a dead server is restarted too: it "
+    "rejoins as a backup and catches up. The scheduler is not restarted.",
 )
 @click.option("--address", default="auto", show_default=True, help="ray: the Ray cluster to run on.")
 @click.option("--partition", default=None, help="slurm: the partition to submit to.")

@@ -13,9 +13,11 @@ is a cause: an exit with EXIT_ABORTED is a consequence of another node's failure
 Elastic jobs (`elastic`, or `max_restarts` > 0; the script's JobConfig.elastic must be set too): a
 worker that dies does not stop the job here, since the scheduler drops it from the membership (and
 stops the job itself below min_workers); with restarts left the launcher starts a new process in
-its place, which joins the running job with the dead worker's rank. Only workers are restarted:
-a dead scheduler or server still ends the job. How the outcome is
-described (the result and record types, exit reasons, the report text) lives in report.py.
+its place, which joins the running job with the dead worker's rank. With replicated servers
+(`server_losses`), a dead server is restarted too while restarts last: it rejoins with its rank
+as a backup and catches up. A dead scheduler, or a server beyond `server_losses`, ends the job.
+How the outcome is described (the result and record types, exit reasons, the report text) lives
+in report.py.
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ class LocalJobConfig:
     elastic: bool = False
     """A worker's death does not stop the job (the scheduler's elastic membership decides)."""
     max_restarts: int = 0
-    """How many times in all a dead worker process is started again (implies `elastic`)."""
+    """How many times in all a dead worker process, or a dead replicated server (`server_losses`),
+    is started again (implies `elastic`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "script", os.fspath(self.script))
@@ -474,8 +477,7 @@ class _Job:
             child.failure_reason = _exit_reason(event.returncode)
             if child.role == "server" and len(self.lost) < self.config.server_losses:
                 self.lost.append(child)  # replicated: the job goes on (the scheduler decides)
-                note = f"paratrain: server {child.rank} {child.failure_reason}; the job goes on\n"
-                self.printer.write(self.printer.err, note)
+                self._server_lost(child)
                 return True
             self.failed.append(child)
             self.failed.extend(self.early)  # an earlier clean exit may be the cause of this one
@@ -519,6 +521,20 @@ class _Job:
             self.restarts += 1
             self._spawn("worker", child.rank, self._secret, self._port)
             self.children[-1].replacement = True
+
+    def _server_lost(self, child: _Child) -> None:
+        """A replicated server died and the job goes on; restart it while restarts last: the new
+        process rejoins with its rank and catches up (kvstore/server/rejoin.py). It takes the dead
+        one's place in `lost`: whether the job survives it dying again, or another server dying
+        before it caught up, is the scheduler's call (it counts servers lost until caught up)."""
+        again = self.restarts < self.config.max_restarts and self._workers_running() and not self.ending
+        what = f"restart {self.restarts + 1} of {self.config.max_restarts}" if again else "not restarted"
+        note = f"paratrain: server {child.rank} {child.failure_reason}; the job goes on ({what})\n"
+        self.printer.write(self.printer.err, note)
+        if again:
+            self.restarts += 1
+            self.lost.remove(child)
+            self._spawn("server", child.rank, self._secret, self._port)
 
     # -- stopping
 

@@ -16,7 +16,8 @@ When a primary dies, workers send what it had not acknowledged to the next live 
 slice's chain, which serves the slice from then on (its backups are the rest of the chain that still
 live). Pushes carry (worker, clock): a repeat of one that the dead primary applied and replicated is
 dropped (ShardState.repeat), so nothing is lost and nothing is applied twice. A backup that cannot
-be reached is taken as dead and skipped from then on.
+be reached is taken as dead and skipped from then on, until it is restarted and rejoins as a
+backup (rejoin.py: the state transfer that catches it up).
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ class Replicator:
         self.rank = rank
         self.replication = 1
         self.dead: set[int] = set()
+        self.back: set[int] = set()
+        """Servers that rejoined after a restart (rejoin.py): only this server's own lost connection
+        takes one for dead again, not a worker's older list of the dead."""
+        self.catching_up = False
+        """This server is a restarted one that is catching up (rejoin.py): an update of a slice it
+        does not hold yet is dropped (its state transfer follows, newer)."""
         self._secret = secret
         self._config = dataclasses.replace(
             config, connect_timeout_s=min(config.connect_timeout_s, CONNECT_TIMEOUT_S)
@@ -59,6 +66,10 @@ class Replicator:
         self._confirming: threading.Thread | None = None
         self.on_durable: Callable[[], None] = lambda: None
         """Called (from the confirming thread) after a slice's `durable` moved: serve its waiters."""
+
+    @property
+    def timeout_s(self) -> float:
+        return self._config.request_timeout_s
 
     @property
     def enabled(self) -> bool:
@@ -86,11 +97,45 @@ class Replicator:
         """Servers a worker found dead (it sends them with what it sends again after a fail-over)."""
         with self._lock:
             for rank in ranks:
-                if rank != self.rank and rank not in self.dead:
+                if rank != self.rank and rank not in self.dead and rank not in self.back:
                     logger.warning(
                         "server %d: server %d is dead, its slices are served here", self.rank, rank
                     )
                     self.dead.add(rank)
+
+    def addresses(self) -> list[tuple[str, int]]:
+        with self._lock:
+            return list(self._addresses)
+
+    def address(self, server: int) -> tuple[str, int]:
+        with self._lock:
+            return self._addresses[server]
+
+    def others(self) -> list[int]:
+        """The other servers not known dead."""
+        with self._lock:
+            return [s for s in range(len(self._addresses)) if s != self.rank and s not in self.dead]
+
+    def serves(self, chain: list[int], without: int) -> bool:
+        """Whether this server is the first live one of `chain` other than `without`: the one that
+        sends a rejoining `without` the slice's state (rejoin.py)."""
+        with self._lock:
+            live = [s for s in chain if s != without and s not in self.dead]
+        return bool(live) and live[0] == self.rank
+
+    def rejoined(self, server: int, address: tuple[str, int]) -> None:
+        """A restarted `server` listens at `address`: forward to it again (rejoin.py)."""
+        with self._lock:
+            self._addresses[server] = (str(address[0]), int(address[1]))
+            old = self._clients.pop(server, None)
+            self.dead.discard(server)
+            self.back.add(server)
+        if old is not None:
+            try:
+                old.close()
+            except (OSError, TransportError):
+                pass
+        logger.warning("server %d: server %d rejoined; it backs up its slices again", self.rank, server)
 
     def forward(self, shard: ShardState) -> None:
         """Send the slice's new state to its live backups (holds shard.cond: the bytes are out
@@ -101,10 +146,12 @@ class Replicator:
         if backups:
             meta, tensors = shard.replica()
             for server in backups:
+                client = None
                 try:
-                    sent.append((server, self._client(server).request("replicate", meta, tensors)))
+                    client = self._client(server)
+                    sent.append((server, client, client.request("replicate", meta, tensors)))
                 except (TransportError, OSError) as exc:
-                    self._lost(server, exc)
+                    self._lost(server, exc, client)
         if not sent:  # no live backup: this copy is the only one
             shard.replicated(shard.version)
             return
@@ -118,18 +165,22 @@ class Replicator:
         """The backups' replies, in the order sent; then the slice's waiters may go."""
         while (item := self._sent.get()) is not None:
             shard, version, sent = item
-            for server, future in sent:
+            for server, client, future in sent:
                 try:
                     future.wait(self._config.request_timeout_s)
                 except (TransportError, TimeoutError) as exc:
-                    self._lost(server, exc)
+                    self._lost(server, exc, client)
                 except RemoteError as exc:  # it is not a copy any more: stop counting on it
                     logger.error(
                         "server %d: backup server %d refused %s: %s", self.rank, server, shard.describe(), exc
                     )
-                    self._lost(server, exc)
+                    self._lost(server, exc, client)
             shard.replicated(version)
             self.on_durable()
+
+    def client(self, server: int) -> RpcClient:
+        """The connection to another server (updates and state transfers go out on it, in order)."""
+        return self._client(server)
 
     def _client(self, server: int) -> RpcClient:
         with self._lock:
@@ -137,24 +188,31 @@ class Replicator:
         if client is not None:
             return client
         host, port = self._addresses[server]
+        made: list[RpcClient] = []
         client = RpcClient(
             host,
             port,
             self._secret,
             config=self._config,
             name=f"server {server} ({host}:{port})",
-            on_close=lambda error: self._lost(server, error),
+            on_close=lambda error: self._lost(server, error, made[0] if made else None),
             origin=f"server {self.rank}",
         )
+        made.append(client)
         with self._lock:
             self._clients[server] = client
         return client
 
-    def _lost(self, server: int, error: Exception | None) -> None:
+    def _lost(self, server: int, error: Exception | None, client: RpcClient | None = None) -> None:
+        """`server` is dead; where `client` is given, only if that is still the connection to it
+        (one to a server's earlier process, which has rejoined since, tells nothing of the new)."""
         with self._lock:
+            if client is not None and self._clients.get(server) is not client:
+                return
             if server in self.dead:
                 return
             self.dead.add(server)
+            self.back.discard(server)
             self._clients.pop(server, None)
         logger.warning(
             "server %d: backup server %d is gone (%s); going on without it", self.rank, server, error

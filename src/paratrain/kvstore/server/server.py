@@ -55,7 +55,7 @@ from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.compressed import ServerCompression
 from paratrain.kvstore.consistency import policy
-from paratrain.kvstore.server import replica
+from paratrain.kvstore.server import rejoin, replica
 from paratrain.kvstore.server.replies import ReplySenders
 from paratrain.kvstore.server.shard import Push, Rules, ShardState
 from paratrain.kvstore.server.sparse import SparseTables
@@ -115,6 +115,7 @@ class KVServer(Handler):
         self.replicator = replicator or replica.Replicator(rank, b"")  # backups (replica.py)
         self.replicator.on_durable = self._serve_ready_pulls
         self._configured: frozenset[int] = frozenset()  # the members worker 0 configured
+        self.configuration: dict = {}  # what worker 0's configure said (a rejoining server's too)
         self._live: frozenset[int] | None = None  # elastic: the scheduler's live workers
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
@@ -167,7 +168,12 @@ class KVServer(Handler):
                 self._push(request)
                 self._pull(request, self._acknowledged_at(request.meta, request.meta["min_versions"]))
             elif op == "replicate":
-                replica.restore(self._shard({k: [request.meta[k[:-1]]] for k in SLICE}, 0), request)
+                self._replicate(request)
+                request.reply({})
+            elif op == "rejoin":  # a restarted server catches up (rejoin.py)
+                rejoin.send_state(self, request, self.replicator.timeout_s)
+            elif op == "install":
+                rejoin.install(self, request)
                 request.reply({})
             elif op == "init":
                 self._init(request)
@@ -200,7 +206,20 @@ class KVServer(Handler):
         except (KVError, ValueError, TypeError, KeyError) as exc:
             request.fail(f"server {self.rank}: {exc}")
 
+    def _replicate(self, request: Request) -> None:
+        """A backup's copy of a slice's new state (replica.py); one it does not hold yet, while it
+        catches up after a restart, is dropped: that slice's install follows, newer (rejoin.py)."""
+        ident = tuple(request.meta[k[:-1]] for k in SLICE)
+        if ident not in self._shards and self.replicator.catching_up:
+            return
+        replica.restore(self._shard({k: [request.meta[k[:-1]]] for k in SLICE}, 0), request)
+
+    def configure(self, meta: dict) -> None:
+        """How worker 0 configured the servers (also a restarted server's, from the others)."""
+        self._configure(meta)
+
     def _configure(self, meta: dict) -> None:
+        self.configuration = dict(meta)
         chosen = policy(meta["mode"], int(meta.get("staleness", 0)))
         self.replicator.configure(int(meta.get("replication", 1)), meta.get("servers", []))
         with self._lock:
@@ -234,6 +253,27 @@ class KVServer(Handler):
     def mode(self) -> str:
         """The consistency model's name (its policy: self.rules.policy)."""
         return self.rules.policy.name
+
+    def shard_list(self) -> list[Shard]:
+        with self._lock:
+            return list(self._shards.values())
+
+    def adopt(self, meta: dict) -> Shard:
+        """The slice `meta` describes (an install: rejoin.py), made empty here if new."""
+        ident = (meta["key"], int(meta["start"]), int(meta["stop"]))
+        with self._lock:
+            shard = self._shards.get(ident)
+            if shard is None:
+                if meta["dtype"] not in DTYPES:
+                    raise KVError(f"install of key {ident[0]!r} has dtype {meta['dtype']!r}")
+                value = torch.zeros(ident[2] - ident[1], dtype=DTYPES[meta["dtype"]])
+                shape, numel = list(meta["shape"]), int(meta["numel"])
+                shard = ShardState(*ident, numel, shape, meta["dtype"], value, self.rules)
+                self.replicator.attach(shard, [int(s) for s in meta["chain"]])
+                if self.optimizer_spec:
+                    shard.attach_optimizer(*self.optimizer_spec)
+                self._shards[ident] = shard
+            return shard
 
     def _init(self, request: Request) -> None:
         """Creates or checks each slice; a worker on this host gets where the shared ones are."""
@@ -469,6 +509,9 @@ class KVServer(Handler):
         return {"shards": [s.stats(sum(1 for w in waiting if w is s)) for s in shards]}
 
     # -- optimizer --------------------------------------------------------------------------------
+    def set_optimizer(self, path: str, hyper: dict) -> None:
+        self._set_optimizer(path, hyper)
+
     def _set_optimizer(self, path: str, hyper: dict) -> None:
         optim.resolve(path)
         optim.check_hyperparameters(hyper)

@@ -97,21 +97,11 @@ class DistKVStore(SparseAPI):
         self._ctx = ctx
         self.rank, self.num_workers = ctx.rank, ctx.num_workers
         self._timeout_s = ctx.config.transport.request_timeout_s
-        self._clients = [
-            RpcClient(
-                host,
-                port,
-                ctx.spec.secret,
-                config=ctx.config.transport,
-                name=f"server {i} ({host}:{port})",
-                same_host=same_host(host, ctx.spec.host),
-                on_close=functools.partial(self._server_lost, i),
-                origin=f"worker {ctx.rank} at {ctx.spec.host}",
-            )
-            for i, (host, port) in enumerate(ctx.servers)
-        ]
+        self._clients = [self._connect(i, host, port) for i, (host, port) in enumerate(ctx.servers)]
         self._placement = Placement(len(self._clients), config.slice_elements)
         self._servers = Servers(self._clients, ctx.config.replication)  # copies, fail-over
+        if ctx.config.replication > 1 and ctx.link is not None:  # a restarted server caught up
+            ctx.link.on_server_back(self._server_back)
         self._keys: dict[Any, KeyInfo] = {}
         self._arenas: dict[int, ArenaMap] = {}  # per same-host server: its shared shards
         self._closed = False
@@ -135,6 +125,25 @@ class DistKVStore(SparseAPI):
         if not self._joined:
             self._barrier("kvstore-create")
         atexit.register(self.close)
+
+    def _connect(self, rank: int, host: str, port: int) -> RpcClient:
+        ctx = self._ctx
+        assert ctx.spec is not None
+        return RpcClient(
+            host,
+            port,
+            ctx.spec.secret,
+            config=ctx.config.transport,
+            name=f"server {rank} ({host}:{port})",
+            same_host=same_host(host, ctx.spec.host),
+            on_close=functools.partial(self._server_lost, rank),
+            origin=f"worker {ctx.rank} at {ctx.spec.host}",
+        )
+
+    def _server_back(self, rank: int, host: str, port: int) -> None:
+        """A restarted server caught up (replicated servers): a backup again, at its new address."""
+        if not self._closed:
+            self._servers.back(rank, self._connect(rank, host, port))
 
     def _server_lost(self, rank: int, error: Exception | None) -> None:
         """The scheduler hears it from us first: the job's end then names the server, not us.

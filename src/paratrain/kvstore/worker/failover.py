@@ -8,6 +8,10 @@ chain, with the list of dead servers, so that it stops forwarding to them. The n
 push it already has from the dead primary's replication and waits for the others' to complete a
 round; the caller's Handle never sees the fail-over. Only when every server of a chain is dead does
 the wait fail.
+
+A restarted server that has caught up (the scheduler's `server_back` notice, with its new address)
+is live again but comes last in every chain's order: it is a backup of the slices it held, and
+serves them again only if every other copy dies (no fail-back; replica.py says why).
 """
 
 from __future__ import annotations
@@ -35,15 +39,22 @@ class Servers:
         self.clients = clients
         self.replication = replication
         self.dead: set[int] = set()
+        self.rejoined: set[int] = set()
+        """Restarted servers that caught up: backups, last in every chain's fail-over order."""
         self._lock = threading.Lock()
 
     def chain(self, primary: int) -> list[int]:
         return replicas(primary, len(self.clients), self.replication)
 
-    def serving(self, primary: int) -> int:
-        """The server that serves `primary`'s slices now: the first live one of their chain."""
+    def order(self, primary: int) -> list[int]:
+        """The live servers of `primary`'s chain in fail-over order: the rejoined ones last."""
         with self._lock:
             live = [s for s in self.chain(primary) if s not in self.dead]
+            return [s for s in live if s not in self.rejoined] + [s for s in live if s in self.rejoined]
+
+    def serving(self, primary: int) -> int:
+        """The server that serves `primary`'s slices now: the first of their live ones (order)."""
+        live = self.order(primary)
         if not live:
             raise KVStoreError(
                 f"every server holding server {primary}'s slices is dead ({self.chain(primary)}): "
@@ -58,6 +69,14 @@ class Servers:
     def live(self) -> list[int]:
         with self._lock:
             return [s for s in range(len(self.clients)) if s not in self.dead]
+
+    def back(self, server: int, client: RpcClient) -> None:
+        """A restarted server caught up: reached through `client` (its new address) from now on."""
+        with self._lock:
+            self.clients[server] = client
+            self.dead.discard(server)
+            self.rejoined.add(server)
+        logger.warning("server %d is back (a backup of its slices again)", server)
 
     def lost(self, server: int, error: object) -> bool:
         """Marks a server dead; True the first time."""
