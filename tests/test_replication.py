@@ -190,9 +190,7 @@ def test_a_restarted_server_installs_the_state_then_takes_updates_and_serves_alo
     serves alone: nothing acknowledged lost, nothing applied twice."""
     live, restarted = KVServer(0), KVServer(1)
     for server in (live, restarted):
-        server.configure(
-            {"mode": "async", "members": [0, 1], "replication": 2, "servers": [["h", 1]] * 2}
-        )
+        server.configure({"mode": "async", "members": [0, 1], "replication": 2, "servers": [["h", 1]] * 2})
     live.set_optimizer("torch.optim.SGD", {"lr": 1.0, "momentum": 0.5})
     live.replicator.dead.add(1)  # server 1 is dead: its forwards are skipped
     meta = {"key": "w", "start": 0, "stop": 3, "numel": 3, "shape": [3], "dtype": "float32", "chain": [1, 0]}
