@@ -257,6 +257,7 @@ def test_rejoined_servers_come_last_and_an_older_list_of_the_dead_does_not_kill_
     assert 0 in replicator.dead and 0 not in replicator.back
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode,servers,seed", [("sync", 2, 5), ("async", 3, 2)])
 def test_a_restarted_server_catches_up_and_the_job_survives_another_death(
     tmp_path: Path, mode: str, servers: int, seed: int

@@ -18,6 +18,10 @@ Protocol (requests carry an id and get a reply; heartbeats are one-way):
               node (a serving process): {servers, workers} once the job started; no membership
 
     members   {}                                               -> {generation, workers, joiners}
+    caught_up {}                                               a restarted server that registered
+              into its lost rank (replication; the reply to its register has `joined` and `lost`,
+              the other servers lost) holds its copies again: it counts again, and every node
+              hears `server_back {rank, host, port}` (kvstore/server/rejoin.py)
 
 and, from the scheduler, one-way notices: `abort {reason}` (some node failed: stop now),
 `shutdown {}` (every worker finished: servers exit cleanly) and, in an elastic job,

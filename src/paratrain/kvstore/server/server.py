@@ -20,6 +20,11 @@ Requests (meta lists are parallel; every tensor is one flat slice of one key):
     replicate     {key, start, stop, version, applied, state}       a slice's state, from its
                   primary to this backup (replica.py; with replication a push's reply waits until
                   its round is on the backups)
+    rejoin        {rank, address, dead}                             from a restarted server: it
+                  is a backup again; reply once it has an `install` of each slice it backs up that
+                  this server serves (rejoin.py), with the configuration worker 0 sent
+    install       {key, start, stop, numel, shape, dtype, chain, optimizer, version, applied, state}
+                  a slice's state, on a restarted server (made here if new)
     sparse_*                                                        sparse tables (sparse.py)
 
 Consistency is the policy's (consistency.py) and a shard's state changes only through its methods
