@@ -1,6 +1,7 @@
 """What failures cost: a job's pause when a process is SIGKILLed, and what replication costs.
 
-    python benchmarks/failures_servers.py [--rows server-death,replication] [--mb 64] [--iters 8] [--pairs 2]
+    python benchmarks/failures_servers.py [--rows server-death,replication] [--paths tcp,default]
+                                          [--mb 64] [--iters 8] [--pairs 2]
 
 Rows (each a function returning table rows; main() only joins them):
 
@@ -119,6 +120,8 @@ def replication_rows(args: argparse.Namespace) -> list[list[str]]:
     """Cost of replication=2 on pushpull time, against replication=1 measured alternately."""
     rows = []
     for path, same_host in (("tcp", False), ("default", True)):
+        if path not in args.paths.split(","):
+            continue
         times: dict[int, list[float]] = {1: [], 2: []}
         for _ in range(args.pairs):
             for replication in (1, 2):
@@ -183,6 +186,7 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=64, help="the replication rows' model size")
     parser.add_argument("--iters", type=int, default=8, help="timed pushpulls per replication job")
     parser.add_argument("--pairs", type=int, default=2, help="jobs of each replication per row")
+    parser.add_argument("--paths", default="tcp,default", help="the replication rows: tcp, default")
     parser.add_argument("--timeout", type=float, default=600.0, help="limit per job (s)")
     parser.add_argument("--paratrain-role", choices=["pushpull", "death"], help=argparse.SUPPRESS)
     parser.add_argument("--replication", type=int, default=1, help=argparse.SUPPRESS)

@@ -21,7 +21,7 @@ from paratrain.kvstore.server.shard import Clocks, Push, Rules, ShardState
 from paratrain.kvstore.worker.failover import Servers
 from paratrain.testing import run_job
 from paratrain.transport.frame import Header
-from paratrain.transport.rpc import Request
+from paratrain.transport.rpc import Future, Reply, Request
 
 JOBS = Path(__file__).parent / "jobs"
 
@@ -233,6 +233,37 @@ def test_a_restarted_server_installs_the_state_then_takes_updates_and_serves_alo
     for rank, clock in ((0, 0), (0, 1), (0, 2), (1, 1), (1, 0), (0, 3)):
         alone.push(Push(rank, clock, grad()))
     assert copy.version == 6 and torch.equal(copy.value, alone.value), (copy.value, alone.value)
+
+
+class FakeClient:
+    """A server connection that records requests; their futures are answered by hand."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict, Future]] = []
+
+    def request(self, op: str, meta: dict, tensors: object = (), out: object = None) -> Future:
+        future = Future(op, None)
+        self.sent.append((op, meta, future))
+        return future
+
+
+def test_requests_fail_over_as_soon_as_their_server_dies_not_when_waited_for() -> None:
+    """After a first fail-over one server serves two chains; when it dies too, both of a worker's
+    requests to it go to the next copies at once (waiting on one would deadlock a sync round whose
+    other pushes wait behind the other)."""
+    clients = [FakeClient() for _ in range(3)]
+    servers = Servers(clients, 3)  # type: ignore[arg-type]
+    servers.lost(1, "killed")
+    first, second = servers.request(1, "push", {"n": 1}), servers.request(0, "push", {"n": 2})
+    answered = servers.request(0, "push", {"n": 3})
+    assert [meta["n"] for _, meta, _ in clients[0].sent] == [2, 3] and len(clients[2].sent) == 1
+    clients[0].sent[1][2]._set(Reply({}, []), None)  # n=3 was answered before server 0 died
+    servers.lost(0, "killed")
+    servers.fail_over(0)
+    assert [meta["n"] for _, meta, _ in clients[2].sent] == [1, 2]
+    assert clients[2].sent[1][1]["dead"] == [0, 1]
+    clients[2].sent[1][2]._set(Reply({"ok": 1}, []), None)
+    assert second.wait(1).meta == {"ok": 1} and answered.wait(1).meta == {} and not first.done()
 
 
 def test_rejoined_servers_come_last_and_an_older_list_of_the_dead_does_not_kill_them_again() -> None:

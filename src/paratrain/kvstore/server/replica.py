@@ -31,7 +31,7 @@ from collections.abc import Callable
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.server.shard import Clocks, ShardState
-from paratrain.transport.config import TransportConfig
+from paratrain.transport.config import TransportConfig, same_host
 from paratrain.transport.rpc import Request, RpcClient
 
 logger = logging.getLogger(__name__)
@@ -44,9 +44,14 @@ CONNECT_TIMEOUT_S = 5.0
 class Replicator:
     """One server's links to the other servers, for the slices it is primary of."""
 
-    def __init__(self, rank: int, secret: bytes, config: TransportConfig | None = None) -> None:
+    def __init__(
+        self, rank: int, secret: bytes, config: TransportConfig | None = None, host: str | None = None
+    ) -> None:
+        """`host`: where this server listens; a backup on the same host is sent to through the
+        same-host shared-memory rings (TransportConfig.shm_ring_bytes), not the socket."""
         config = config or TransportConfig()
         self.rank = rank
+        self.host = host
         self.replication = 1
         self.dead: set[int] = set()
         self.back: set[int] = set()
@@ -195,6 +200,7 @@ class Replicator:
             self._secret,
             config=self._config,
             name=f"server {server} ({host}:{port})",
+            same_host=self.host is not None and same_host(host, self.host),
             on_close=lambda error: self._lost(server, error, made[0] if made else None),
             origin=f"server {self.rank}",
         )

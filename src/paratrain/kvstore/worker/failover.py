@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,8 @@ class Servers:
         self.rejoined: set[int] = set()
         """Restarted servers that caught up: backups, last in every chain's fail-over order."""
         self._lock = threading.Lock()
+        self._pending: weakref.WeakSet[FailoverFuture] = weakref.WeakSet()
+        """Requests not answered yet: they fail over as soon as their server is found dead."""
 
     def chain(self, primary: int) -> list[int]:
         return replicas(primary, len(self.clients), self.replication)
@@ -88,6 +91,16 @@ class Servers:
             logger.warning("server %d is gone (%s): its slices fail over to their backups", server, error)
         return True
 
+    def fail_over(self, server: int) -> None:
+        """`server`'s connection closed: send again now, to the next live copies, every request
+        it had not answered. Not only when a caller waits for it: a worker waiting for one of
+        its requests (a round that needs another worker's push) must not hold back the others,
+        whose rounds the other workers may be waiting for."""
+        with self._lock:
+            waiting = list(self._pending)
+        for future in waiting:
+            future.fail_over(server)
+
     def request(
         self,
         primary: int,
@@ -116,7 +129,11 @@ class FailoverFuture:
     ) -> None:
         self._servers, self._primary = servers, primary
         self._request: tuple[str, dict, Sequence[torch.Tensor], Any] = (op, meta, tensors, out)
-        self._future = self._send()
+        self._lock = threading.Lock()
+        with self._lock:
+            self._future = self._send()
+        with servers._lock:
+            servers._pending.add(self)
 
     @property
     def what(self) -> str:
@@ -129,13 +146,42 @@ class FailoverFuture:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with self._lock:
+                future, server = self._future, self._server
             try:
-                return self._future.wait(left)
+                reply = future.wait(left)
             except TransportError as exc:
-                self._servers.lost(self._server, exc)
+                self._servers.lost(server, exc)
+                with self._lock:
+                    if self._future is future:  # not sent again meanwhile (fail_over)
+                        self._future = self._send()
+                continue
+            with self._servers._lock:
+                self._servers._pending.discard(self)
+            return reply
+
+    def fail_over(self, server: int) -> None:
+        """`server` is dead: send again now if it had this request and had not answered it (its
+        connection is closed, so no answer can come any more)."""
+        with self._lock:
+            if self._server != server:
+                return
+            future = self._future
+            if future.done():
+                try:
+                    future.wait(0)
+                    return  # answered before it died
+                except TransportError:
+                    pass
+                except Exception:
+                    return  # its own failure: the caller sees it
+            try:
                 self._future = self._send()
+            except KVStoreError:
+                pass  # no live copy left: the caller's wait says so
 
     def _send(self) -> Future:
+        """Holds self._lock."""
         op, meta, tensors, out = self._request
         while True:
             self._server = self._servers.serving(self._primary)
