@@ -28,6 +28,8 @@ import queue
 import threading
 from collections.abc import Callable
 
+import torch
+
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.server.shard import Clocks, ShardState
@@ -247,10 +249,16 @@ def restore(shard: ShardState, request: Request) -> None:
     if len(tensors) != 1 + len(meta["state"]):
         raise KVError(f"replicate of {shard.describe()} carried {len(tensors)} tensors")
     if request.header.at is not None:  # views into a same-host ring, which later frames overwrite
-        tensors = [tensor.clone() for tensor in tensors]
+        tensors = [tensor if _owned(tensor) else tensor.clone() for tensor in tensors]
     state = dict(zip(meta["state"], tensors[1:], strict=True))
     value = tensors[0]
     applied = {
         int(rank): Clocks(int(below), {int(c) for c in ahead}) for rank, below, ahead in meta["applied"]
     }
     shard.restore(int(meta["version"]), value, state, applied)
+
+
+def _owned(tensor: torch.Tensor) -> bool:
+    """Whether a received tensor has memory of its own (a pooled buffer the ring's bytes were
+    copied into: KVServer.destinations), not a view of the ring (which is not resizable)."""
+    return tensor.untyped_storage().resizable()
