@@ -91,6 +91,13 @@ class Servers:
             logger.warning("server %d is gone (%s): its slices fail over to their backups", server, error)
         return True
 
+    def track(self, future: FailoverFuture, pending: bool) -> None:
+        with self._lock:
+            if pending:
+                self._pending.add(future)
+            else:
+                self._pending.discard(future)
+
     def fail_over(self, server: int) -> None:
         """`server`'s connection closed: send again now, to the next live copies, every request
         it had not answered. Not only when a caller waits for it: a worker waiting for one of
@@ -130,10 +137,9 @@ class FailoverFuture:
         self._servers, self._primary = servers, primary
         self._request: tuple[str, dict, Sequence[torch.Tensor], Any] = (op, meta, tensors, out)
         self._lock = threading.Lock()
-        with self._lock:
+        with self._lock:  # a fail_over meanwhile waits for the first send
+            servers.track(self, True)
             self._future = self._send()
-        with servers._lock:
-            servers._pending.add(self)
 
     @property
     def what(self) -> str:
@@ -156,8 +162,7 @@ class FailoverFuture:
                     if self._future is future:  # not sent again meanwhile (fail_over)
                         self._future = self._send()
                 continue
-            with self._servers._lock:
-                self._servers._pending.discard(self)
+            self._servers.track(self, False)
             return reply
 
     def fail_over(self, server: int) -> None:
