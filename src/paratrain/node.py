@@ -114,8 +114,7 @@ def _serve(spec: ClusterSpec, config: JobConfig) -> int:
     from paratrain.metrics import observe
 
     scheduler_thread = _start_embedded_scheduler(spec, config)
-    replicator = Replicator(spec.rank or 0, spec.secret, config.transport, spec.host)
-    kv = KVServer(spec.rank or 0, replicator=replicator)
+    kv = KVServer(spec.rank or 0, replicator=Replicator(spec.rank or 0, spec.secret, config.transport))
     trace = observe.start_trace(os.environ, "server", spec.rank or 0)
     server = RpcServer(
         spec.secret,

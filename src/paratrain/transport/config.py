@@ -63,9 +63,3 @@ class TransportConfig:
             raise ValueError(f"TransportConfig.shm_min_bytes={self.shm_min_bytes!r} must be >= 1")
         if not self.max_payload_bytes >= 0:
             raise ValueError(f"TransportConfig.max_payload_bytes={self.max_payload_bytes!r} must be >= 0")
-
-
-def same_host(peer: str, mine: str) -> bool:
-    """Whether a peer shares this machine: the same advertised host, or both loopback."""
-    loopback = ("127.", "::1", "localhost")
-    return peer == mine or (peer.startswith(loopback) and mine.startswith(loopback))

@@ -28,12 +28,10 @@ import queue
 import threading
 from collections.abc import Callable
 
-import torch
-
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.server.shard import Clocks, ShardState
-from paratrain.transport.config import TransportConfig, same_host
+from paratrain.transport.config import TransportConfig
 from paratrain.transport.rpc import Request, RpcClient
 
 logger = logging.getLogger(__name__)
@@ -46,14 +44,9 @@ CONNECT_TIMEOUT_S = 5.0
 class Replicator:
     """One server's links to the other servers, for the slices it is primary of."""
 
-    def __init__(
-        self, rank: int, secret: bytes, config: TransportConfig | None = None, host: str | None = None
-    ) -> None:
-        """`host`: where this server listens; a backup on the same host is sent to through the
-        same-host shared-memory rings (TransportConfig.shm_ring_bytes), not the socket."""
+    def __init__(self, rank: int, secret: bytes, config: TransportConfig | None = None) -> None:
         config = config or TransportConfig()
         self.rank = rank
-        self.host = host
         self.replication = 1
         self.dead: set[int] = set()
         self.back: set[int] = set()
@@ -202,7 +195,6 @@ class Replicator:
             self._secret,
             config=self._config,
             name=f"server {server} ({host}:{port})",
-            same_host=self.host is not None and same_host(host, self.host),
             on_close=lambda error: self._lost(server, error, made[0] if made else None),
             origin=f"server {self.rank}",
         )
@@ -249,16 +241,10 @@ def restore(shard: ShardState, request: Request) -> None:
     if len(tensors) != 1 + len(meta["state"]):
         raise KVError(f"replicate of {shard.describe()} carried {len(tensors)} tensors")
     if request.header.at is not None:  # views into a same-host ring, which later frames overwrite
-        tensors = [tensor if _owned(tensor) else tensor.clone() for tensor in tensors]
+        tensors = [tensor.clone() for tensor in tensors]
     state = dict(zip(meta["state"], tensors[1:], strict=True))
     value = tensors[0]
     applied = {
         int(rank): Clocks(int(below), {int(c) for c in ahead}) for rank, below, ahead in meta["applied"]
     }
     shard.restore(int(meta["version"]), value, state, applied)
-
-
-def _owned(tensor: torch.Tensor) -> bool:
-    """Whether a received tensor has memory of its own (a pooled buffer the ring's bytes were
-    copied into: KVServer.destinations), not a view of the ring (which is not resizable)."""
-    return tensor.untyped_storage().resizable()

@@ -125,7 +125,7 @@ class KVServer(Handler):
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
-        if header.op == "replicate":  # a backup's copy: into a pooled buffer (from a ring too)
+        if header.op == "replicate" and header.at is None:  # a backup's copy: into a pooled buffer
             try:
                 return [self._shard({k: [header.meta[k[:-1]]] for k in SLICE}, 0).buffer()]
             except (KVError, KeyError, TypeError):

@@ -42,7 +42,6 @@ from paratrain.kvstore.worker.checks import (
 )
 from paratrain.kvstore.worker.failover import Servers
 from paratrain.kvstore.worker.state import Entry, read_state, read_tables, write_state
-from paratrain.transport.config import same_host
 from paratrain.transport.rpc import Future, RpcClient
 from paratrain.transport.tensors import dtype_name
 
@@ -62,6 +61,12 @@ class KeyInfo:
     @property
     def numel(self) -> int:
         return sum(s.numel for s in self.slices)
+
+
+def same_host(peer: str, mine: str) -> bool:
+    """Whether a server shares this worker's machine: the same advertised host, or both loopback."""
+    loopback = ("127.", "::1", "localhost")
+    return peer == mine or (peer.startswith(loopback) and mine.startswith(loopback))
 
 
 def flat_cpu(tensor: torch.Tensor) -> torch.Tensor:
