@@ -24,6 +24,12 @@ Protocol (KVServer hands the ops in `OPS` to `SparseTables.handle`):
     sparse_set_state  {key, names, step}                      replace a table's rows
     sparse_waiting    {key, min_version, rank}                from a worker whose pull waits long:
                                                               the round and who has not pushed it
+    sparse_replicate  {key, primary, version, ...}            a delta of a primary's rows, to its
+                                                              backups (sparse_replica.py)
+
+With replication (sparse_replica.py) a worker's requests also carry `primary`, the server whose rows
+they address (this server's own, or a copy of another's), and `sparse_init` the chains this server is
+on; a push is acknowledged once its update is on the backups.
 
 Consistency is the dense keys' (server.py): in rounds mode a worker's n-th push joins round n, applied
 once every member pushed (pushes summed per id in rank order, then one update); a pull waits until the
