@@ -204,6 +204,7 @@ class TableReplicas:
         self._sent: queue.SimpleQueue = queue.SimpleQueue()  # (table, version, [(server, future)])
         self._lock = threading.Lock()
         self._confirming: threading.Thread | None = None
+        self._sources: dict[int, Any] = {}  # per primary: the connection its last delta came through
 
     @property
     def enabled(self) -> bool:
@@ -222,8 +223,9 @@ class TableReplicas:
         copy = table.replica
         if copy is None or not copy.is_backup or copy.promoted:
             return
+        source = copy.source or self._sources.get(copy.primary)  # a table that had no delta yet
         deadline = time.monotonic() + DRAIN_WAIT_S
-        while copy.source is not None and not copy.source.closed and time.monotonic() < deadline:
+        while source is not None and not source.closed and time.monotonic() < deadline:
             time.sleep(0.005)
         copy.promoted = True
 
@@ -257,7 +259,7 @@ class TableReplicas:
         """Op sparse_replicate: a delta from the table's primary (or a promoted copy before it)."""
         with table.lock:
             if table.replica is not None:
-                table.replica.source = request.conn
+                table.replica.source = self._sources[table.replica.primary] = request.conn
             apply_delta(table, request.meta, request.tensors)
         request.reply({})
 
