@@ -32,7 +32,7 @@ from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.server.shard import Clocks, ShardState
 from paratrain.transport.config import TransportConfig
-from paratrain.transport.rpc import Request, RpcClient
+from paratrain.transport.rpc import Future, Request, RpcClient
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +160,28 @@ class Replicator:
                 self._confirming = threading.Thread(target=self._confirm, name="replicas", daemon=True)
                 self._confirming.start()
         self._sent.put((shard, shard.version, sent))
+
+    def send(self, server: int, op: str, meta: dict, tensors: list) -> Future | None:
+        """One frame to another server (a sparse table's delta: sparse_replica.py); None where
+        that server is dead or cannot be reached."""
+        with self._lock:
+            if server in self.dead:
+                return None
+        try:
+            return self._client(server).request(op, meta, tensors)
+        except (TransportError, OSError) as exc:
+            self._lost(server, exc)
+            return None
+
+    def confirm(self, server: int, future: Future, what: str) -> None:
+        """Wait for a backup's reply to `send`; one that fails or refuses is taken as dead."""
+        try:
+            future.wait(self._config.request_timeout_s)
+        except (TransportError, TimeoutError) as exc:
+            self._lost(server, exc)
+        except RemoteError as exc:
+            logger.error("server %d: backup server %d refused %s: %s", self.rank, server, what, exc)
+            self._lost(server, exc)
 
     def _confirm(self) -> None:
         """The backups' replies, in the order sent; then the slice's waiters may go."""

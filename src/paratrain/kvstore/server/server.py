@@ -478,6 +478,7 @@ class KVServer(Handler):
         """The job ended (after the RpcServer closed): the threads that send replies end before the
         process exits (replies.py, ReplySenders.close_all)."""
         self._senders.close_all()
+        self.tables.close()
 
     def disconnected(self, conn: Connection, error: Exception | None) -> None:
         self._senders.close(conn)

@@ -24,6 +24,12 @@ Protocol (KVServer hands the ops in `OPS` to `SparseTables.handle`):
     sparse_set_state  {key, names, step}                      replace a table's rows
     sparse_waiting    {key, min_version, rank}                from a worker whose pull waits long:
                                                               the round and who has not pushed it
+    sparse_replicate  {key, primary, version, ...}            a delta of a primary's rows, to its
+                                                              backups (sparse_replica.py)
+
+With replication (sparse_replica.py) a worker's requests also carry `primary`, the server whose rows
+they address (this server's own, or a copy of another's), and `sparse_init` the chains this server is
+on; a push is acknowledged once its update is on the backups.
 
 Consistency is the dense keys' (server.py): in rounds mode a worker's n-th push joins round n, applied
 once every member pushed (pushes summed per id in rank order, then one update); a pull waits until the
@@ -55,6 +61,7 @@ from paratrain.kvstore.server.rowstore import (
     unit_hash,
 )
 from paratrain.kvstore.server.sparse_optim import SparseOptimizer, add_rows, build_optimizer
+from paratrain.kvstore.server.sparse_replica import TableCopy, TableReplicas, adopt
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +75,8 @@ COUNTS += ("evicted_age", "evicted_cap")
 @dataclass
 class PendingPull:
     request: Any
-    ids: np.ndarray
+    ids: np.ndarray | None
+    """None: a replicated push's acknowledgement, sent once min_version is on the backups."""
     clock: int
     min_version: int
     train: bool
@@ -103,6 +111,12 @@ class SparseTable:
         self.evictions = 0  # rows evicted so far: a pull's slots stay valid while this is unchanged
         self.broken: str | None = None  # why a round failed to apply: every pull fails with it
         self._combining = kernels.combine_buffers(0, dim)  # kept from round to round (kernels.combine)
+        self.replica: TableCopy | None = None  # replicated servers: copies and deltas (sparse_replica.py)
+
+    @property
+    def visible(self) -> int:
+        """The version pulls and acknowledgements wait for: with replication, the backups'."""
+        return self.version if self.replica is None else self.replica.durable
 
     def _columns(self) -> Columns:
         extra = self.optimizer.columns(self.dim) if self.optimizer else {}
@@ -151,6 +165,10 @@ class SparseTable:
         self.counts["pulls"] += 1
         self.counts["rows_pulled"] += len(ids)
         return out
+
+    def admit(self, ids: np.ndarray, clock: int) -> np.ndarray:
+        """Create the rows of unique absent `ids` that admission lets in (sparse_replica.adopt)."""
+        return self._admit(ids, clock)
 
     def _admit(self, ids: np.ndarray, clock: int) -> np.ndarray:
         """Slots of the ids admitted now (new rows at their first value), -1 for the others."""
@@ -281,6 +299,8 @@ class SparseTable:
             kernels.scatter(values.numpy(), slots, grads.numpy())
         self.version += 1
         self._sweep(clock)
+        if self.replica is not None:  # the touched rows to the backups (sparse_replica.py)
+            self.replica.forward(self, slots)
 
     # -- eviction ---------------------------------------------------------------------------------
     def _sweep(self, clock: int) -> None:
@@ -305,6 +325,8 @@ class SparseTable:
 
     def _evict(self, slots: np.ndarray, reason: str) -> None:
         if len(slots):
+            if self.replica is not None:
+                self.replica.evicted.append(self.rows.ids[slots])
             self.index.remove(self.rows.ids[slots])
             self.rows.release(slots)
             self.counts[reason] += len(slots)
@@ -369,6 +391,8 @@ class SparseTable:
         self.seen_index, self.seen = IdIndex(64), RowStore({"count": ((), torch.int64)}, 64)
         self.version = self.step = self.next_sweep = 0
         self.rounds, self.pending, self.pulled = {}, [], {}
+        if self.replica is not None:
+            self.replica.reset()
         slots = self.rows.allocate(len(ids))
         where = torch.from_numpy(slots)
         ids_np = ids.numpy().copy()
@@ -389,14 +413,34 @@ class SparseTables:
 
     OPS = frozenset(
         ("sparse_init", "sparse_pull", "sparse_push", "sparse_optimizer", "sparse_stats")
-        + ("sparse_get_state", "sparse_set_state", "sparse_waiting")
+        + ("sparse_get_state", "sparse_set_state", "sparse_waiting", "sparse_replicate")
     )
 
     def __init__(self, server: Any) -> None:
         self.server = server
         self.tables: dict[Any, SparseTable] = {}
+        self.copies: dict[tuple[Any, int], SparseTable] = {}
+        """Replicated servers: other servers' rows of each table, by (key, primary) (sparse_replica.py)."""
         self._lock = threading.Lock()
         self._default: tuple[str, dict] | None = None
+        self._replicas: TableReplicas | None = None
+
+    @property
+    def replicas(self) -> TableReplicas | None:
+        """Copying rows to the backups (sparse_replica.py); None without replication."""
+        replicator = getattr(self.server, "replicator", None)
+        if replicator is None or not replicator.enabled:
+            return None
+        with self._lock:
+            if self._replicas is None:
+                self._replicas = TableReplicas(replicator, self.serve_ready)
+            return self._replicas
+
+    def _all_tables(self, key: Any = None) -> list[SparseTable]:
+        """This server's tables (or those of `key`): its own rows and its copies."""
+        with self._lock:
+            tables = [*self.tables.values(), *self.copies.values()]
+        return [t for t in tables if key is None or t.key == key]
 
     def handle(self, request: Any) -> None:
         op, meta = request.op, request.meta
@@ -405,17 +449,23 @@ class SparseTables:
         elif op == "sparse_push":
             self._push(request)
         elif op == "sparse_init":
-            self._init(meta["key"], int(meta["dim"]), TableConfig(**meta["config"]))
+            self._init(meta["key"], int(meta["dim"]), TableConfig(**meta["config"]), meta.get("chains"))
             request.reply({})
         elif op == "sparse_optimizer":
-            table = self._table(meta["key"])
-            built = build_optimizer(meta["path"], meta["hyper"])
-            with table.lock:
-                table.set_optimizer(built)
-                table.own_optimizer = True
+            self._table(meta["key"])
+            for table in self._all_tables(meta["key"]):  # with replication, the copies too
+                built = build_optimizer(meta["path"], meta["hyper"])
+                with table.lock:
+                    table.set_optimizer(built)
+                    table.own_optimizer = True
             request.reply({})
+        elif op == "sparse_replicate":
+            replicas = self.replicas
+            if replicas is None:
+                raise TableError(f"server {self.server.rank} keeps no copies: replication is off")
+            replicas.restore(self._table(meta["key"], meta["primary"]), request)
         elif op == "sparse_stats":
-            table = self._table(meta["key"])
+            table = self._table(meta["key"], meta.get("primary"))
             with table.lock:
                 stats = table.stats()
             request.reply(stats)
@@ -424,7 +474,7 @@ class SparseTables:
         elif op == "sparse_waiting":
             request.reply({"waits": self._waiting(meta)})
         elif op == "sparse_set_state":
-            table = self._table(meta["key"])
+            table = self._table(meta["key"], meta.get("primary"))
             with table.lock:
                 table.load(list(meta["names"]), request.tensors)
             request.reply({})
@@ -432,7 +482,7 @@ class SparseTables:
     def _waiting(self, meta: dict) -> list[dict]:
         """What holds a waiting worker's pull back: the table's next round and the members that
         have not pushed it (logged here too, so that the wait is not silent on this side)."""
-        table, need = self._table(meta["key"]), int(meta["min_version"])
+        table, need = self._table(meta["key"], meta.get("primary")), int(meta["min_version"])
         members = frozenset(self.server.members)
         with table.lock:
             if table.version >= need:
@@ -448,24 +498,53 @@ class SparseTables:
         )
         return [{"kind": "table", "key": table.key, "round": round_, "missing": missing}]
 
-    def _table(self, key: Any) -> SparseTable:
+    def _table(self, key: Any, primary: int | None = None) -> SparseTable:
+        """The table's rows of server `primary` (None: this server's own)."""
+        if primary is not None and int(primary) != self.server.rank:
+            table = self.copies.get((key, int(primary)))
+            if table is None:
+                raise TableError(
+                    f"server {self.server.rank} keeps no copy of server {primary}'s rows of table {key!r}"
+                )
+            return table
         table = self.tables.get(key)
         if table is None:
             raise TableError(f"table {key!r} is not on server {self.server.rank}: call init_table first")
         return table
 
-    def _init(self, key: Any, dim: int, config: TableConfig) -> None:
+    def _serving(self, meta: dict) -> SparseTable:
+        """The table a worker's pull or push is for; with replication, a copy whose primary died
+        first takes every delta that primary sent (sparse_replica.py)."""
+        table = self._table(meta["key"], meta.get("primary"))
+        replicas = self.replicas
+        if replicas is not None:
+            replicas.serve(table, [int(s) for s in meta.get("dead", [])])
+        return table
+
+    def _init(self, key: Any, dim: int, config: TableConfig, chains: list | None = None) -> None:
+        """Creates or checks the table; with replication, one per chain this server is on (its
+        own rows and its copies of other servers')."""
         if not isinstance(dim, int) or dim < 1:
             raise TableError(f"table {key!r}: dim={dim!r} must be an int >= 1")
+        replicas = self.replicas
+        chains = [[int(s) for s in chain] for chain in chains or []] if replicas is not None else []
         with self._lock:
-            table = self.tables.get(key)
-            if table is None:
-                self.tables[key] = SparseTable(key, dim, config, self._default_optimizer(key))
-            elif (table.dim, table.config) != (dim, config):
-                raise TableError(
-                    f"table {key!r} was declared with dim {table.dim} and {table.config}; "
-                    f"dim {dim} and {config} is not allowed"
-                )
+            for chain in chains or [[self.server.rank]]:
+                own = chain[0] == self.server.rank
+                table = self.tables.get(key) if own else self.copies.get((key, chain[0]))
+                if table is None:
+                    table = SparseTable(key, dim, config, self._default_optimizer(key))
+                    if replicas is not None:
+                        replicas.attach(table, chain)
+                    if own:
+                        self.tables[key] = table
+                    else:
+                        self.copies[(key, chain[0])] = table
+                elif (table.dim, table.config) != (dim, config):
+                    raise TableError(
+                        f"table {key!r} was declared with dim {table.dim} and {table.config}; "
+                        f"dim {dim} and {config} is not allowed"
+                    )
 
     def _default_optimizer(self, key: Any) -> SparseOptimizer | None:
         """The sparse form of the store's optimizer; none (until set_table_optimizer) where it has none."""
@@ -480,7 +559,7 @@ class SparseTables:
     def set_default_optimizer(self, path: str, hyper: dict) -> None:
         """The store's optimizer (set_optimizer) becomes that of every table without its own."""
         with self._lock:
-            tables = [t for t in self.tables.values() if not t.own_optimizer]
+            tables = [t for t in [*self.tables.values(), *self.copies.values()] if not t.own_optimizer]
             built = [build_optimizer(path, hyper) for _ in tables]  # refuse before changing anything
             self._default = (path, hyper)
         for table, optimizer in zip(tables, built, strict=True):
@@ -489,9 +568,7 @@ class SparseTables:
 
     def members_changed(self) -> None:
         """A worker left: rounds stop waiting for it."""
-        with self._lock:
-            tables = list(self.tables.values())
-        for table in tables:
+        for table in self._all_tables():
             with table.lock:
                 table.apply_complete_rounds(frozenset(self.server.members))
                 ready = self._take_ready(table)
@@ -499,7 +576,7 @@ class SparseTables:
 
     # -- pull and push ----------------------------------------------------------------------------
     def _pull(self, request: Any) -> None:
-        meta, table = request.meta, self._table(request.meta["key"])
+        meta, table = request.meta, self._serving(request.meta)
         ids = self._ids(request, table)
         rank = meta.get("rank")
         pull = PendingPull(request, ids, int(meta["clock"]), int(meta["min_version"]), bool(meta["train"]))
@@ -507,7 +584,7 @@ class SparseTables:
         with table.lock:
             if table.broken is not None:
                 raise TableError(table.broken)
-            if table.version < pull.min_version:
+            if table.visible < pull.min_version:
                 if request.header.at is not None:  # a view of the shared-memory ring: keep a copy
                     pull.ids = ids.copy()
                 table.pending.append(pull)
@@ -516,7 +593,7 @@ class SparseTables:
         request.reply({"versions": [version]}, [rows])
 
     def _push(self, request: Any) -> None:
-        meta, table = request.meta, self._table(request.meta["key"])
+        meta, table = request.meta, self._serving(request.meta)
         ids = self._ids(request, table)
         grads = request.tensors[1]
         if grads.dtype != torch.float32 or tuple(grads.shape) != (len(ids), table.dim):
@@ -529,9 +606,21 @@ class SparseTables:
             ids, grads = ids.copy(), grads.clone()
         with table.lock:
             rank, clock = int(meta["rank"]), int(meta["clock"])
-            table.push(rank, clock, ids, grads, rules.policy, members, apply=not rounds)
-            ready = [] if rounds else self._take_ready(table)
-        request.reply({})  # in rounds modes a push is done once it joined its round
+            copy = table.replica
+            repeat = copy is not None and copy.repeat(table, rank, clock, rounds)  # after a fail-over
+            if copy is not None and copy.promoted and not repeat:  # rows the dead primary made
+                adopt(table, ids, clock)
+            if not repeat:
+                table.push(rank, clock, ids, grads, rules.policy, members, apply=not rounds)
+            if copy is not None:  # acknowledged once its update is on the backups (sparse_replica.py)
+                need = clock + 1 if rounds else table.version
+                table.pending.append(PendingPull(request, None, clock, need, False))
+            ready = [] if rounds and not repeat else self._take_ready(table)
+        if repeat:
+            self._send(ready)
+            return
+        if copy is None:
+            request.reply({})  # in rounds modes a push is done once it joined its round
         if rounds:  # the round's update runs while the pusher goes on to its next step
             ready = self._apply_rounds(table, members)
         self._send(ready)
@@ -564,8 +653,11 @@ class SparseTables:
         """Serve the pulls the table's version now allows (holds table.lock)."""
         ready, waiting = [], []
         for pull in table.pending:
-            if table.version < pull.min_version:
+            if table.visible < pull.min_version:
                 waiting.append(pull)
+                continue
+            if pull.ids is None:  # a replicated push's acknowledgement: no rows
+                ready.append((pull.request, None, table.version))
                 continue
             try:
                 rows = table.read(pull.ids, pull.clock, pull.train, pull.rank)
@@ -578,16 +670,33 @@ class SparseTables:
     @staticmethod
     def _send(ready: list[tuple[Any, torch.Tensor | None, int | str]]) -> None:
         for request, rows, version in ready:
-            if rows is None:
-                request.fail(str(version))
+            if isinstance(version, str):
+                request.fail(version)
+            elif rows is None:
+                request.reply({})
             else:
                 request.reply({"versions": [version]}, [rows])
+
+    def close(self) -> None:
+        """The server ends: the thread confirming the backups' copies ends first (replies.py)."""
+        if self._replicas is not None:
+            self._replicas.close()
+
+    def serve_ready(self, table: SparseTable) -> None:
+        """Serve the table's pulls and acknowledgements that may go now (its durable version moved)."""
+        with table.lock:
+            ready = self._take_ready(table)
+        self._send(ready)
 
     # -- state ------------------------------------------------------------------------------------
     def _get_state(self, request: Any) -> None:
         key, full = request.meta.get("key"), bool(request.meta.get("full", True))
+        primary = request.meta.get("primary")  # with replication: that server's rows, from a copy
         with self._lock:
-            tables = [self._table(key)] if key is not None else list(self.tables.values())
+            if primary is not None and int(primary) != self.server.rank:
+                tables = [t for (k, p), t in self.copies.items() if p == int(primary) and key in (None, k)]
+            else:
+                tables = [self._table(key)] if key is not None else list(self.tables.values())
         entries, tensors = [], []
         for table in tables:
             with table.lock:

@@ -162,10 +162,9 @@ class DistKVStore(SparseAPI):
         if self._tables is None:
             from paratrain.kvstore.worker.embedding import TableClient
 
-            if self._servers.replication > 1:
-                raise KVStoreError("sparse tables are not replicated yet: use JobConfig(replication=1)")
-
-            self._tables = TableClient(self._clients, self.rank, self.config, self._barrier, self._timeout_s)
+            self._tables = TableClient(
+                self._clients, self.rank, self.config, self._barrier, self._timeout_s, self._servers
+            )
         return self._tables
 
     # -- helpers ----------------------------------------------------------------------------------

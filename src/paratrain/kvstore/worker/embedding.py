@@ -41,6 +41,7 @@ from paratrain.kvstore.server.rowstore import SHARD_SALT
 from paratrain.kvstore.server.shard import Rules
 from paratrain.kvstore.server.sparse import SparseTables, shard_of
 from paratrain.kvstore.worker.checks import check_finite, explain_wait
+from paratrain.kvstore.worker.failover import Servers
 from paratrain.kvstore.worker.local import LocalKVStore
 from paratrain.kvstore.worker.state import TableEntry, read_tables, write_tables
 
@@ -78,8 +79,11 @@ class TableClient:
         config: KVStoreConfig,
         barrier: Callable[[str], Any],
         timeout_s: float | None,
+        servers: Servers | None = None,
     ) -> None:
         self._clients = list(clients)
+        self._servers = servers if servers is not None and servers.replication > 1 else None
+        """Replicated servers (failover.py): each server's rows go to the first live copy."""
         self.rank = rank
         self._config = config
         self._barrier = barrier
@@ -99,7 +103,27 @@ class TableClient:
             raise KVStoreError(str(exc)) from None
 
     def _all(self, op: str, meta: dict) -> list:
-        return self._wait([c.request(op, meta) for c in self._clients])
+        """`op` on every (live) server."""
+        live = self._servers.live() if self._servers is not None else range(len(self._clients))
+        return self._wait([self._clients[s].request(op, meta) for s in live])
+
+    def _per_primary(self, op: str, meta: dict) -> list:
+        """`op` for each server's rows: at that server, or with replication at its first live copy."""
+        if self._servers is None:
+            return self._all(op, meta)
+        return self._wait([self._request(p, op, meta) for p in range(len(self._clients))])
+
+    def _request(
+        self, primary: int, op: str, meta: dict, tensors: Sequence[torch.Tensor] = (), out: Any = None
+    ) -> Any:
+        """A request for server `primary`'s rows; with replication one that fails over to its copies."""
+        if self._servers is None:
+            return self._clients[primary].request(op, meta, tensors, out=out)
+        return self._servers.request(primary, op, dict(meta, primary=primary), tensors, out)
+
+    def _client(self, primary: int) -> Any:
+        """The client of the server that serves `primary`'s rows now."""
+        return self._clients[primary if self._servers is None else self._servers.serving(primary)]
 
     def init_table(self, key: Any, dim: int, config: TableConfig) -> None:
         check_key(key, "table key")
@@ -108,7 +132,14 @@ class TableClient:
         known = self.tables.get(key)
         if known is not None and (known.dim, known.config) != (dim, config):
             raise ValueError(f"table {key!r} was declared with dim {known.dim} and {known.config}")
-        self._all("sparse_init", {"key": key, "dim": dim, "config": asdict(config)})
+        meta = {"key": key, "dim": dim, "config": asdict(config)}
+        if self._servers is None:
+            self._all("sparse_init", meta)
+        else:  # each server keeps its own rows and copies of the rows of the chains it is on
+            chains = [self._servers.chain(p) for p in range(len(self._clients))]
+            live = self._servers.live()
+            sent = [dict(meta, chains=[c for c in chains if s in c]) for s in live]
+            self._wait([self._clients[s].request("sparse_init", m) for s, m in zip(live, sent, strict=True)])
         self.tables.setdefault(key, TableInfo(dim, config))
 
     # -- routing, pull and push -------------------------------------------------------------------
@@ -144,14 +175,15 @@ class TableClient:
         meta["rank"] = self.rank
         servers = [s for s, (a, b) in enumerate(route.bounds) if b > a]
         futures = [
-            self._clients[s].request("sparse_pull", meta, [route.ids[a:b]], out=[rows[a:b]])
+            self._request(s, "sparse_pull", meta, [route.ids[a:b]], out=[rows[a:b]])
             for s, (a, b) in enumerate(route.bounds)
             if b > a
         ]
         query = {"key": key, "min_version": meta["min_version"], "rank": self.rank}
         handle = self._handle(f"sparse pull of table {key!r}", futures)
         handle.diagnose = lambda pending: explain_wait(
-            [(self._clients[servers[i]], "sparse_waiting", query) for i in pending], self._timeout_s
+            [(self._client(servers[i]), "sparse_waiting", dict(query, primary=servers[i])) for i in pending],
+            self._timeout_s,
         )
         return handle, rows
 
@@ -168,7 +200,7 @@ class TableClient:
         info.clock += 1
         everyone = self._config.policy.rounds
         futures = [
-            self._clients[s].request("sparse_push", meta, [route.ids[a:b], grads[a:b]])
+            self._request(s, "sparse_push", meta, [route.ids[a:b], grads[a:b]])
             for s, (a, b) in enumerate(route.bounds)
             if b > a or everyone
         ]
@@ -218,7 +250,7 @@ class TableClient:
 
     def table_stats(self, key: Any) -> list[dict[str, Any]]:
         self._info(key)
-        return [reply.meta for reply in self._all("sparse_stats", {"key": key})]
+        return [reply.meta for reply in self._per_primary("sparse_stats", {"key": key})]
 
     def export_table(self, key: Any, path: str | os.PathLike[str]) -> None:
         info = self._info(key)
@@ -232,7 +264,7 @@ class TableClient:
     def gather(self, key: Any = None, full: bool = True) -> list[TableEntry]:
         """Every table (or `key`) from every server, rows sorted by id: state-file entries."""
         parts: dict[Any, list[tuple[dict, list[torch.Tensor]]]] = {}
-        for reply in self._all("sparse_get_state", {"key": key, "full": full}):
+        for reply in self._per_primary("sparse_get_state", {"key": key, "full": full}):
             at = 0
             for meta in reply.meta["tables"]:
                 parts.setdefault(meta["key"], []).append((meta, reply.tensors[at : at + meta["tensors"]]))
@@ -254,13 +286,15 @@ class TableClient:
             if route.index is not None:  # route order
                 order = torch.argsort(route.index)
                 columns = [c[order] for c in columns]
-            futures = [
-                client.request(
+            futures = [  # with replication, to every live copy of each server's rows
+                self._clients[t].request(
                     "sparse_set_state",
-                    {"key": key, "names": names},
+                    {"key": key, "names": names, "primary": p},
                     [route.ids[a:b]] + [c[a:b].contiguous() for c in columns],
                 )
-                for client, (a, b) in zip(self._clients, route.bounds, strict=True)
+                for p, (a, b) in enumerate(route.bounds)
+                for t in (self._servers.chain(p) if self._servers is not None else [p])
+                if self._servers is None or t not in self._servers.dead
             ]
             self._wait(futures)
 
