@@ -33,6 +33,7 @@ pytestmark = pytest.mark.timeout(240)
 
 JOBS = Path(__file__).parent / "jobs"
 ROLES = str(JOBS / "ray_roles.py")
+COUNT = str(JOBS / "elastic_count.py")
 PARATRAIN = str(Path(sys.executable).parent / "paratrain")
 NODE_CPUS = 3
 _LINE = re.compile(r"^\[(scheduler|server|worker) (\d+) @(\S+)\] (.*)$")
@@ -244,8 +245,10 @@ class _Output(io.StringIO):
             return super().write(text)
 
 
-def _run(args, workers=2, servers=2, on_line=None, **options):
-    config = LaunchConfig(script=str(args[0]), args=tuple(args[1:]), num_workers=workers, num_servers=servers)
+def _run(args, workers=2, servers=2, on_line=None, launch=None, **options):
+    config = LaunchConfig(
+        script=str(args[0]), args=tuple(args[1:]), num_workers=workers, num_servers=servers, **(launch or {})
+    )
     out, err = _Output(on_line), _Output()
     result = run_ray(config, RayOptions(address="auto", **options), out=out, err=err)
     assert_all_gone(result.pids, wait_s=15)
@@ -438,6 +441,22 @@ def test_a_submitted_job_runs_on_ray_with_its_folders_checked_on_every_node(clus
     assert missing_on_ray_nodes([str(tmp_path / "data")]) == ""
     missing = missing_on_ray_nodes([str(tmp_path / "nowhere")])
     assert missing.count(f"has no {tmp_path / 'nowhere'}") == 2  # each node says so
+
+
+def test_a_killed_worker_of_an_elastic_job_is_restarted_by_its_actor_and_joins(cluster):
+    """--max-restarts 1: worker 1 SIGKILLs itself in epoch 1; its actor starts it again, the new
+    process joins at epoch 2, and the weight counts every round exactly once (elastic_count.py)."""
+    launch = {"max_restarts": 1}
+    result, out, err = _run([COUNT, "--kill", "1:1"], workers=2, servers=1, launch=launch)
+    assert result.exit_code == 0, err.getvalue()
+    said = {rank: out.by_child[("worker", rank)][-1] for rank in (0, 1)}
+    assert said[0] == "worker 0: weight 18 steps 18 epochs [0, 1, 2] joined False", said
+    assert said[1] == "worker 1: weight 18 steps 6 epochs [2] joined True", said
+    first, second = [c for c in result.children if (c.role, c.rank) == ("worker", 1)]
+    assert first.returncode == -signal.SIGKILL and second.returncode == 0
+    host = result.nodes["worker 1"]
+    line = f"worker 1 (pid {first.pid}, host {host}) was killed by signal SIGKILL; the job goes on (restart 1 of 1)"
+    assert line in err.getvalue()
 
 
 def test_a_dead_node_stops_the_job_and_is_named(cluster):
