@@ -26,7 +26,9 @@ from paratrain.launch.api import LaunchConfig
 from paratrain.launch.ray import RayOptions, role_threads, run_ray
 from paratrain.launch.ray_placement import NodeInfo, RayJobError, node_labels, plan_groups
 from paratrain.launch.ray_process import RoleProcess
-from paratrain.launch.ray_supervise import first_line
+from paratrain.launch.ray_supervise import Interrupts, RayChild, Supervisor, first_line
+from paratrain.launch.report import Printer
+from paratrain.launch.restarts import Restarts
 from paratrain.testing import assert_all_gone
 
 pytestmark = pytest.mark.timeout(240)
@@ -130,6 +132,57 @@ def test_a_ray_error_is_told_in_one_line_with_the_remote_exception():
     text = "The actor died in \x1b[36mray::A()\x1b[39m\n  Traceback\nModuleNotFoundError: No module named 'x'"
     said = "RuntimeError: The actor died in ray::A() ... ModuleNotFoundError: No module named 'x'"
     assert first_line(RuntimeError(text)) == said
+
+
+class _Restarting(Supervisor):
+    """The driver's supervisor with its restarts recorded instead of made (no Ray)."""
+
+    def __init__(self, restarts: Restarts) -> None:
+        super().__init__(Printer(io.StringIO(), io.StringIO()), Interrupts(), 1.0, 1.0, None, restarts)
+        self.children = [RayChild(role, rank, actor=None) for role, rank in _ROLES]
+        self.restarted: list[str] = []
+
+    def restart(self, dead: RayChild) -> None:
+        self.restarted.append(dead.label)
+        child = RayChild(dead.role, dead.rank, actor=None)
+        child.replacement = True
+        self.children.append(child)
+
+    def end(self, role: str, rank: int, returncode: int) -> bool:
+        child = next(c for c in self.children if (c.role, c.rank) == (role, rank) and c.running)
+        child.returncode, child.ended, child.exit_time = returncode, True, time.monotonic()
+        return self._record(child)
+
+
+_ROLES = [("scheduler", 0), ("server", 0), ("worker", 0), ("worker", 1)]
+
+
+def test_an_elastic_jobs_dead_worker_is_started_again_while_restarts_last():
+    job = _Restarting(Restarts(max_restarts=1))
+    assert job.end("worker", 1, -signal.SIGKILL) and job.restarted == ["worker 1"]
+    assert job.end("worker", 1, 3) and job.restarted == ["worker 1"]  # the replacement dies: none left
+    said = job.printer.err.getvalue().splitlines()
+    assert said[0].endswith("was killed by signal SIGKILL; the job goes on (restart 1 of 1)")
+    assert said[1].endswith("exited with code 3; the job goes on (not restarted: all 1 used)")
+    assert not job.end("worker", 0, 75)  # EXIT_ABORTED: the scheduler aborted the job (min_workers)
+
+    job = _Restarting(Restarts(elastic=True))  # --elastic alone: the job goes on, nothing restarted
+    assert job.end("worker", 0, -signal.SIGKILL) and job.restarted == []
+    assert not job.end("server", 0, -signal.SIGKILL)  # servers are never restarted
+    assert not _Restarting(Restarts()).end("worker", 1, -signal.SIGKILL)  # not elastic: stops the job
+
+
+def test_a_replacement_that_never_joined_does_not_fail_a_finished_job():
+    job = _Restarting(Restarts(max_restarts=2))
+    job.end("worker", 1, -signal.SIGKILL)
+    assert job.end("worker", 0, 0) and job.end("scheduler", 0, 0) and job.ending
+    assert job.early == [] and job.end("worker", 1, 1)  # it found the scheduler gone
+    assert job.restarted == ["worker 1"]
+
+
+def test_launch_config_names_a_bad_max_restarts():
+    with pytest.raises(ValueError, match="max_restarts.*-1"):
+        LaunchConfig(script="train.py", max_restarts=-1)
 
 
 # -- the process keeper, without Ray
