@@ -357,6 +357,11 @@ def _describe(config: LaunchConfig, options: SlurmOptions, err: IO[str]) -> None
         )
     if options.gpus_per_worker and config.num_servers:
         lines.append(f"one srun gives every task the same GPUs: servers get {options.gpus_per_worker} too")
+    if config.elastic or config.max_restarts:
+        lines.append(
+            f"elastic: a worker task starts its dead process again up to {config.max_restarts} time(s); "
+            "not task 0, which runs the scheduler, nor servers"
+        )
     if thread_env(cpus, 1, {**os.environ, **config.env}):
         lines.append(f"threads per process: OMP_NUM_THREADS={cpus} (--cpus-per-task; set it to choose)")
     else:
