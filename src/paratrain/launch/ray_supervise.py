@@ -354,7 +354,7 @@ class Supervisor:
             self.restarts.is_death(child.role, child.returncode, child.lost is not None)
             or (self.ending and self.restarts.on)
         ):
-            if not self.ending:
+            if not self.ending and not self.failed:  # not while the job is failing anyway
                 self._lost(child)
             return True
         if child.lost is not None or child.returncode != 0:
