@@ -20,7 +20,8 @@ again, with the same identity, up to N times (counted per task: the tasks share 
 new process joins the running job; with no restarts left the task ends with code 0 and the job
 goes on without that worker (the scheduler stops it below min_workers, and every task's output
 then names the dead worker). Task 0 is not restarted, nor are servers: task 0 runs the scheduler
-(cluster/spec.py), whose death ends the job. srun has nothing to restart a task with: its
+(cluster/spec.py), whose death ends the job. A node that fails takes its tasks' loops with it, and
+srun ends the step: the loop restarts processes, not nodes. srun has nothing to restart a task with: its
 --kill-on-bad-exit ends the step on a task's failure, --no-kill only keeps the allocation when a
 node fails, and sbatch --requeue starts the whole batch job again; hence the loop.
 
