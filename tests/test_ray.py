@@ -26,13 +26,16 @@ from paratrain.launch.api import LaunchConfig
 from paratrain.launch.ray import RayOptions, role_threads, run_ray
 from paratrain.launch.ray_placement import NodeInfo, RayJobError, node_labels, plan_groups
 from paratrain.launch.ray_process import RoleProcess
-from paratrain.launch.ray_supervise import first_line
+from paratrain.launch.ray_supervise import Interrupts, RayChild, Supervisor, first_line
+from paratrain.launch.report import Printer
+from paratrain.launch.restarts import Restarts
 from paratrain.testing import assert_all_gone
 
 pytestmark = pytest.mark.timeout(240)
 
 JOBS = Path(__file__).parent / "jobs"
 ROLES = str(JOBS / "ray_roles.py")
+COUNT = str(JOBS / "elastic_count.py")
 PARATRAIN = str(Path(sys.executable).parent / "paratrain")
 NODE_CPUS = 3
 _LINE = re.compile(r"^\[(scheduler|server|worker) (\d+) @(\S+)\] (.*)$")
@@ -131,6 +134,57 @@ def test_a_ray_error_is_told_in_one_line_with_the_remote_exception():
     assert first_line(RuntimeError(text)) == said
 
 
+class _Restarting(Supervisor):
+    """The driver's supervisor with its restarts recorded instead of made (no Ray)."""
+
+    def __init__(self, restarts: Restarts) -> None:
+        super().__init__(Printer(io.StringIO(), io.StringIO()), Interrupts(), 1.0, 1.0, None, restarts)
+        self.children = [RayChild(role, rank, actor=None) for role, rank in _ROLES]
+        self.restarted: list[str] = []
+
+    def restart(self, dead: RayChild) -> None:
+        self.restarted.append(dead.label)
+        child = RayChild(dead.role, dead.rank, actor=None)
+        child.replacement = True
+        self.children.append(child)
+
+    def end(self, role: str, rank: int, returncode: int) -> bool:
+        child = next(c for c in self.children if (c.role, c.rank) == (role, rank) and c.running)
+        child.returncode, child.ended, child.exit_time = returncode, True, time.monotonic()
+        return self._record(child)
+
+
+_ROLES = [("scheduler", 0), ("server", 0), ("worker", 0), ("worker", 1)]
+
+
+def test_an_elastic_jobs_dead_worker_is_started_again_while_restarts_last():
+    job = _Restarting(Restarts(max_restarts=1))
+    assert job.end("worker", 1, -signal.SIGKILL) and job.restarted == ["worker 1"]
+    assert job.end("worker", 1, 3) and job.restarted == ["worker 1"]  # the replacement dies: none left
+    said = job.printer.err.getvalue().splitlines()
+    assert said[0].endswith("was killed by signal SIGKILL; the job goes on (restart 1 of 1)")
+    assert said[1].endswith("exited with code 3; the job goes on (not restarted: all 1 used)")
+    assert not job.end("worker", 0, 75)  # EXIT_ABORTED: the scheduler aborted the job (min_workers)
+
+    job = _Restarting(Restarts(elastic=True))  # --elastic alone: the job goes on, nothing restarted
+    assert job.end("worker", 0, -signal.SIGKILL) and job.restarted == []
+    assert not job.end("server", 0, -signal.SIGKILL)  # servers are never restarted
+    assert not _Restarting(Restarts()).end("worker", 1, -signal.SIGKILL)  # not elastic: stops the job
+
+
+def test_a_replacement_that_never_joined_does_not_fail_a_finished_job():
+    job = _Restarting(Restarts(max_restarts=2))
+    job.end("worker", 1, -signal.SIGKILL)
+    assert job.end("worker", 0, 0) and job.end("scheduler", 0, 0) and job.ending
+    assert job.early == [] and job.end("worker", 1, 1)  # it found the scheduler gone
+    assert job.restarted == ["worker 1"]
+
+
+def test_launch_config_names_a_bad_max_restarts():
+    with pytest.raises(ValueError, match="max_restarts.*-1"):
+        LaunchConfig(script="train.py", max_restarts=-1)
+
+
 # -- the process keeper, without Ray
 
 
@@ -147,6 +201,19 @@ def test_the_keeper_streams_output_then_the_exit_and_signals_the_group():
     keeper.signal(signal.SIGTERM)
     assert _drain_keeper(keeper)[1] == -signal.SIGTERM
     assert_all_gone([pid])
+
+
+def test_a_keeper_starts_another_process_only_after_the_last_one_exited():
+    """An elastic job's replacement runs on the dead worker's actor when only the process died."""
+    keeper = RoleProcess()
+    keeper.start([None, "-c", "import time; print('first', flush=True); time.sleep(60)"], {})
+    assert keeper.poll(30)["lines"] == [(1, "first")]
+    with pytest.raises(RuntimeError, match="still runs"):
+        keeper.start([None, "-c", "pass"], {})
+    keeper.signal(signal.SIGKILL)
+    assert _drain_keeper(keeper)[1] == -signal.SIGKILL
+    keeper.start([None, "-c", "print('second')"], {"PYTHONUNBUFFERED": "1"})
+    assert _drain_keeper(keeper) == ([(1, "second")], 0)
 
 
 def test_the_keepers_child_gets_the_node_env_less_paratrain_variables_and_the_listener(monkeypatch):
@@ -244,8 +311,10 @@ class _Output(io.StringIO):
             return super().write(text)
 
 
-def _run(args, workers=2, servers=2, on_line=None, **options):
-    config = LaunchConfig(script=str(args[0]), args=tuple(args[1:]), num_workers=workers, num_servers=servers)
+def _run(args, workers=2, servers=2, on_line=None, launch=None, **options):
+    config = LaunchConfig(
+        script=str(args[0]), args=tuple(args[1:]), num_workers=workers, num_servers=servers, **(launch or {})
+    )
     out, err = _Output(on_line), _Output()
     result = run_ray(config, RayOptions(address="auto", **options), out=out, err=err)
     assert_all_gone(result.pids, wait_s=15)
@@ -438,6 +507,24 @@ def test_a_submitted_job_runs_on_ray_with_its_folders_checked_on_every_node(clus
     assert missing_on_ray_nodes([str(tmp_path / "data")]) == ""
     missing = missing_on_ray_nodes([str(tmp_path / "nowhere")])
     assert missing.count(f"has no {tmp_path / 'nowhere'}") == 2  # each node says so
+
+
+def test_an_elastic_jobs_worker_lost_with_its_actor_is_restarted_on_a_new_one_and_joins(cluster):
+    """--max-restarts 1: worker 1 SIGKILLs its actor in epoch 1 and dies with it, which is how a
+    lost node looks to the driver; a new actor in the same bundle starts a replacement, which joins
+    at epoch 2, and the weight counts every round exactly once (elastic_count.py). (A process that
+    dies under a live actor is started again by that actor: the keeper's test above.)"""
+    args = [COUNT, "--kill", "1:1:parent"]
+    result, out, err = _run(args, workers=2, servers=1, launch={"max_restarts": 1})
+    assert result.exit_code == 0, err.getvalue()
+    said = {rank: out.by_child[("worker", rank)][-1] for rank in (0, 1)}
+    assert said[0] == "worker 0: weight 18 steps 18 epochs [0, 1, 2] joined False", said
+    assert said[1] == "worker 1: weight 18 steps 6 epochs [2] joined True", said
+    first, second = [c for c in result.children if (c.role, c.rank) == ("worker", 1)]
+    assert (first.returncode, second.returncode) == (None, 0)  # lost with its actor, then finished
+    [note] = [line for line in err.getvalue().splitlines() if "the job goes on" in line]
+    assert f"worker 1 (pid {first.pid}, host " in note and "was lost: its Ray actor died" in note
+    assert note.endswith("the job goes on (restart 1 of 1)")
 
 
 def test_a_dead_node_stops_the_job_and_is_named(cluster):

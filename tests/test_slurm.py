@@ -27,10 +27,11 @@ from pathlib import Path
 import pytest
 
 from paratrain.launch.api import LaunchConfig
-from paratrain.launch.slurm import SlurmOptions, run_slurm_job, sbatch_script, task_roles
+from paratrain.launch.slurm import SlurmOptions, run_slurm_job, sbatch_script, supervised_task, task_roles
 from paratrain.testing import free_port
 
 JOBS = Path(__file__).parent / "jobs"
+COUNT = str(JOBS / "elastic_count.py")
 PARATRAIN = str(Path(sys.executable).parent / "paratrain")
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "sinfo", "squeue", "scontrol", "scancel", "srun")
@@ -285,6 +286,22 @@ def test_a_failed_task_stops_the_step_and_the_output_names_it(slurm, tmp_path):
     assert "paratrain: job failed: srun exited with code" in text
 
 
+@pytest.mark.timeout(240)
+def test_an_elastic_jobs_killed_worker_task_starts_it_again_and_it_joins(slurm, tmp_path):
+    """--max-restarts 1: worker 1 (task 1) SIGKILLs itself in epoch 1; its task's loop starts it
+    again, the new process joins at epoch 2, and the weight counts every round exactly once."""
+    args = ("-w", "2", "-s", "1", "--max-restarts", "1", "--time", "5", COUNT, "--kill", "1:1")
+    job_id, output = _submit(slurm, tmp_path, *args)
+    state = slurm.wait_for_job(job_id)
+    text = output.read_text()
+    assert state == "COMPLETED", f"job {job_id} ended {state}:\n{text}\n{slurm.logs()}"
+    node = slurm.node
+    assert f"[worker 0 @{node}] worker 0: weight 18 steps 18 epochs [0, 1, 2] joined False\n" in text, text
+    assert f"[worker 1 @{node}] worker 1: weight 18 steps 6 epochs [2] joined True\n" in text, text
+    said = f"paratrain: worker 1 (host {node}) was killed by signal SIGKILL; the job goes on (restart 1 of 1)"
+    assert said in text
+
+
 # ---- the script, without Slurm --------------------------------------------------------------------
 
 
@@ -325,6 +342,37 @@ def test_dry_run_prints_a_script_whose_single_srun_starts_every_role(tmp_path):
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in script
     assert "cpus-per-task=2, the larger of" in done.stderr and "servers get 1 too" in done.stderr
     assert "OMP_NUM_THREADS=2" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "task, deaths, code, notes",
+    [
+        (1, 1, 0, ["restart 1 of 2"]),  # a worker: started again, then it finishes
+        (1, 3, 0, ["restart 1 of 2", "restart 2 of 2", "not restarted: all 2 used"]),  # goes on without it
+        (0, 1, 128 + signal.SIGKILL, []),  # task 0 runs the scheduler: its death ends the job
+        (2, 1, 128 + signal.SIGKILL, []),  # a server is not restarted
+    ],
+)
+def test_an_elastic_task_starts_a_dead_worker_again_while_restarts_last(tmp_path, task, deaths, code, notes):
+    """The loop every task of an elastic job runs, without Slurm: the script dies `deaths` times."""
+    count = tmp_path / "count"
+    script = (
+        "import os, signal, sys\n"
+        f"runs = int(open({str(count)!r}).read()) if os.path.exists({str(count)!r}) else 0\n"
+        f"open({str(count)!r}, 'w').write(str(runs + 1))\n"
+        "print('run', runs, flush=True)\n"
+        f"if runs < {deaths}:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = {**os.environ, "SLURM_PROCID": str(task), "SLURMD_NODENAME": "n1"}
+    command = ["bash", "-c", supervised_task(2, 1, 2), sys.executable, "-c", script]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == code, done.stderr
+    label = task_roles(2, 1)[task]
+    runs = 1 + len([note for note in notes if note.startswith("restart")])
+    assert done.stdout.splitlines() == [f"[{label[0]} {label[1]} @n1] run {n}" for n in range(runs)]
+    said = f"paratrain: {label[0]} {label[1]} (host n1) was killed by signal SIGKILL; the job goes on"
+    assert done.stderr.splitlines() == [f"{said} ({note})" for note in notes]
 
 
 def test_the_secret_is_made_at_run_time_and_never_written_down():

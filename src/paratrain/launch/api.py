@@ -63,6 +63,12 @@ class LaunchConfig:
     """The interpreter that runs the script (on every host)."""
     server_losses: int = 0
     """Servers that may die without failing the job (replicated servers: JobConfig.replication - 1)."""
+    elastic: bool = False
+    """A worker's death does not stop the job: the scheduler drops it (the script sets
+    JobConfig.elastic, and the scheduler stops the job below min_workers)."""
+    max_restarts: int = 0
+    """How many times a dead worker process is started again (implies `elastic`): in all under the
+    local and Ray engines, per worker task under Slurm (restarts.py says why)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "script", os.fspath(self.script))
@@ -81,6 +87,11 @@ class LaunchConfig:
             raise ValueError(
                 f"server_losses must be an int >= 0 and below num_servers, got {self.server_losses!r}"
             )
+        if not isinstance(self.elastic, bool):
+            raise TypeError(f"elastic must be a bool, got {self.elastic!r}")
+        restarts = self.max_restarts
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0, got {self.max_restarts!r}")
         self.warnings()  # raises about a strategy that cannot run
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s!r}")

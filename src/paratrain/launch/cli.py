@@ -96,17 +96,18 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
 @click.option(
     "--elastic",
     is_flag=True,
-    help="local: a worker that dies does not stop the job (the script sets JobConfig.elastic; the "
-    "scheduler drops it and stops the job below min_workers).",
+    help="local, ray, slurm: a worker that dies does not stop the job (the script sets "
+    "JobConfig.elastic; the scheduler drops it and stops the job below min_workers).",
 )
 @click.option(
     "--max-restarts",
     type=click.IntRange(min=0),
     default=0,
     show_default=True,
-    help="local: start a dead worker process again, up to this many times in all (implies --elastic); "
-    "the new process joins the running job. With --server-losses a dead server is restarted too: it "
-    "rejoins as a backup and catches up. The scheduler is not restarted.",
+    help="local, ray, slurm: start a dead worker process again, up to this many times in all (per worker "
+    "task under slurm; implies --elastic); the new process joins the running job. local: with "
+    "--server-losses a dead server is restarted too; it rejoins as a backup and catches up. The "
+    "scheduler is not restarted.",
 )
 @click.option("--address", default="auto", show_default=True, help="ray: the Ray cluster to run on.")
 @click.option("--partition", default=None, help="slurm: the partition to submit to.")
@@ -184,6 +185,8 @@ def launch(
             timeout_s=timeout_s,
             env=observe_env(observe, local=backend == "local"),
             server_losses=server_losses,
+            elastic=elastic,
+            max_restarts=max_restarts,
         )
     except (ValueError, TypeError) as exc:
         raise click.UsageError(_as_given(str(exc), source)) from None
@@ -201,8 +204,8 @@ def launch(
             config, host=host, dashboard=dashboard_config(observe), elastic=elastic, max_restarts=max_restarts
         )
         ctx.exit(exit_code)
-    if elastic or max_restarts:
-        raise click.UsageError(f"--elastic and --max-restarts work with --backend local, not {backend}")
+    if backend == "k8s" and (elastic or max_restarts):
+        raise click.UsageError("--elastic and --max-restarts work with --backend local, ray, slurm; not k8s")
     if backend == "ray":
         from paratrain.launch.ray import RayOptions, run_ray_job
 

@@ -20,6 +20,15 @@ Each process gets OMP_NUM_THREADS = the CPUs its role reserves (at least 1) unle
 OMP_NUM_THREADS or MKL_NUM_THREADS, which are then passed on as they are. Every node needs
 paratrain, the script (at the same path, e.g. a shared file system or the same image) and the
 interpreter Ray runs there, which runs the script unless `LaunchConfig.python` names another.
+
+Elastic jobs (`--elastic`, `--max-restarts N`: LaunchConfig.elastic, max_restarts; restarts.py): a
+dead worker is started again by the driver, up to N times in all, with the same identity, and joins
+the running job. A worker process that died leaves its actor alive, and that actor starts the new
+process on the same node; a worker lost with its node gets a new actor in the same placement-group
+bundle, which Ray moves to a live node when it can (until start_timeout_s). Ray's own actor
+restarts (`max_restarts` of an actor) do not fit: Ray does not see a process die under a live
+actor, and a restarted actor is rebuilt from its creation spec, which must not hold the job's
+secret (nor the command, which the driver's restart passes again with the secret).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from paratrain.launch.report import (
     interrupted_exit_code,
     write_outcome,
 )
+from paratrain.launch.restarts import Restarts
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +178,16 @@ class _RayJob(Supervisor):
 
     def __init__(self, config: LaunchConfig, options: RayOptions, printer: Printer) -> None:
         timeout_s = config.timeout_s
-        super().__init__(printer, Interrupts(), options.stop_grace_s, options.exit_grace_s, timeout_s)
+        restarts = Restarts(config.max_restarts, config.elastic)
+        grace = (options.stop_grace_s, options.exit_grace_s)
+        super().__init__(printer, Interrupts(), *grace, timeout_s, restarts)
         self.config = config
         self.options = options
         self.groups: list[Any] = []
+        self._actor_options: dict[tuple[str, int], dict[str, Any]] = {}
+        """Per (role, rank): where its actor runs (its bundle), to place a replacement's actor again."""
+        self._launch: dict[tuple[str, int], tuple[list[str | None], dict[str, str]]] = {}
+        """Per (role, rank): the command and environment its process was started with."""
         self.scheduler_address = ""
         self.start_error = ""
 
@@ -187,12 +203,13 @@ class _RayJob(Supervisor):
         for plan, group in zip(plans, self.groups):
             for index, (role, rank) in enumerate(plan.members):
                 bundle = plan.bundles[index]
-                actor = remote.options(
-                    num_cpus=bundle.get("CPU", 0),
-                    num_gpus=bundle.get("GPU", 0),
-                    max_concurrency=_ACTOR_CONCURRENCY,
-                    scheduling_strategy=_in_bundle(group, index),
-                ).remote()
+                self._actor_options[role, rank] = {
+                    "num_cpus": bundle.get("CPU", 0),
+                    "num_gpus": bundle.get("GPU", 0),
+                    "max_concurrency": _ACTOR_CONCURRENCY,
+                    "scheduling_strategy": _in_bundle(group, index),
+                }
+                actor = remote.options(**self._actor_options[role, rank]).remote()
                 self.children.append(RayChild(role, rank, actor))
         order = {"scheduler": 0, "server": 1, "worker": 2}
         self.children.sort(key=lambda c: (order[c.role], c.rank))
@@ -240,10 +257,33 @@ class _RayJob(Supervisor):
                 host=child.node.ip,
             )
             env = {**cfg.job_env(), **threads[child.role], **spec_to_env(spec), "PYTHONUNBUFFERED": "1"}
+            self._launch[child.role, child.rank] = (cmd, env)
             refs.append(child.actor.start.remote(cmd, env, os.getcwd()))
         for child, pid in zip(self.children, self._wait_all(refs, "the processes to start")):
             child.pid = pid
             child.poll_ref = child.actor.poll.remote(POLL_S)
+
+    def restart(self, dead: RayChild) -> None:
+        """A replacement of a dead worker: on its actor if that lives (the process died), else on a
+        new actor in its bundle (lost with its node). Its start is awaited by the supervisor."""
+        import ray
+
+        key = (dead.role, dead.rank)
+        actor = dead.actor
+        if dead.lost is not None:
+            actor = ray.remote(RoleProcess).options(**self._actor_options[key]).remote()
+        child = RayChild(dead.role, dead.rank, actor)
+        child.replacement = True
+        child.node, child.node_label = dead.node, dead.node_label  # until it says where it runs
+        cmd, env = self._launch[key]
+        child.start_ref = actor.start_here.remote(cmd, env, os.getcwd())
+        child.start_deadline = time.monotonic() + self.options.start_timeout_s
+        self.children.append(child)
+
+    def started(self, child: RayChild, where: dict[str, Any]) -> None:
+        child.node, child.pid = NodeInfo(ip=where["ip"], node_id=where["node_id"]), where["pid"]
+        known = [c.node for c in self.children if c.node.node_id != "?"]
+        child.node_label = node_labels(known)[child.node.node_id]
 
     def _threads(self) -> tuple[dict[str, dict[str, str]], str]:
         """Each role's thread variables and the line saying what was chosen."""
@@ -261,7 +301,7 @@ class _RayJob(Supervisor):
         return (
             f"starting {shlex.join([cfg.script, *cfg.args])} on Ray ({self.options.address})\n"
             f"  {cfg.num_workers} worker(s), {cfg.num_servers} server(s), scheduler at "
-            f"{self.scheduler_address}; timeout {timeout}\n"
+            f"{self.scheduler_address}; timeout {timeout}{_describe_restarts(self.restarts)}\n"
             f"  placed: {where}\n"
             f"  {thread_line}"
         )
@@ -339,6 +379,12 @@ def role_threads(options: RayOptions, user_env: Mapping[str, str]) -> tuple[dict
 class _Interrupted(Exception):
     """Raised out of a startup wait when SIGINT or SIGTERM arrived (not a RayJobError: nothing
     went wrong with the cluster)."""
+
+
+def _describe_restarts(restarts: Restarts) -> str:
+    if not restarts.on:
+        return ""
+    return f"; elastic, a dead worker restarted up to {restarts.max_restarts} time(s) in all"
 
 
 def _in_bundle(group: Any, index: int) -> Any:

@@ -6,6 +6,8 @@ the node its placement-group bundle landed on, and tests can use it without Ray.
     where()               this node's address and Ray node id
     listen(host)          (the scheduler's actor only) a listening socket, handed to the child
     start(cmd, env, cwd)  starts the script as a real OS process in its own session; returns its pid
+    start_here(cmd, env, cwd)   the same with PARATRAIN_HOST = this node's address (a replacement of
+                          a dead worker, whose node the driver learns only now); returns where() + pid
     poll(wait_s)          the output lines since the last poll, and the exit code once it exited
     signal(signum)        a signal to the child's process group
     close()               SIGKILL to what is left, and the listener closed
@@ -81,7 +83,12 @@ class RoleProcess:
 
     def start(self, cmd: list[str | None], env: dict[str, str], cwd: str | None = None) -> int:
         """Starts `cmd` (cmd[0] None: this node's Python) with this node's environment, less every
-        PARATRAIN_* variable, plus `env`. Returns the child's pid."""
+        PARATRAIN_* variable, plus `env`. Returns the child's pid. Once the last child has exited
+        (and its exit was polled), another may be started: an elastic job's replacement."""
+        with self._lock:
+            if self._proc is not None and not self._finished:
+                raise RuntimeError(f"pid {self._proc.pid} still runs: one process at a time")
+            self._returncode, self._exited_at, self._finished = None, None, False
         argv = [sys.executable if part is None else part for part in cmd]
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("PARATRAIN_")}
         child_env.update(env)
@@ -106,6 +113,14 @@ class RoleProcess:
             self._listener.close()  # the child holds it now; nothing of ours keeps the port
             self._listener = None
         return int(started[0])
+
+    def start_here(
+        self, cmd: list[str | None], env: dict[str, str], cwd: str | None = None
+    ) -> dict[str, Any]:
+        """start() on whatever node this actor runs, with PARATRAIN_HOST = that node's address.
+        Returns where() with the child's pid."""
+        where = self.where()
+        return {**where, "pid": self.start(cmd, {**env, "PARATRAIN_HOST": where["ip"]}, cwd)}
 
     def _keep(
         self,

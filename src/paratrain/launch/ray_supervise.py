@@ -6,8 +6,11 @@ long-polls their actors (`ray.wait` on the pending polls, one thread): it prints
 (launch/local.py is the model): success when every worker exits 0 and then the scheduler and
 servers by themselves; the first failure, a process lost with its node included, stops everything
 (SIGTERM to each process group through its actor, then SIGKILL), and report.py's report names
-role, rank, node and cause. SIGINT and SIGTERM to the driver are counted by `Interrupts`, which
-every wait checks at least every POLL_S. ray.py starts the processes and builds the result.
+role, rank, node and cause. In an elastic job (`Restarts`, restarts.py) a worker that dies or is
+lost with its node does not stop the job; while restarts are left the driver starts it again
+(`restart`, given by ray.py) and waits for that start alongside the polls. SIGINT and SIGTERM to
+the driver are counted by `Interrupts`, which every wait checks at least every POLL_S. ray.py
+starts the processes and builds the result.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from paratrain.launch.report import (
     Printer,
     _exit_reason,
     _first_failure,
+    _named_by_scheduler,
     _signal_name,
 )
+from paratrain.launch.restarts import Restarts
 
 STDERR_TAIL_LINES = 30
 POLL_S = 0.5
@@ -97,6 +102,11 @@ class RayChild:
         self.failure_reason: str | None = None
         self.shown: dict[int, ChildLines] = {}
         """Per stream (1, 2), what of its lines the terminal sees when the printer folds them."""
+        self.replacement = False
+        """Started in place of a dead worker (elastic jobs): it may not have joined yet."""
+        self.start_ref: Any = None
+        """A replacement's pending start (RoleProcess.start_here); None once it runs."""
+        self.start_deadline = 0.0
 
     @property
     def running(self) -> bool:
@@ -131,8 +141,13 @@ class Supervisor:
         stop_grace_s: float,
         exit_grace_s: float,
         timeout_s: float | None,
+        restarts: Restarts | None = None,
     ) -> None:
         self.printer = printer
+        self.restarts = restarts or Restarts()
+        self.ending = False
+        """Elastic: the job is done while replacements that never joined still run; they exit."""
+        self.stopping = False
         self.interrupts = interrupts
         self.stop_grace_s = stop_grace_s
         self.exit_grace_s = exit_grace_s
@@ -214,7 +229,14 @@ class Supervisor:
             wait = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
             if wait <= 0:
                 return None
-            by_ref = {c.poll_ref: c for c in self.children if c.running and c.poll_ref is not None}
+            expired = self._expired_starts()
+            if expired:
+                return expired
+            by_ref = {}  # a running child has a poll in flight, or a replacement its start
+            for c in self.children:
+                ref = c.poll_ref if c.poll_ref is not None else c.start_ref
+                if c.running and ref is not None:
+                    by_ref[ref] = c
             if not by_ref:
                 return []
             ready, rest = ray.wait(list(by_ref), num_returns=1, timeout=wait)
@@ -230,6 +252,8 @@ class Supervisor:
         """Prints one finished poll's output and asks for the next; True if the child ended."""
         import ray
 
+        if child.start_ref is not None:
+            return self._take_start(child)
         try:
             reply = ray.get(child.poll_ref)
         except ray.exceptions.RayError as exc:
@@ -257,6 +281,61 @@ class Supervisor:
         child.ended, child.exit_time = True, time.monotonic() - ago
         return True
 
+    def _take_start(self, child: RayChild) -> bool:
+        """A replacement's start finished: it runs (then poll it), or it could not start (ended)."""
+        import ray
+
+        try:
+            where = ray.get(child.start_ref)
+        except ray.exceptions.RayError as exc:
+            child.lost = f"could not be started again: {first_line(exc)}"
+            child.start_ref, child.ended, child.exit_time = None, True, time.monotonic()
+            return True
+        child.start_ref = None
+        self.started(child, where)
+        child.poll_ref = child.actor.poll.remote(POLL_S)
+        if self.stopping:  # it came up after the others were told to stop
+            child.signal(signal.SIGKILL)
+        return False
+
+    def _expired_starts(self) -> list[RayChild]:
+        """Replacements whose start took longer than allowed (their node gone, the cluster full):
+        lost, as a death (the driver's release kills their actors)."""
+        now, expired = time.monotonic(), []
+        for child in self.children:
+            if child.running and child.start_ref is not None and now > child.start_deadline:
+                child.lost = "was not started again: Ray placed no actor for it in time"
+                child.start_ref, child.ended, child.exit_time = None, True, now
+                expired.append(child)
+        return expired
+
+    # -- elastic jobs (restarts.py)
+
+    def restart(self, dead: RayChild) -> None:
+        """Starts a replacement of `dead`: a new RayChild in self.children whose start_ref is set."""
+        raise NotImplementedError
+
+    def started(self, child: RayChild, where: dict[str, Any]) -> None:
+        """Notes where a replacement runs (RoleProcess.start_here's reply)."""
+        raise NotImplementedError
+
+    def _lost(self, child: RayChild) -> None:
+        """A worker of an elastic job died: the scheduler drops it; restart it while restarts last."""
+        reason = child.lost or _exit_reason(child.returncode or 0)
+        again, line = self.restarts.take(f"{child.label} (pid {child.pid}, host {child.node_label}) {reason}")
+        self.printer.write(self.printer.err, line)
+        if again:
+            self.restart(child)
+
+    def _only_replacements_left(self) -> bool:
+        """The scheduler ended the job and every worker still running is a replacement (one that had
+        joined would have kept the scheduler going): they find it gone and exit by themselves."""
+        if not self.restarts.on or self.ending:
+            return False
+        done = any(c.role == "scheduler" and c.returncode == 0 for c in self.children)
+        running = [c for c in self.children if c.role == "worker" and c.running]
+        return done and all(c.replacement for c in running)
+
     def _show(self, child: RayChild, stream: int, line: str | None) -> None:
         """Prints one line of a child (None: its output ended), folded if the printer folds."""
         stream_out = self.printer.out if stream == 1 else self.printer.err
@@ -271,21 +350,32 @@ class Supervisor:
 
     def _record(self, child: RayChild) -> bool:
         """Notes one exit or loss (before stopping began); returns False if it fails the job."""
+        if child.role == "worker" and (
+            self.restarts.is_death(child.role, child.returncode, child.lost is not None)
+            or (self.ending and self.restarts.on)
+        ):
+            if not self.ending and not self.failed:  # not while the job is failing anyway
+                self._lost(child)
+            return True
         if child.lost is not None or child.returncode != 0:
             child.failure_reason = child.lost or _exit_reason(child.returncode or 0)
             self.failed.append(child)
             self.failed.extend(self.early)  # an earlier clean exit may be the cause of this one
             self.early.clear()
             return False
-        if child.role != "worker" and self._workers_running():
+        if child.role != "worker" and self._workers_running() and not self.ending:
             child.failure_reason = "exited early (code 0) before every worker finished"
             self.early.append(child)
+        if self._only_replacements_left():
+            self.ending = True
+            self.early.clear()
         return True
 
     # -- stopping
 
     def stop(self) -> None:
         """SIGTERM to every running process group, SIGKILL after stop_grace_s; waits for the exits."""
+        self.stopping = True
         self.still_running = [c for c in self.children if c.running and c.poll_ref is not None]
         if not self.still_running:
             return
@@ -315,6 +405,9 @@ class Supervisor:
         """The process to blame for an outcome other than ok or interrupted."""
         if outcome == "failed":
             child = _first_failure(self.failed)
+            named = _named_by_scheduler(self.children) if child.returncode == EXIT_ABORTED else None
+            if named is not None:  # every exit was a consequence: the scheduler knows the cause
+                return named[0].failure(named[1])
             assert child.failure_reason is not None
             return child.failure(child.failure_reason)
         left = self.still_running or self.children

@@ -14,6 +14,17 @@ that task and its node. Each task runs the script under `bash -c`, which prefixe
 output with `[role rank @node] ` (as the local launcher prefixes `[role rank] `); the table of roles
 in that command is `server_ranks` of the cluster spec, the rule each task's spec_from_env applies.
 
+Elastic jobs (`--elastic`, `--max-restarts N`; restarts.py): each task's command is then a small
+supervisor loop (`supervised_task`) around the script. A worker task whose process dies starts it
+again, with the same identity, up to N times (counted per task: the tasks share no state), and the
+new process joins the running job; with no restarts left the task ends with code 0 and the job
+goes on without that worker (the scheduler stops it below min_workers, and every task's output
+then names the dead worker). Task 0 is not restarted, nor are servers: task 0 runs the scheduler
+(cluster/spec.py), whose death ends the job. A node that fails takes its tasks' loops with it, and
+srun ends the step: the loop restarts processes, not nodes. srun has nothing to restart a task with: its
+--kill-on-bad-exit ends the step on a task's failure, --no-kill only keeps the allocation when a
+node fails, and sbatch --requeue starts the whole batch job again; hence the loop.
+
 The command returns once sbatch accepted the job (or failed to), printing the job id and the output
 file; `--dry-run` prints the script instead of submitting it.
 """
@@ -31,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from paratrain.cluster.spec import server_ranks
+from paratrain.cluster.spec import EXIT_ABORTED, server_ranks
 from paratrain.launch.api import LaunchConfig, thread_env
 
 SBATCH_TIMEOUT_S = 60.0
@@ -178,7 +189,7 @@ def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str
         *_rendezvous(python),
         f"echo {shlex.quote('paratrain: ' + describe_tasks(config.num_workers, config.num_servers))}",
         "# Every line a task writes (stdout and stderr alike) starts with its role, rank and node.",
-        f"PREFIX_OUTPUT={shlex.quote(_prefix_output(config.num_workers, config.num_servers))}",
+        *_task_command(config),
         f"srun --kill-on-bad-exit=1 --ntasks={tasks} --cpus-per-task={cpus}{gpus} "
         f'bash -c "$PREFIX_OUTPUT" {python} -u {command} && exit 0',
         "status=$?",
@@ -249,6 +260,42 @@ def _prefix_output(num_workers: int, num_servers: int) -> str:
     )
 
 
+def _task_command(config: LaunchConfig) -> list[str]:
+    """The lines that set PREFIX_OUTPUT, the command every srun task runs around the script."""
+    workers, servers = config.num_workers, config.num_servers
+    if not (config.elastic or config.max_restarts):
+        return [f"PREFIX_OUTPUT={shlex.quote(_prefix_output(workers, servers))}"]
+    return [
+        f"# Elastic: a worker task (but task 0, which runs the scheduler) starts a dead worker again, up to"
+        f" {config.max_restarts} time(s).",
+        f"PREFIX_OUTPUT={shlex.quote(supervised_task(workers, servers, config.max_restarts))}",
+    ]
+
+
+def supervised_task(num_workers: int, num_servers: int, max_restarts: int) -> str:
+    """The bash command each task of an elastic job runs: "$0" "$@" with every output line
+    prefixed (as _prefix_output), in a loop that starts a worker's process again when it died, up
+    to max_restarts times, and says so on stderr. Its exit status: the process's, but 0 for a
+    worker that died with no restarts left (the job goes on without it; the scheduler decides)."""
+    roles = task_roles(num_workers, num_servers)
+    labels = " ".join(f'"{role} {rank}"' for role, rank in roles)
+    restartable = " ".join("1" if role == "worker" and task else "0" for task, (role, _) in enumerate(roles))
+    spent = f"not restarted: all {max_restarts} used" if max_restarts else "not restarted"
+    return (
+        f"labels=({labels}); restartable=({restartable}); restarts=0; "
+        'label=${labels[$SLURM_PROCID]}; tag="[$label @$SLURMD_NODENAME] "; '
+        'while :; do "$0" "$@" 2>&1 | sed -u "s|^|$tag|"; status=${PIPESTATUS[0]}; '
+        f'if [ "$status" = 0 ] || [ "$status" = {EXIT_ABORTED} ] || '
+        '[ "${restartable[$SLURM_PROCID]}" != 1 ]; then exit "$status"; fi; '
+        'if [ "$status" -gt 128 ]; then why="was killed by signal SIG$(kill -l "$status")"; '
+        'else why="exited with code $status"; fi; '
+        'said="paratrain: $label (host $SLURMD_NODENAME) $why; the job goes on"; '
+        f'if [ "$restarts" -ge {max_restarts} ]; then '
+        f'echo "$said ({spent})" >&2; exit 0; fi; '
+        f'restarts=$((restarts + 1)); echo "$said (restart $restarts of {max_restarts})" >&2; done'
+    )
+
+
 def describe_tasks(num_workers: int, num_servers: int) -> str:
     roles = task_roles(num_workers, num_servers)
     return "srun task " + ", ".join(f"{task}: {role} {rank}" for task, (role, rank) in enumerate(roles))
@@ -311,6 +358,11 @@ def _describe(config: LaunchConfig, options: SlurmOptions, err: IO[str]) -> None
         )
     if options.gpus_per_worker and config.num_servers:
         lines.append(f"one srun gives every task the same GPUs: servers get {options.gpus_per_worker} too")
+    if config.elastic or config.max_restarts:
+        lines.append(
+            f"elastic: a worker task starts its dead process again up to {config.max_restarts} time(s); "
+            "not task 0, which runs the scheduler, nor servers"
+        )
     if thread_env(cpus, 1, {**os.environ, **config.env}):
         lines.append(f"threads per process: OMP_NUM_THREADS={cpus} (--cpus-per-task; set it to choose)")
     else:
