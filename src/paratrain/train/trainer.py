@@ -502,6 +502,8 @@ class Trainer:
                 worker.update(state)
             else:
                 checkpoint.save_file(folder / "model.pt", state)
+        if not own and getattr(self.engine, "per_worker_optimizer", False):
+            worker["optimizer"] = self.optimizer.state_dict()  # top-k: each worker steps its own
         checkpoint.save_file(folder / f"worker-{self.rank}.pt", worker)
         self.ctx.barrier(name=f"checkpoint-{self.steps}")
         if self.rank != 0:
@@ -519,10 +521,11 @@ class Trainer:
         worker = checkpoint.load_file(found.file(f"worker-{self.rank}.pt"))
         state = worker if self._per_worker_model() else checkpoint.load_file(found.file("model.pt"))
         unwrap(model).load_state_dict(state["model"])
+        optimizer = worker.get("optimizer", state["optimizer"])  # a worker's own, where it has one
         if self.pipelined:  # saved with this stage's parameters only: loaded once the stage is cut
-            self._pending_optimizer_state = state["optimizer"]
+            self._pending_optimizer_state = optimizer
         else:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(optimizer)
         self.steps = worker["steps"]
         if self.loader is not None and worker["loader"] is not None:
             self.loader.load_state_dict(worker["loader"])
