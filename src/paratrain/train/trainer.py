@@ -114,10 +114,16 @@ class CollectiveEngine(LocalEngine):
         from paratrain.cluster.rendezvous import init_torch_distributed
 
         init_torch_distributed(ctx, collective.backend_for(model))
-        self.local_sgd = None
+        self.local_sgd = self.updates = None
+        compression = strategy.compression_config
         if strategy.local_sgd_period:
             super().__init__(model)
             self.local_sgd = collective.LocalSGD(model, strategy.local_sgd_period)
+        elif compression is not None and compression.sends_updates:
+            from paratrain.collective.updates import CompressedUpdates
+
+            super().__init__(model)  # no DDP: the optimizer's updates travel (collective/updates.py)
+            self.updates = CompressedUpdates(model, compression)
         elif any(p.requires_grad for p in model.parameters()):
             super().__init__(
                 collective.wrap_ddp(
@@ -141,10 +147,19 @@ class CollectiveEngine(LocalEngine):
 
         compression.restore(self.model, folder)
 
+    @property
+    def per_worker_optimizer(self) -> bool:
+        """Whether each rank's optimizer state is its own (then each saves it in a checkpoint)."""
+        return self.local_sgd is not None or self.updates is not None
+
     def step(self, optimizer: torch.optim.Optimizer, local_step: Any) -> Any:
+        if self.updates is not None:
+            self.updates.before_step()
         result = local_step()
         if self.local_sgd is not None:
             self.local_sgd.after_step()
+        if self.updates is not None:
+            self.updates.after_step()
         return result
 
 
