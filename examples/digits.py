@@ -27,6 +27,7 @@ parser.add_argument(
 parser.add_argument("--epochs", type=int, default=12)
 parser.add_argument("--batch-size", type=int, default=32, help="per worker")
 parser.add_argument("--lr", type=float, default=2e-3)
+parser.add_argument("--seed", type=int, default=0, help="the model's initial weights and the data order")
 parser.add_argument("--checkpoint-dir", default=None, help="checkpoint every epoch here; a rerun resumes")
 parser.add_argument("--metrics-dir", default=None, help="JSON lines and TensorBoard scalars")
 parser.add_argument(
@@ -49,7 +50,7 @@ args = parser.parse_args()
 
 elastic = None if args.elastic is None else paratrain.ElasticConfig(min_workers=args.elastic)
 ctx = paratrain.init(paratrain.JobConfig(elastic=elastic))  # the scheduler and servers serve in here
-torch.manual_seed(0)
+torch.manual_seed(args.seed)
 model = nn.Sequential(
     nn.Conv2d(1, 16, 3, padding=1),
     nn.ReLU(),
@@ -73,6 +74,7 @@ trainer = paratrain.Trainer(
     checkpoint_dir=args.checkpoint_dir,
     checkpoint_every=len(loader) // ctx.num_workers if args.checkpoint_dir else 0,
     metrics_dir=args.metrics_dir,
+    seed=args.seed,
 )
 for _epoch in trainer.epochs(args.epochs):
     for images, labels in trainer.loader:

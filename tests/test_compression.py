@@ -131,3 +131,95 @@ def test_compressed_rounds_and_ddp_hooks_match_the_reference(tmp_path):
         "servers.compression-worker-1.pt",
         "servers.pt",
     ]
+
+
+# -- top-k sends the optimizer's update (train/ps.py), against a plain reference, no processes ----
+class _OneWorkerKV:
+    """A kvstore of one worker and one server in this process: a push goes through the worker's real
+    encoding (top-k with error feedback) and the codec's decoding; the server averages over its one
+    worker and applies SGD (the only optimizer it may be given here) or keeps the mean."""
+
+    def __init__(self) -> None:
+        self.values, self.server_optimizer, self.pushed = {}, None, []
+
+    def set_gradient_compression(self, config):
+        from paratrain.kvstore.compressed import WorkerCompression
+
+        self.compression = WorkerCompression(config)
+
+    def init(self, keys, values):
+        self.values = {k: v.clone().reshape(-1) for k, v in zip(keys, values, strict=True)}
+
+    def set_optimizer(self, optimizer, **hyper):
+        self.server_optimizer = (optimizer, hyper)
+
+    def pull(self, keys, out):
+        for k, o in zip(keys, out, strict=True):
+            o.copy_(self.values[k].reshape(o.shape))
+
+    def pushpull_async(self, keys, values, out):
+        self.pushed.append([v.clone() for v in values])
+        for k, v, o in zip(keys, values, out, strict=True):
+            flat = v.reshape(-1)
+            payload = self.compression.encode(k, 0, flat, flat.numel())
+            sent = (
+                flat.clone()
+                if len(payload) == 1
+                else self.compression.codec.decode(payload, torch.empty_like(flat))
+            )
+            if self.server_optimizer is None:
+                self.values[k] = sent
+            else:
+                assert self.server_optimizer == (torch.optim.SGD, {"lr": 1.0})
+                self.values[k] = self.values[k] - sent
+            o.copy_(self.values[k].reshape(o.shape))
+        return self
+
+    def wait(self):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("update_on", ["server", "worker"])
+def test_topk_sends_the_optimizers_update_with_error_feedback(monkeypatch, update_on):
+    """Top-k under ps: the worker steps Adam on its own gradient and pushes the update (before -
+    after); the weights then move by exactly what top-k with error feedback let through
+    (reference.encode_topk on the updates), whether the servers apply it or the worker does."""
+    from torch import nn
+
+    from paratrain.train import ps
+    from paratrain.train.strategy import Strategy
+
+    kv = _OneWorkerKV()
+    monkeypatch.setattr(ps.kvstore, "create", lambda config, ctx: kv)
+    torch.manual_seed(0)
+    model, reference_model = nn.Linear(64, 32), nn.Linear(64, 32)  # 2048 weights: compressed
+    reference_model.load_state_dict(model.state_dict())
+    # eps=1: Adam's first updates are not all +-lr (top-k would pick among ties)
+    optimizer, reference_optimizer = (
+        torch.optim.Adam(m.parameters(), lr=0.01, eps=1.0) for m in (model, reference_model)
+    )
+    strategy = Strategy(architecture="ps", update_on=update_on, compression="topk", compression_ratio=0.05)
+    engine = ps.PSEngine(model, optimizer, strategy, ctx=None)
+    assert engine.per_worker_optimizer and (kv.server_optimizer is not None) == (update_on == "server")
+    residual = [0.0] * 2048
+    for step in range(6):
+        x, y = torch.randn(16, 64), torch.randn(16, 32)
+        for m in (model, reference_model):
+            nn.functional.mse_loss(m(x), y).backward()
+        engine.step(optimizer, optimizer.step)
+        optimizer.zero_grad()
+        with torch.no_grad():  # the reference: Adam's update, its top-k with error feedback, applied
+            before = [p.clone() for p in reference_model.parameters()]
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+            weight, bias = reference_model.parameters()
+            update = (before[0] - weight).reshape(-1)
+            assert torch.allclose(kv.pushed[-1][0].reshape(-1), update, atol=1e-7)
+            sent, residual = reference.encode_topk(update.tolist(), residual, 103)
+            weight.copy_(before[0] - torch.tensor(reference.decode_topk(sent, 2048)).reshape(32, 64))
+            bias.copy_(before[1] - (before[1] - bias))  # 32 elements: sent whole
+        for p, q in zip(model.parameters(), reference_model.parameters(), strict=True):
+            assert torch.allclose(p, q, atol=1e-6), f"step {step}"

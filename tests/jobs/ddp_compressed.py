@@ -4,7 +4,9 @@
 averaged gradient DDP leaves in .grad is the mean of those over ranks (elementwise, so the bucket
 layout does not matter); checked exactly for several steps, across DDP's bucket rebuild. The
 residuals survive a state_dict round trip per parameter. topk, fp16 and powersgd: every rank ends
-with the same parameters, and the averaged gradient is near the true mean.
+with the same parameters, and the averaged gradient is near the true mean. Then top-k's optimizer
+updates (collective/updates.py, what the Trainer runs): the parameters every rank ends with are the
+reference's (SGD's updates, top-k'd with error feedback per rank, averaged).
 """
 
 import torch
@@ -15,7 +17,9 @@ import paratrain
 from paratrain.cluster.rendezvous import init_torch_distributed
 from paratrain.collective import compression as hooks
 from paratrain.collective import wrap_ddp
+from paratrain.collective.updates import CompressedUpdates
 from paratrain.compression import CompressionConfig
+from paratrain.compression import reference as topk_reference
 
 ctx = paratrain.init()
 init_torch_distributed(ctx, "gloo")
@@ -83,4 +87,29 @@ for kind in ("topk", "fp16", "powersgd"):
     got = torch.cat([g.reshape(-1) for g in seen[0]])
     want = torch.cat([g.reshape(-1) for g in true])
     assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.5, kind
+# topk under the Trainer's collective strategy sends optimizer updates (collective/updates.py): SGD
+# here, so that rank r's update is lr x its gradient and the reference needs no optimizer state.
+config, LR = CompressionConfig("topk", ratio=0.1, min_elements=0), 0.1
+net, reference = model(), model()
+updates, optimizer = CompressedUpdates(net, config), torch.optim.SGD(net.parameters(), lr=LR)
+residuals = {r: [[0.0] * p.numel() for p in reference.parameters()] for r in range(W)}
+for step in range(4):
+    local_grads(net, rank, step)
+    updates.before_step()
+    optimizer.step()
+    updates.after_step()
+    mean = [torch.zeros(p.numel()) for p in reference.parameters()]
+    per_rank = [local_grads(reference, r, step) for r in range(W)]
+    for r in range(W):
+        for i, g in enumerate(per_rank[r]):
+            k = -(-g.numel() // 10)
+            sent, residuals[r][i] = topk_reference.encode_topk(
+                (LR * g).reshape(-1).tolist(), residuals[r][i], k
+            )
+            mean[i] += torch.tensor(topk_reference.decode_topk(sent, g.numel())) / W
+    with torch.no_grad():
+        for p, m in zip(reference.parameters(), mean):
+            p.sub_(m.view_as(p))
+    for got, want in zip(net.parameters(), reference.parameters()):
+        assert torch.allclose(got, want, atol=1e-6), (step, (got - want).abs().max())
 print("compressed DDP matches the reference", flush=True)

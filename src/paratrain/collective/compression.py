@@ -31,6 +31,8 @@ ATTRIBUTE = "_paratrain_compression"
 class CompressionHookState:
     """One rank's codec and residuals (per bucket in training, per parameter in a checkpoint)."""
 
+    saves_residuals = True  # save() and restore() take it (PowerSGD's state is not saved)
+
     def __init__(self, config: CompressionConfig, module: torch.nn.Module) -> None:
         self.config = config
         self.codec = make_codec(config)
@@ -144,14 +146,15 @@ def state_path(folder: Path) -> Path:
 
 
 def save(module: Any, folder: Path) -> None:
-    """This rank's residuals into a checkpoint folder (nothing where `module` has no hook)."""
+    """This rank's residuals into a checkpoint folder (nothing where `module` has no hook or
+    updates.CompressedUpdates)."""
     state = getattr(module, ATTRIBUTE, None)
-    if isinstance(state, CompressionHookState):
+    if getattr(state, "saves_residuals", False):  # a CompressionHookState, updates.CompressedUpdates
         save_file(state_path(folder), state.state_dict())
 
 
 def restore(module: Any, folder: Path) -> None:
     state = getattr(module, ATTRIBUTE, None)
     path = state_path(folder)
-    if isinstance(state, CompressionHookState) and path.exists():
+    if getattr(state, "saves_residuals", False) and path.exists():
         state.load_state_dict(load_file(path))

@@ -15,6 +15,14 @@ error feedback per key; with update_on="worker" the pulled mean too (the servers
 feedback); with update_on="server" the pulled weights go in full. A 2bit threshold applies to each
 worker's gradient as pushed and to the round's mean pulled back (the servers average the rounds).
 
+Top-k sends updates, not gradients (CompressionConfig.sends_updates says why): each worker steps
+its own optimizer on its own gradient in step() and pushes the update (weights before - after);
+with update_on="server" the servers apply the round's mean with SGD at lr 1 and the workers pull
+the weights, with update_on="worker" the servers only average and each worker subtracts the pulled
+mean from the weights it had. The workers' weights stay equal; their optimizer states differ (each
+saves its own in a checkpoint), and pushes wait for the optimizer, so they no longer overlap
+backward.
+
 A worker pushes grad / accumulation_steps. In sync and bounded modes the servers apply a round's mean
 over the workers that pushed to it (KVStoreConfig.average: the round counts them), so one server step
 equals one single-process step on the global batch, whatever the number of workers in the round. In
@@ -82,7 +90,12 @@ class PSEngine:
         self.staging = [torch.empty(p.shape, dtype=p.dtype) for p in self.params]
         self.outgoing = [torch.empty(p.shape, dtype=p.dtype) for p in self.params]
         self.kv.init(self.keys, [p.detach().cpu() for p in self.params])
-        if self.on_server:
+        self.sends_updates = compression is not None and compression.sends_updates
+        self.per_worker_optimizer = self.sends_updates  # each worker's optimizer sees its own gradients
+        self.before: list[torch.Tensor] = []  # update_on="worker": the weights before the step
+        if self.on_server and self.sends_updates:
+            self.kv.set_optimizer(torch.optim.SGD, lr=1.0)  # the value moves by the pushed mean update
+        elif self.on_server:
             self.hyper = server_hyperparameters(optimizer)
             self.kv.set_optimizer(type(optimizer), **self.hyper)
         self.pull_parameters()
@@ -103,8 +116,8 @@ class PSEngine:
         self.sync_now = sync
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if not self.sync_now:
-            return  # an accumulation micro-step: the gradient stays in .grad
+        if not self.sync_now or self.sends_updates:
+            return  # an accumulation micro-step (or top-k's updates): the gradient stays in .grad
         i = self.index[id(param)]
         if i in self._sent:
             return  # a second backward through the same step: sent with step()'s check below
@@ -145,6 +158,8 @@ class PSEngine:
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, local_step: Any) -> Any:
+        if self.sends_updates:
+            return self._step_update(local_step)
         if self.on_server:
             self._check_hyperparameters(optimizer)
         self._bucket.extend(
@@ -167,6 +182,40 @@ class PSEngine:
                     p.grad = torch.zeros_like(p)
                 p.grad.copy_(mean)
         return local_step()
+
+    def _step_update(self, local_step: Any) -> Any:
+        """Top-k: this worker's optimizer steps on its gradient; the update (before - after) is
+        pushed, and the weights become the servers' (or the old weights less the pulled mean)."""
+        with torch.no_grad():
+            if self.scale != 1.0:
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(self.scale)
+            if not self.on_server and not self.before:
+                self.before = [torch.empty_like(p) for p in self.params]
+            for i, p in enumerate(self.params):
+                self.outgoing[i].copy_(p)
+                if self.before:
+                    self.before[i].copy_(p)
+        result = local_step()
+        start = time.perf_counter()
+        with torch.no_grad():
+            for out, p in zip(self.outgoing, self.params, strict=True):
+                out.sub_(p.detach().to(out.device))
+            size = sum(out.numel() * out.element_size() for out in self.outgoing)
+            with tracer().range("push", keys=len(self.keys), bytes=size):
+                handle = self.kv.pushpull_async(self.keys, self.outgoing, out=self.staging)
+            self.communication_s += time.perf_counter() - start
+            start = time.perf_counter()
+            with tracer().range("wait for round (pull)", buckets=1):
+                handle.wait()
+            self.waiting_s += time.perf_counter() - start
+            for i, (p, value) in enumerate(zip(self.params, self.staging, strict=True)):
+                if self.on_server:
+                    p.copy_(value)
+                else:
+                    p.copy_(self.before[i] - value.to(p.device))
+        return result
 
     def _check_hyperparameters(self, optimizer: torch.optim.Optimizer) -> None:
         now = server_hyperparameters(optimizer)

@@ -114,10 +114,16 @@ class CollectiveEngine(LocalEngine):
         from paratrain.cluster.rendezvous import init_torch_distributed
 
         init_torch_distributed(ctx, collective.backend_for(model))
-        self.local_sgd = None
+        self.local_sgd = self.updates = None
+        compression = strategy.compression_config
         if strategy.local_sgd_period:
             super().__init__(model)
             self.local_sgd = collective.LocalSGD(model, strategy.local_sgd_period)
+        elif compression is not None and compression.sends_updates:
+            from paratrain.collective.updates import CompressedUpdates
+
+            super().__init__(model)  # no DDP: the optimizer's updates travel (collective/updates.py)
+            self.updates = CompressedUpdates(model, compression)
         elif any(p.requires_grad for p in model.parameters()):
             super().__init__(
                 collective.wrap_ddp(
@@ -141,10 +147,19 @@ class CollectiveEngine(LocalEngine):
 
         compression.restore(self.model, folder)
 
+    @property
+    def per_worker_optimizer(self) -> bool:
+        """Whether each rank's optimizer state is its own (then each saves it in a checkpoint)."""
+        return self.local_sgd is not None or self.updates is not None
+
     def step(self, optimizer: torch.optim.Optimizer, local_step: Any) -> Any:
+        if self.updates is not None:
+            self.updates.before_step()
         result = local_step()
         if self.local_sgd is not None:
             self.local_sgd.after_step()
+        if self.updates is not None:
+            self.updates.after_step()
         return result
 
 
@@ -502,6 +517,8 @@ class Trainer:
                 worker.update(state)
             else:
                 checkpoint.save_file(folder / "model.pt", state)
+        if not own and getattr(self.engine, "per_worker_optimizer", False):
+            worker["optimizer"] = self.optimizer.state_dict()  # top-k: each worker steps its own
         checkpoint.save_file(folder / f"worker-{self.rank}.pt", worker)
         self.ctx.barrier(name=f"checkpoint-{self.steps}")
         if self.rank != 0:
@@ -519,10 +536,11 @@ class Trainer:
         worker = checkpoint.load_file(found.file(f"worker-{self.rank}.pt"))
         state = worker if self._per_worker_model() else checkpoint.load_file(found.file("model.pt"))
         unwrap(model).load_state_dict(state["model"])
+        optimizer = worker.get("optimizer", state["optimizer"])  # a worker's own, where it has one
         if self.pipelined:  # saved with this stage's parameters only: loaded once the stage is cut
-            self._pending_optimizer_state = state["optimizer"]
+            self._pending_optimizer_state = optimizer
         else:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(optimizer)
         self.steps = worker["steps"]
         if self.loader is not None and worker["loader"] is not None:
             self.loader.load_state_dict(worker["loader"])
