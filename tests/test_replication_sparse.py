@@ -18,7 +18,7 @@ from paratrain.kvstore.consistency import Async, Sync
 from paratrain.kvstore.server.rowstore import initial_rows
 from paratrain.kvstore.server.shard import Rules
 from paratrain.kvstore.server.sparse import SparseTable, SparseTables, build_optimizer
-from paratrain.kvstore.server.sparse_replica import TableCopy, apply_delta, delta
+from paratrain.kvstore.server.sparse_replica import TableCopy, apply_delta, delta, send_tables
 from paratrain.testing import run_job
 
 JOBS = Path(__file__).parent / "jobs"
@@ -100,6 +100,81 @@ def test_a_delta_older_than_the_copy_is_ignored_and_a_gap_refused() -> None:
     assert backup.replica.applied[0].below == 3  # the async clocks applied: repeats are recognised
     assert backup.replica.repeat(backup, 0, 2, rounds=False)
     assert not backup.replica.repeat(backup, 0, 3, rounds=False)
+
+
+# -- a restarted server: every row by a transfer, then deltas ----------------------------------------
+class Links:
+    """Server 0's links to a restarted server 1, in this process: frames are handled at once."""
+
+    def __init__(self, restarted: SparseTables) -> None:
+        self.restarted, self.rank, self.enabled, self.catching_up, self.dead = restarted, 0, True, True, set()
+
+    def mark_dead(self, ranks: list[int]) -> None:
+        self.dead.update(ranks)
+
+    def serves(self, chain: list[int], without: int) -> bool:
+        return [s for s in chain if s != without and s not in self.dead][:1] == [self.rank]
+
+    def request(self, op: str, meta: dict, tensors: list[torch.Tensor]) -> Request:
+        request = Request(op, meta, [t.clone() for t in tensors])
+        self.restarted.handle(request)
+        return request
+
+
+def test_a_restarted_server_gets_every_row_by_a_transfer_and_then_equals_the_serving_copy() -> None:
+    """Server 1 died; server 0 serves its rows (Adagrad, ttl and a cap evict). Server 1 restarts:
+    a delta before its transfer is dropped, the transfer brings every row with its optimizer
+    state, version, step and async clocks, and the deltas after it keep it equal to server 0's."""
+    config = TableConfig(init_scale=0.3, ttl_steps=4, max_rows=40)
+    restarted = SparseTables(Server(1, Rules(Async(), frozenset({0, 1})), None))  # type: ignore[arg-type]
+    links = restarted.server.replicator = Links(restarted)
+    serving = SparseTable("t", DIM, config, build_optimizer("torch.optim.Adagrad", {"lr": 0.1}))
+    serving.own_optimizer = True
+    joined = False
+
+    def forward(table: SparseTable, slots: np.ndarray) -> None:
+        if joined:  # sparse_replicate, as TableReplicas.forward sends it
+            links.request("sparse_replicate", *delta(table, slots))
+        table.replica.durable = table.version
+
+    serving.replica = TableCopy(1, [1, 0], 0, forward=forward, promoted=True)  # server 1's rows
+    chance = random.Random(3)
+
+    def steps(first: int, count: int) -> None:
+        for step in range(first, first + count):
+            for rank in (0, 1):
+                ids = np.unique(np.array(chance.sample(range(60), 12)))
+                serving.read(ids, step, train=True, rank=rank)
+                pushed = ids[: len(ids) // 2]
+                assert not serving.replica.repeat(serving, rank, step, rounds=False)
+                serving.push(rank, step, pushed, torch.randn(len(pushed), DIM), Async(), frozenset({0, 1}))
+
+    steps(0, 8)
+    joined = True
+    steps(8, 1)  # its delta reaches server 1 before the transfer: dropped (catching up)
+    assert restarted.all_tables() == [] and serving.replica.evicted == []
+    serving._evict(serving.rows.live_slots()[:2], "evicted_cap")  # evictions the next delta carries
+    held_before = len(serving.replica.evicted)
+    assert len(send_tables([serving], links, 1, links)) == 1
+    assert len(serving.replica.evicted) == held_before  # left for the next delta
+    copy = restarted.tables["t"]  # server 1's own rows: a backup of them now, drained before it serves
+    assert copy.replica.source is not None and rows_of(copy).keys() == rows_of(serving).keys()
+    links.catching_up = False
+    steps(9, 12)
+    assert (copy.version, copy.step, copy.replica.durable) == (serving.version, serving.step, serving.version)
+    assert copy.optimizer.spec == serving.optimizer.spec and copy.own_optimizer
+    assert {r: (c.below, c.ahead) for r, c in copy.replica.applied.items()} == {
+        r: (c.below, c.ahead) for r, c in serving.replica.applied.items()
+    }
+    held, copied = rows_of(serving), rows_of(copy)
+    assert set(copied) <= set(held)
+    fresh = fresh_rows(copy, [i for i in held if i not in copied])  # made by pulls since: not sent
+    for row_id, row in held.items():
+        for a, b in zip(row, copied.get(row_id, fresh.get(row_id)), strict=True):
+            assert torch.equal(a, b), row_id
+    assert not copy.replica.repeat(copy, 0, 21, rounds=False) and copy.replica.repeat(
+        copy, 1, 20, rounds=False
+    )
 
 
 # -- a simulated job: the primary dies at any step ------------------------------------------------
@@ -250,3 +325,26 @@ def test_sparse_counting_job_with_a_server_sigkilled_ends_at_exactly_the_acknowl
     assert "killed by signal SIGKILL; the job goes on" in outcome.stderr  # the launcher
     for rank in range(2):
         assert outcome.lines("worker", rank, "stdout") == ["count ok 16"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode,servers,seed", [("sync", 2, 5), ("async", 3, 2)])
+def test_a_restarted_server_gets_every_row_and_the_job_survives_another_death(
+    tmp_path: Path, mode: str, servers: int, seed: int
+) -> None:
+    """A server is SIGKILLed and restarted; once it caught up ANOTHER server dies: with r=2 the
+    job survives that only if the restarted one holds every acknowledged row update (rejoin.py,
+    sparse_replica.send_tables)."""
+    outcome = run_job(
+        JOBS / "replication_sparse_count.py",
+        workers=2,
+        servers=servers,
+        args=[mode, "8", str(seed), str(tmp_path), "rejoin"],
+        server_losses=1,
+        max_restarts=1,
+        timeout_s=150,
+    )
+    assert "killed by signal SIGKILL; the job goes on (restart 1 of 1)" in outcome.stderr
+    assert "killed by signal SIGKILL; the job goes on (not restarted)" in outcome.stderr
+    counts = [outcome.lines("worker", rank, "stdout") for rank in range(2)]
+    assert counts[0] == counts[1] and counts[0][0].startswith("count ok "), counts

@@ -37,7 +37,7 @@ import torch
 
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
-from paratrain.kvstore.server import replica
+from paratrain.kvstore.server import replica, sparse_replica
 from paratrain.kvstore.server.shard import ShardState
 from paratrain.transport.rpc import Future, Request
 
@@ -64,6 +64,7 @@ def send_state(kv: KVServer, request: Request, timeout_s: float) -> None:
             with shard.cond:  # forwards wait: the install goes out first, then they do
                 if replicator.serves(shard.chain, without=rank):
                     sent.append(client.request("install", *installation(shard, kv.optimizer_spec)))
+    sent += sparse_replica.send_tables(kv.tables.all_tables(), replicator, rank, client)  # their rows
     for future in sent:
         future.wait(timeout_s)
     logger.warning("server %d: sent rejoining server %d the state of %d slices", kv.rank, rank, len(sent))

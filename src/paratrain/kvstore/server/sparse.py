@@ -26,6 +26,8 @@ Protocol (KVServer hands the ops in `OPS` to `SparseTables.handle`):
                                                               the round and who has not pushed it
     sparse_replicate  {key, primary, version, ...}            a delta of a primary's rows, to its
                                                               backups (sparse_replica.py)
+    sparse_install    {key, primary, dim, config, chain, ...}  every row of a table, to a restarted
+                                                              server that rejoins (rejoin.py)
 
 With replication (sparse_replica.py) a worker's requests also carry `primary`, the server whose rows
 they address (this server's own, or a copy of another's), and `sparse_init` the chains this server is
@@ -61,7 +63,7 @@ from paratrain.kvstore.server.rowstore import (
     unit_hash,
 )
 from paratrain.kvstore.server.sparse_optim import SparseOptimizer, add_rows, build_optimizer
-from paratrain.kvstore.server.sparse_replica import TableCopy, TableReplicas, adopt
+from paratrain.kvstore.server.sparse_replica import TableCopy, TableReplicas, adopt, install
 
 logger = logging.getLogger(__name__)
 
@@ -413,7 +415,7 @@ class SparseTables:
 
     OPS = frozenset(
         ("sparse_init", "sparse_pull", "sparse_push", "sparse_optimizer", "sparse_stats")
-        + ("sparse_get_state", "sparse_set_state", "sparse_waiting", "sparse_replicate")
+        + ("sparse_get_state", "sparse_set_state", "sparse_waiting", "sparse_replicate", "sparse_install")
     )
 
     def __init__(self, server: Any) -> None:
@@ -436,7 +438,7 @@ class SparseTables:
                 self._replicas = TableReplicas(replicator, self.serve_ready)
             return self._replicas
 
-    def _all_tables(self, key: Any = None) -> list[SparseTable]:
+    def all_tables(self, key: Any = None) -> list[SparseTable]:
         """This server's tables (or those of `key`): its own rows and its copies."""
         with self._lock:
             tables = [*self.tables.values(), *self.copies.values()]
@@ -453,7 +455,7 @@ class SparseTables:
             request.reply({})
         elif op == "sparse_optimizer":
             self._table(meta["key"])
-            for table in self._all_tables(meta["key"]):  # with replication, the copies too
+            for table in self.all_tables(meta["key"]):  # with replication, the copies too
                 built = build_optimizer(meta["path"], meta["hyper"])
                 with table.lock:
                     table.set_optimizer(built)
@@ -463,7 +465,13 @@ class SparseTables:
             replicas = self.replicas
             if replicas is None:
                 raise TableError(f"server {self.server.rank} keeps no copies: replication is off")
-            replicas.restore(self._table(meta["key"], meta["primary"]), request)
+            table = self._copy_of(meta)
+            if table is None:  # while catching up after a restart: that table's transfer follows
+                request.reply({})
+                return
+            replicas.restore(table, request)
+        elif op == "sparse_install":
+            self._install(request)
         elif op == "sparse_stats":
             table = self._table(meta["key"], meta.get("primary"))
             with table.lock:
@@ -511,6 +519,37 @@ class SparseTables:
         if table is None:
             raise TableError(f"table {key!r} is not on server {self.server.rank}: call init_table first")
         return table
+
+    def _copy_of(self, meta: dict) -> SparseTable | None:
+        """The table a delta is for; None where this server is a restarted one catching up and has
+        no transfer of it yet (rejoin.py: the transfer, taken after the delta, is newer)."""
+        try:
+            return self._table(meta["key"], meta["primary"])
+        except TableError:
+            if not self.server.replicator.catching_up:
+                raise
+            return None
+
+    def _install(self, request: Any) -> None:
+        """Op sparse_install: a table's rows, sent to this restarted server by the server that
+        serves them (sparse_replica.send_tables); made here afresh, then the deltas follow."""
+        meta, replicas = request.meta, self.replicas
+        if replicas is None:
+            raise TableError(f"server {self.server.rank} keeps no copies: replication is off")
+        chain, key = [int(s) for s in meta["chain"]], meta["key"]
+        optimizer = build_optimizer(*meta["optimizer"]) if meta["optimizer"] else None
+        table = SparseTable(key, int(meta["dim"]), TableConfig(**meta["config"]), optimizer)
+        table.own_optimizer = bool(meta["own_optimizer"])
+        replicas.attach(table, chain)
+        with table.lock:
+            install(table, meta, request.tensors)
+            table.replica.source = request.conn  # drained before this copy serves (TableReplicas.serve)
+        with self._lock:
+            if chain[0] == self.server.rank:
+                self.tables[key] = table
+            else:
+                self.copies[(key, chain[0])] = table
+        request.reply({})
 
     def _serving(self, meta: dict) -> SparseTable:
         """The table a worker's pull or push is for; with replication, a copy whose primary died
@@ -568,7 +607,7 @@ class SparseTables:
 
     def members_changed(self) -> None:
         """A worker left: rounds stop waiting for it."""
-        for table in self._all_tables():
+        for table in self.all_tables():
             with table.lock:
                 table.apply_complete_rounds(frozenset(self.server.members))
                 ready = self._take_ready(table)

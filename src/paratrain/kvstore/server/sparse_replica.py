@@ -36,6 +36,7 @@ applied again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -86,9 +87,9 @@ class TableCopy:
         return self.primary != self.rank
 
     def backups(self) -> list[int]:
-        """The servers after this one in the chain: those this copy sends its deltas to (the
-        replicator skips the dead)."""
-        return self.chain[self.chain.index(self.rank) + 1 :]
+        """The other servers of the chain: those this copy sends its deltas to (the replicator
+        skips the dead). A restarted server that rejoined may come before the serving copy."""
+        return [s for s in self.chain if s != self.rank]
 
     def repeat(self, table: SparseTable, rank: int, clock: int, rounds: bool) -> bool:
         """Whether worker `rank`'s push `clock` was applied (or joined its round) here already; an
@@ -106,16 +107,13 @@ class TableCopy:
         self.durable, self.applied, self.evicted = version, {}, []
 
 
-# -- deltas: pure functions of a table's state ----------------------------------------------------
-def delta(table: SparseTable, slots: np.ndarray) -> tuple[dict, list[torch.Tensor]]:
-    """What a backup needs after an update of the rows at `slots` (holds the table's lock): the
-    rows, copied out, and the evictions since the last delta."""
+# -- deltas and transfers: pure functions of a table's state -------------------------------------
+def _rows(table: SparseTable, slots: np.ndarray, evicted: np.ndarray) -> tuple[dict, list[torch.Tensor]]:
+    """The rows at `slots`, copied out, with the table's version, step and async clocks applied
+    (holds the table's lock): a delta's or a transfer's frame."""
     copy = table.replica
     assert copy is not None
-    slots = np.asarray(slots, np.int64)
     where = torch.from_numpy(slots)
-    evicted = np.concatenate(copy.evicted) if copy.evicted else np.zeros(0, np.int64)
-    copy.evicted = []
     names = [n for n in table.rows.columns if n != "value"]
     applied = [[rank, c.below, sorted(c.ahead)] for rank, c in copy.applied.items()]
     meta = {"key": table.key, "primary": copy.primary, "version": table.version, "step": table.step}
@@ -128,6 +126,64 @@ def delta(table: SparseTable, slots: np.ndarray) -> tuple[dict, list[torch.Tenso
         *(table.rows.columns[name].index_select(0, where) for name in names),
     ]
     return meta, tensors
+
+
+def delta(table: SparseTable, slots: np.ndarray) -> tuple[dict, list[torch.Tensor]]:
+    """What a backup needs after an update of the rows at `slots` (holds the table's lock): the
+    rows, copied out, and the evictions since the last delta."""
+    copy = table.replica
+    assert copy is not None
+    evicted = np.concatenate(copy.evicted) if copy.evicted else np.zeros(0, np.int64)
+    copy.evicted = []
+    return _rows(table, np.asarray(slots, np.int64), evicted)
+
+
+def transfer(table: SparseTable) -> tuple[dict, list[torch.Tensor]]:
+    """Op `sparse_install`: every row of the table and what makes one on a restarted server (its
+    dim, config, chain and optimizer), for a server that rejoins as a backup (holds the table's
+    lock). The evictions since the last delta stay for that delta: the transfer has none of them."""
+    copy = table.replica
+    assert copy is not None
+    meta, tensors = _rows(table, np.sort(table.rows.live_slots()), np.zeros(0, np.int64))
+    optimizer = list(table.optimizer.spec) if table.optimizer is not None else []
+    meta |= {"dim": table.dim, "config": dataclasses.asdict(table.config), "chain": list(copy.chain)}
+    return meta | {"optimizer": optimizer, "own_optimizer": table.own_optimizer}, tensors
+
+
+def _check_names(table: SparseTable, meta: dict, tensors: list[torch.Tensor]) -> list[str]:
+    names = list(meta["names"])
+    wanted = [n for n in table.rows.columns if n != "value"]
+    if names != wanted or len(tensors) != 4 + len(names):
+        raise TableError(
+            f"table {table.key!r}: the primary keeps optimizer state {names}, this copy {wanted}"
+        )
+    return names
+
+
+def _put_rows(table: SparseTable, meta: dict, tensors: list[torch.Tensor]) -> None:
+    """Write a delta's or a transfer's rows (made where absent), version, step and clocks."""
+    names = _check_names(table, meta, tensors)
+    ids, evicted, values, last_seen = (t.numpy() for t in tensors[:4])
+    _forget(table, evicted)
+    slots = table.index.lookup(ids)
+    absent = np.flatnonzero(slots < 0)
+    if len(absent):
+        created = table.rows.allocate(len(absent))
+        table.rows.ids[created] = ids[absent]
+        table.index.insert(ids[absent], created)
+        slots[absent] = created
+    where = torch.from_numpy(slots)
+    table.rows.columns["value"][where] = torch.from_numpy(values)
+    table.rows.last_seen[slots] = last_seen
+    for name, tensor in zip(names, tensors[4:], strict=True):
+        table.rows.columns[name][where] = tensor
+    copy = table.replica
+    assert copy is not None
+    table.version, table.step = int(meta["version"]), max(table.step, int(meta["step"]))
+    copy.applied = {
+        int(r): Clocks(int(below), {int(c) for c in ahead}) for r, below, ahead in meta["applied"]
+    }
+    copy.durable = table.version
 
 
 def apply_delta(table: SparseTable, meta: dict, tensors: list[torch.Tensor]) -> bool:
@@ -144,32 +200,30 @@ def apply_delta(table: SparseTable, meta: dict, tensors: list[torch.Tensor]) -> 
             f"table {table.key!r} (rows of server {copy.primary}): delta for version {version} "
             f"arrived at version {table.version}; one was lost"
         )
-    names = list(meta["names"])
-    wanted = [n for n in table.rows.columns if n != "value"]
-    if names != wanted or len(tensors) != 4 + len(names):
-        raise TableError(
-            f"table {table.key!r}: the primary keeps optimizer state {names}, this copy {wanted}"
-        )
-    ids, evicted, values, last_seen = (t.numpy() for t in tensors[:4])
-    _forget(table, evicted)
-    slots = table.index.lookup(ids)
-    absent = np.flatnonzero(slots < 0)
-    if len(absent):
-        created = table.rows.allocate(len(absent))
-        table.rows.ids[created] = ids[absent]
-        table.index.insert(ids[absent], created)
-        slots[absent] = created
-    where = torch.from_numpy(slots)
-    table.rows.columns["value"][where] = torch.from_numpy(values)
-    table.rows.last_seen[slots] = last_seen
-    for name, tensor in zip(names, tensors[4:], strict=True):
-        table.rows.columns[name][where] = tensor
-    table.version, table.step = version, max(table.step, int(meta["step"]))
-    copy.applied = {
-        int(r): Clocks(int(below), {int(c) for c in ahead}) for r, below, ahead in meta["applied"]
-    }
-    copy.durable = version
+    _put_rows(table, meta, tensors)
     return True
+
+
+def install(table: SparseTable, meta: dict, tensors: list[torch.Tensor]) -> None:
+    """A restarted server's side of a transfer (a table just made, holds its lock): every row;
+    the deltas that follow on the same connection apply on top."""
+    if table.replica is None or table.rows.count:
+        raise TableError(f"table {table.key!r}: a transfer goes into a new copy of the table only")
+    _put_rows(table, meta, tensors)
+
+
+def send_tables(tables: list[SparseTable], replicator: Any, rank: int, client: Any) -> list[Any]:
+    """rejoin.py, on a live server: a transfer of every table whose rows the rejoining server
+    `rank` backs up and this server serves (the first live copy other than it), on the connection
+    that later deltas use, each under its table's lock: the deltas taken after it follow it. Like
+    a dense slice's `install`, a delta sent before it finds no table there and is dropped."""
+    sent = []
+    for table in tables:
+        with table.lock:
+            copy = table.replica
+            if copy is not None and rank in copy.chain and replicator.serves(copy.chain, without=rank):
+                sent.append(client.request("sparse_install", *transfer(table)))
+    return sent
 
 
 def _forget(table: SparseTable, ids: np.ndarray) -> None:
@@ -221,8 +275,8 @@ class TableReplicas:
         primary died; first apply every delta it sent (its connection closed)."""
         self.replicator.mark_dead(dead)
         copy = table.replica
-        if copy is None or not copy.is_backup or copy.promoted:
-            return
+        if copy is None or copy.promoted or (not copy.is_backup and copy.source is None):
+            return  # a primary's own rows; a restarted primary's came by a transfer (a backup's)
         source = copy.source or self._sources.get(copy.primary)  # a table that had no delta yet
         deadline = time.monotonic() + DRAIN_WAIT_S
         while source is not None and not source.closed and time.monotonic() < deadline:
