@@ -32,6 +32,16 @@ waits until the dead primary's connection has closed, so that every delta the pr
 applied; then a push that the primary applied and replicated is recognised as a repeat (rounds:
 its round is applied or has it; async: its clock is in the applied clocks) and acknowledged, not
 applied again.
+
+A restarted server (rejoin.py) rejoins as a backup: while it catches up, each live server sends it a
+transfer (op `sparse_install`, `send_tables`) of every table whose chain holds it and that this
+server serves: every row (values, optimizer state, last step seen) with the table's dim, config,
+chain, optimizer, version, step and async clocks. It goes out under the table's lock on the
+connection the deltas use, so the deltas taken after it follow it in order; a delta that arrives
+before its table's transfer finds no table and is dropped (the transfer is newer). Deltas go to
+every other live server of the chain, the rejoined one included, which may come before the
+serving copy. The restarted server's copy drains the transfer's connection before it serves (as a
+promoted backup does), even for its own rows, which it no longer serves first.
 """
 
 from __future__ import annotations
