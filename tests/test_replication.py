@@ -288,7 +288,7 @@ def test_rejoined_servers_come_last_and_an_older_list_of_the_dead_does_not_kill_
     assert 0 in replicator.dead and 0 not in replicator.back
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode,servers,seed", [("sync", 2, 5), ("async", 3, 2)])
 def test_a_restarted_server_catches_up_and_the_job_survives_another_death(
     tmp_path: Path, mode: str, servers: int, seed: int
@@ -302,7 +302,7 @@ def test_a_restarted_server_catches_up_and_the_job_survives_another_death(
         args=[mode, "10", str(seed), str(tmp_path), "rejoin"],
         server_losses=1,
         max_restarts=1,
-        timeout_s=150,
+        timeout_s=200,
     )
     assert "killed by signal SIGKILL; the job goes on (restart 1 of 1)" in outcome.stderr
     assert "killed by signal SIGKILL; the job goes on (not restarted)" in outcome.stderr

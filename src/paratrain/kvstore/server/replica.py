@@ -62,6 +62,7 @@ class Replicator:
         self._addresses: list[tuple[str, int]] = []
         self._clients: dict[int, RpcClient] = {}
         self._lock = threading.Lock()
+        self._connecting = threading.Lock()
         self._sent: queue.SimpleQueue = queue.SimpleQueue()  # (shard, version, [(server, future)])
         self._confirming: threading.Thread | None = None
         self.on_durable: Callable[[], None] = lambda: None
@@ -187,6 +188,12 @@ class Replicator:
             client = self._clients.get(server)
         if client is not None:
             return client
+        with self._connecting:  # one connection per server: a state transfer and the updates
+            with self._lock:  # after it must arrive in order (rejoin.py)
+                client = self._clients.get(server)
+            return client if client is not None else self._connect(server)
+
+    def _connect(self, server: int) -> RpcClient:
         host, port = self._addresses[server]
         made: list[RpcClient] = []
         client = RpcClient(
