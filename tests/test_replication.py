@@ -233,6 +233,9 @@ def test_a_restarted_server_installs_the_state_then_takes_updates_and_serves_alo
     for rank, clock in ((0, 0), (0, 1), (0, 2), (1, 1), (1, 0), (0, 3)):
         alone.push(Push(rank, clock, grad()))
     assert copy.version == 6 and torch.equal(copy.value, alone.value), (copy.value, alone.value)
+    late = forward_meta | {"sender": 0, "version": 6}  # sent by server 0 just before it died
+    restarted._replicate(frame("replicate", late, [torch.zeros(3)]))
+    assert torch.equal(copy.value, alone.value)  # dropped: taking it would lose the pushes above
 
 
 class FakeClient:

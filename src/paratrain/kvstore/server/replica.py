@@ -146,6 +146,7 @@ class Replicator:
         sent = []
         if backups:
             meta, tensors = shard.replica()
+            meta["sender"] = self.rank
             for server in backups:
                 client = None
                 try:
@@ -242,12 +243,24 @@ class Replicator:
             confirming.join(CONNECT_TIMEOUT_S)
 
 
-def restore(shard: ShardState, request: Request) -> None:
-    """A backup's side of `replicate`: take the primary's state of one slice."""
+def restore(shard: ShardState, request: Request, dead: set[int] | frozenset[int] = frozenset()) -> None:
+    """A backup's side of `replicate`: take the primary's state of one slice. Not from a sender
+    known `dead`: a frame it sent just before dying may be read after this server took over the
+    slice and applied pushes sent again to it (a worker marks the sender dead here before those);
+    the frame's version may then equal this server's own, and taking it would lose them. The sender
+    died before it could acknowledge what that frame carried."""
     meta, tensors = request.meta, request.tensors
+    with shard.cond:  # atomic with the pushes applied here (mark_dead comes before them)
+        if meta.get("sender") in dead:
+            logger.warning("server: dropped %s's state from dead server %s", shard.describe(), meta["sender"])
+            return
+        _restore(shard, meta, tensors, request.header.at is not None)
+
+
+def _restore(shard: ShardState, meta: dict, tensors: list, ring: bool) -> None:
     if len(tensors) != 1 + len(meta["state"]):
         raise KVError(f"replicate of {shard.describe()} carried {len(tensors)} tensors")
-    if request.header.at is not None:  # views into a same-host ring, which later frames overwrite
+    if ring:  # views into a same-host ring, which later frames overwrite
         tensors = [tensor.clone() for tensor in tensors]
     state = dict(zip(meta["state"], tensors[1:], strict=True))
     value = tensors[0]
