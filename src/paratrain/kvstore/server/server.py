@@ -217,7 +217,8 @@ class KVServer(Handler):
         ident = tuple(request.meta[k[:-1]] for k in SLICE)
         if ident not in self._shards and self.replicator.catching_up:
             return
-        replica.restore(self._shard({k: [request.meta[k[:-1]]] for k in SLICE}, 0), request)
+        shard = self._shard({k: [request.meta[k[:-1]]] for k in SLICE}, 0)
+        replica.restore(shard, request, self.replicator.dead)
 
     def configure(self, meta: dict) -> None:
         """How worker 0 configured the servers (also a restarted server's, from the others)."""
