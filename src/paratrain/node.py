@@ -125,6 +125,8 @@ def _serve(spec: ClusterSpec, config: JobConfig) -> int:
     link = SchedulerLink(spec, config, report=lambda: server_report(kv))
     if config.elastic is not None:  # rounds complete with the workers that are left
         link.on_members(lambda m: kv.set_members(m.workers, m.joiners))
+    if config.replication > 1:  # a lost server: no copies to it, none taken from it (fence.py)
+        link.on_server_lost(kv.replicator.server_lost)
     link.register("server", port=server.port)
     observe.align_trace(trace, link)
     link.shutdown.wait()

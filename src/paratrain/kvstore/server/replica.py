@@ -92,6 +92,16 @@ class Replicator:
                     )
                     self.dead.add(rank)
 
+    def server_lost(self, rank: int, reason: str) -> None:
+        """The scheduler lost server `rank` (a death or a partition): no copy goes to it, none
+        from it is taken (fence.py), and the copies still unconfirmed by it stop waiting."""
+        self.mark_dead([rank])
+        with self._lock:
+            client = self._clients.pop(rank, None)
+        if client is not None:  # fails its pending copies: `_confirm` goes on without it
+            logger.warning("server %d: closing the link to lost server %d (%s)", self.rank, rank, reason)
+            threading.Thread(target=client.close, name="fence", daemon=True).start()
+
     def forward(self, shard: ShardState) -> None:
         """Send the slice's new state to its live backups (holds shard.cond: the bytes are out
         when this returns); `_confirm` moves its durable version once they replied."""
@@ -100,6 +110,7 @@ class Replicator:
         sent = []
         if backups:
             meta, tensors = shard.replica()
+            meta["from"] = self.rank  # a backup refuses copies from a server the job lost (fence.py)
             for server in backups:
                 try:
                     sent.append((server, self._client(server).request("replicate", meta, tensors)))

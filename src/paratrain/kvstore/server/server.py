@@ -56,6 +56,7 @@ from paratrain.kvstore.api import KVError
 from paratrain.kvstore.compressed import ServerCompression
 from paratrain.kvstore.consistency import policy
 from paratrain.kvstore.server import replica
+from paratrain.kvstore.server.fence import Fence
 from paratrain.kvstore.server.replies import ReplySenders
 from paratrain.kvstore.server.shard import Push, Rules, ShardState
 from paratrain.kvstore.server.sparse import SparseTables
@@ -116,6 +117,7 @@ class KVServer(Handler):
         self.replicator.on_durable = self._serve_ready_pulls
         self._configured: frozenset[int] = frozenset()  # the members worker 0 configured
         self._live: frozenset[int] | None = None  # elastic: the scheduler's live workers
+        self.fence = Fence(rank)  # dropped workers' pushes and lost servers' copies (fence.py)
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
@@ -167,6 +169,7 @@ class KVServer(Handler):
                 self._push(request)
                 self._pull(request, self._acknowledged_at(request.meta, request.meta["min_versions"]))
             elif op == "replicate":
+                self.fence.check_replicate(request.meta.get("from"), self.replicator.dead)
                 replica.restore(self._shard({k: [request.meta[k[:-1]]] for k in SLICE}, 0), request)
                 request.reply({})
             elif op == "init":
@@ -219,6 +222,7 @@ class KVServer(Handler):
             self.rules.joiners = frozenset(joiners)
             self.rules.members = (self.rules.members & self._live) - self.rules.joiners
             shards = list(self._shards.values())
+        self.fence.drop(gone)
         for shard in shards:
             for rank in gone:
                 shard.forget(rank)
@@ -296,6 +300,7 @@ class KVServer(Handler):
     # -- push -------------------------------------------------------------------------------------
     def _push(self, request: Request) -> None:
         meta, rank = request.meta, int(request.meta["rank"])
+        self.fence.check_push(request.conn, rank)
         owned = request.header.at is None  # else the tensors view the ring until handle() returns
         weight = int(meta.get("weight", 1))
         tensors = request.tensors
