@@ -7,15 +7,21 @@ simulated hosts (root and `ip netns`, as in CI) shows both cuts end to end."""
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from test_elastic import SECRET, FakeNode
 
+from paratrain.cluster.config import ElasticConfig, JobConfig
 from paratrain.cluster.fencing import DROPPED, dropped_message, dropped_notice
+from paratrain.cluster.scheduler import Scheduler
+from paratrain.cluster.spec import ClusterSpec
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.server.fence import Fence
-from paratrain.testing import SimulatedHosts, hosts_unavailable, run_job
+from paratrain.kvstore.server.server import KVServer
+from paratrain.testing import SimulatedHosts, free_port, hosts_unavailable, run_job
 
 JOB = Path(__file__).parent / "jobs" / "partition_count.py"
 
@@ -50,6 +56,89 @@ def test_a_dropped_node_says_its_role_rank_and_why():
     said = dropped_notice({"role": "server", "rank": 1, "reason": "sent no heartbeat for 3.1 s"})
     assert said.startswith(f"server 1 {DROPPED} (sent no heartbeat for 3.1 s); ")
     assert "rather than rejoin" in said
+
+
+class FakeRequest:
+    """What KVServer.handle reads of a request, and the failure it answers."""
+
+    def __init__(self, op: str, meta: dict, conn: object) -> None:
+        self.op, self.meta, self.conn, self.tensors = op, meta, conn, []
+        self.failed: list[str] = []
+
+    def fail(self, message: str) -> None:
+        self.failed.append(message)
+
+
+def test_a_server_refuses_pushes_over_a_dropped_workers_connection_and_copies_from_a_lost_server():
+    server = KVServer(rank=0)
+    server._configure({"mode": "sync", "members": [0, 1, 2]})
+    conns = {rank: object() for rank in range(3)}
+    for rank, conn in conns.items():
+        server.fence.check_push(conn, rank)  # what each worker's first push records
+    server.set_members([0, 1], [])  # worker 2 dropped (it may be alive behind a partition)
+    late = FakeRequest("push", {"rank": 2, "keys": ["w"], "starts": [0], "stops": [2]}, conns[2])
+    server.handle(late)
+    assert late.failed == [
+        f"server 0: server 0 refuses this push: worker 2 {DROPPED}, and the rounds went on without it"
+    ]
+    server.replicator.mark_dead([1])  # the scheduler lost server 1: a copy from it comes late
+    copy = FakeRequest("replicate", {"from": 1, "key": "w", "start": 0, "stop": 2}, object())
+    server.handle(copy)
+    assert copy.failed and f"server 1 {DROPPED}" in copy.failed[0], copy.failed
+    server.close()
+
+
+@pytest.fixture
+def partitioned_job():
+    """A running elastic scheduler (min 2 workers) with replication 2: 2 servers, 3 workers."""
+    config = JobConfig(elastic=ElasticConfig(min_workers=2), replication=2)
+    port = free_port()
+    scheduler = Scheduler(ClusterSpec("scheduler", 0, 3, 2, "127.0.0.1", port, SECRET), config)
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    nodes = {("server", r): FakeNode(port, config) for r in range(2)}
+    nodes |= {("worker", r): FakeNode(port, config) for r in range(3)}
+    for reply in [node.register(role, rank) for (role, rank), node in nodes.items()]:
+        reply.wait(10.0)
+    yield scheduler, nodes
+    scheduler.abort("test over")
+    for node in nodes.values():
+        node.client.close()
+    thread.join(10.0)
+
+
+def node_of(scheduler: Scheduler, role: str, rank: int):
+    return scheduler._nodes[role, rank]
+
+
+def test_the_scheduler_tells_whom_it_went_on_without_and_says_it_again_at_each_later_heartbeat(
+    partitioned_job,
+):
+    scheduler, nodes = partitioned_job
+    # what the monitor does when worker 2's heartbeats stop (its connection stays open: cut off)
+    scheduler._failed(node_of(scheduler, "worker", 2), "worker 2 sent no heartbeat for 3.0 s")
+    cut = nodes["worker", 2]
+    assert cut.notice("dropped") == {
+        "role": "worker",
+        "rank": 2,
+        "reason": "worker 2 sent no heartbeat for 3.0 s",
+    }
+    cut.client.send("heartbeat", {})  # its link is back: it hears it again
+    assert cut.notice("dropped")["rank"] == 2
+    assert nodes["worker", 0].notice("members")["workers"] == [0, 1]
+    # server 1's heartbeats stop: the job goes on (replication 2); every other node hears of it
+    assert scheduler._survivable(node_of(scheduler, "server", 1), "sent no heartbeat for 3.1 s")
+    lost = nodes["server", 1]
+    assert lost.notice("dropped") == {
+        "role": "server",
+        "rank": 1,
+        "reason": "server 1 (host 127.0.0.1, pid 1) sent no heartbeat for 3.1 s",
+    }
+    for key in (("server", 0), ("worker", 0), ("worker", 1)):
+        assert nodes[key].notice("server_lost") == {"rank": 1, "reason": "sent no heartbeat for 3.1 s"}
+    lost.client.send("heartbeat", {})
+    assert lost.notice("dropped")["rank"] == 1
+    assert scheduler.outcome is None
 
 
 # -- on simulated hosts ----------------------------------------------------------------------------
