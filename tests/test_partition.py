@@ -81,6 +81,9 @@ def test_a_server_refuses_pushes_over_a_dropped_workers_connection_and_copies_fr
     assert late.failed == [
         f"server 0: server 0 refuses this push: worker 2 {DROPPED}, and the rounds went on without it"
     ]
+    sparse = FakeRequest("sparse_push", {"rank": 2, "key": "emb", "clock": 0}, conns[2])
+    server.handle(sparse)
+    assert sparse.failed and f"worker 2 {DROPPED}" in sparse.failed[0], sparse.failed
     server.replicator.mark_dead([1])  # the scheduler lost server 1: a copy from it comes late
     copy = FakeRequest("replicate", {"from": 1, "key": "w", "start": 0, "stop": 2}, object())
     server.handle(copy)

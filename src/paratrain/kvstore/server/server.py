@@ -197,6 +197,8 @@ class KVServer(Handler):
             elif op == "waiting":
                 request.reply({"waits": self._waiting(request.meta)})
             elif op in SparseTables.OPS:
+                if op == "sparse_push":  # a dropped worker's late push is refused here too
+                    self.fence.check_push(request.conn, int(request.meta["rank"]))
                 self.tables.handle(request)
             else:
                 request.fail(f"unknown op {op!r}")
