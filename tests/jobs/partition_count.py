@@ -2,9 +2,10 @@
 on simulated hosts, where a worker's and a server's links go down and come back.
 
     partition_count.py ROUNDS DIR [--worker RANK:ROUND] [--server RANK:ROUND] [--timeout SECONDS]
+                       [--mode sync|async]
 
 Workers push -1 to three keys (one sliced over the servers) under a server-side SGD at lr 1, in
-dist_sync rounds, with elasticity (min_workers 2) and, with --server, JobConfig.replication=2.
+sync rounds (or async), with elasticity (min_workers 2) and, with --server, JobConfig.replication=2.
 `--worker R:K`: worker R takes its own host's link down just before its push of round K (so it has
 exactly K acknowledged pushes, and none in flight). `--server S:K`: server S does the same once
 worker 0 reached round K. Each process cut off writes its pid in DIR and lives on; the test brings
@@ -34,6 +35,7 @@ parser.add_argument("rounds", type=int)
 parser.add_argument("folder", type=Path)
 parser.add_argument("--worker", default=None, help="RANK:ROUND")
 parser.add_argument("--server", default=None, help="RANK:ROUND")
+parser.add_argument("--mode", default="sync", choices=("sync", "async"))
 parser.add_argument("--timeout", type=float, default=3.0, help="JobConfig.heartbeat_timeout_s")
 args = parser.parse_args()
 worker_cut = tuple(int(x) for x in args.worker.split(":")) if args.worker else None
@@ -65,7 +67,7 @@ config = paratrain.JobConfig(
     replication=2 if server_cut else 1,
 )
 ctx = paratrain.init(config)
-kv = create(KVStoreConfig(consistency="sync", slice_elements=64), ctx)
+kv = create(KVStoreConfig(consistency=args.mode, slice_elements=64), ctx)
 sizes = {"a": 8, "b": 3, "big": 200}  # "big" is sliced over the servers
 kv.init(list(sizes), [torch.zeros(n) for n in sizes.values()])
 kv.set_optimizer("torch.optim.SGD", lr=1.0)
