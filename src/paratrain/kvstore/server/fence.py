@@ -12,9 +12,9 @@ arrives. So a server refuses:
   primary's newer state.
 
 The refusal names the fenced process and says why, so that the process exits saying so. A
-replacement that pushes before this server heard the membership that dropped its predecessor is not
-told apart (its connection is newer than the drop): the scheduler announces a drop before it
-admits anyone to the rank, so this would need a notice to overtake a worker's whole start.
+replacement whose first push reached this server before the notice of its predecessor's drop would
+be fenced with it: the scheduler announces a drop before it gives the rank again, so that would
+need the notice to be overtaken by the replacement's whole start.
 """
 
 from __future__ import annotations
