@@ -169,9 +169,9 @@ def bring_back(hosts: SimulatedHosts) -> Callable[[str], None]:
 def test_a_worker_and_a_server_cut_off_are_dropped_the_job_finishes_exact_and_both_are_fenced(mode, tmp_path):
     # Scheduler and server 0 on host 0, server 1 alone on host 1, workers 0, 1, 2 on hosts 2, 0, 3.
     # Worker 2 cuts its link before round 3 (it has 3 acknowledged pushes, none in flight), server 1
-    # once worker 0 reached round 8 (with pushes in flight). Each link comes back once the scheduler
-    # named its host's process; the heartbeat timeout is 3 s. In sync, the rounds go on with the
-    # pushes they got; in async, server 1 often comes back with pushes in its buffers that it
+    # as worker 0 reaches round 3 (with pushes in flight): one heartbeat timeout (3 s) names both.
+    # Each link comes back once the scheduler named its host's process. In sync, the rounds go on
+    # with the pushes they got; in async, server 1 may come back with pushes in its buffers that it
     # applies and tries to copy to server 0, which refuses them (fence.py).
     place = {"scheduler": [0], "server": [0, 1], "worker": [2, 0, 3]}
     with SimulatedHosts(4) as hosts:
@@ -185,7 +185,7 @@ def test_a_worker_and_a_server_cut_off_are_dropped_the_job_finishes_exact_and_bo
                 "--worker",
                 "2:3",
                 "--server",
-                "1:8",
+                "1:3",
                 "--timeout",
                 "3",
                 "--mode",
