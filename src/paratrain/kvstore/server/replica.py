@@ -138,6 +138,16 @@ class Replicator:
                 pass
         logger.warning("server %d: server %d rejoined; it backs up its slices again", self.rank, server)
 
+    def server_lost(self, rank: int, reason: str) -> None:
+        """The scheduler lost server `rank` (a death or a partition): no copy goes to it, none
+        from it is taken (fence.py), and the copies still unconfirmed by it stop waiting."""
+        self.mark_dead([rank])
+        with self._lock:
+            client = self._clients.pop(rank, None)
+        if client is not None:  # fails its pending copies: `_confirm` goes on without it
+            logger.warning("server %d: closing the link to lost server %d (%s)", self.rank, rank, reason)
+            threading.Thread(target=client.close, name="fence", daemon=True).start()
+
     def forward(self, shard: ShardState) -> None:
         """Send the slice's new state to its live backups (holds shard.cond: the bytes are out
         when this returns); `_confirm` moves its durable version once they replied."""
@@ -146,7 +156,7 @@ class Replicator:
         sent = []
         if backups:
             meta, tensors = shard.replica()
-            meta["sender"] = self.rank
+            meta["sender"] = self.rank  # backups refuse copies from a server the job lost (fence.py)
             for server in backups:
                 client = None
                 try:
