@@ -85,7 +85,7 @@ def test_a_server_refuses_pushes_over_a_dropped_workers_connection_and_copies_fr
     server.handle(sparse)
     assert sparse.failed and f"worker 2 {DROPPED}" in sparse.failed[0], sparse.failed
     server.replicator.mark_dead([1])  # the scheduler lost server 1: a copy from it comes late
-    copy = FakeRequest("replicate", {"from": 1, "key": "w", "start": 0, "stop": 2}, object())
+    copy = FakeRequest("replicate", {"sender": 1, "key": "w", "start": 0, "stop": 2}, object())
     server.handle(copy)
     assert copy.failed and f"server 1 {DROPPED}" in copy.failed[0], copy.failed
     server.close()
