@@ -15,8 +15,8 @@ Rows (each a function returning table rows; main() only joins them):
   replication=2 against replication=1 (the anchor; target <= 1.3x). Jobs alternate
   (1, 2, 1, 2, ...) on this machine and the medians of each are compared; "tcp" turns the
   same-host path off for both, "default" is what a job on one machine gets (replicated servers do
-  not keep their slices in shared memory: kvstore/server/replica.py; their pushes and pulls, and
-  the copies to a backup on the same host, go through the same-host rings). `--paths` picks rows.
+  not keep their slices in shared memory: kvstore/server/replica.py; their pushes and pulls go
+  through the same-host rings, the copies to backups over TCP). `--paths` picks rows.
 
 Every job is this file run again in its --paratrain-role mode by the local launcher.
 """

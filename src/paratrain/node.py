@@ -126,6 +126,8 @@ def _serve(spec: ClusterSpec, config: JobConfig) -> int:
     link = SchedulerLink(spec, config, report=lambda: server_report(kv))
     if config.elastic is not None:  # rounds complete with the workers that are left
         link.on_members(lambda m: kv.set_members(m.workers, m.joiners))
+    if config.replication > 1:  # a lost server: no copies to it, none taken from it (fence.py)
+        link.on_server_lost(kv.replicator.server_lost)
     roster = link.register("server", port=server.port)
     if roster.joined:  # restarted into a running replicated job: catch up, then count as a copy
         kv.replicator.configure(config.replication, roster.servers)

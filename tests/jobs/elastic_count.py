@@ -32,7 +32,9 @@ args = parser.parse_args()
 kills = {(int(rank), int(epoch)): how for rank, epoch, *how in (kill.split(":") for kill in args.kill)}
 killed_in = {epoch for _, epoch in kills}
 
-config = paratrain.JobConfig(heartbeat_timeout_s=5.0, elastic=paratrain.ElasticConfig(min_workers=1))
+# A SIGKILLed worker is dropped as its connection closes; the long heartbeat timeout only keeps a
+# loaded test machine's slow heartbeats from dropping a live one.
+config = paratrain.JobConfig(heartbeat_timeout_s=30.0, elastic=paratrain.ElasticConfig(min_workers=1))
 ctx = paratrain.init(config)
 model = nn.Linear(1, 1, bias=False)
 nn.init.zeros_(model.weight)

@@ -91,7 +91,7 @@ def go_on(step: int, deadline: float) -> bool:
     return len(seen) < 2  # ROUNDS more rounds after worker 0 saw the second death
 
 
-acknowledged, step, more, deadline = 0, 0, True, time.monotonic() + 90
+acknowledged, step, more, deadline = 0, 0, True, time.monotonic() + 120
 while more:
     for _ in range(rounds):
         if ctx.rank == 0 and step == kill_round:

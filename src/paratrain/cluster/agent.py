@@ -2,7 +2,10 @@
 
 When the scheduler aborts the job (another node failed) or the link to it breaks, this process cannot
 usefully go on: it prints why and exits at once with EXIT_ABORTED, so nothing hangs waiting on a peer
-that is gone. The same happens if the local launcher that started it disappears.
+that is gone. The same happens if the local launcher that started it disappears, and when the
+scheduler says the job went on without this process (`dropped`: it was cut off by a partition, or
+frozen, for longer than the heartbeat timeout): it exits naming its role and rank rather than
+rejoin as itself (fencing; kvstore/server/fence.py is the servers' half).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 from paratrain import version
 from paratrain.cluster.config import JobConfig
+from paratrain.cluster.fencing import dropped_notice
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec
 from paratrain.errors import RemoteError, RendezvousError, TransportError
 from paratrain.transport.frame import Header
@@ -72,6 +76,7 @@ class SchedulerLink:
         self._membership: Membership | None = None
         self._on_members: list[Callable[[Membership], None]] = []
         self._on_server_back: list[Callable[[int, str, int], None]] = []
+        self._on_server_lost: list[Callable[[int, str], None]] = []
         self.client = RpcClient(
             spec.scheduler_host,
             spec.scheduler_port,
@@ -160,6 +165,11 @@ class SchedulerLink:
         """Call `callback(membership)` at each change the scheduler announces, in order, from the
         link's reader thread: it must be quick and must not call the scheduler."""
         self._on_members.append(callback)
+
+    def on_server_lost(self, callback: Callable[[int, str], None]) -> None:
+        """Call `callback(rank, reason)` when the scheduler lost a server and the job goes on
+        without it (JobConfig.replication), from the link's reader thread: it must be quick."""
+        self._on_server_lost.append(callback)
 
     def _learn(self, membership: Membership) -> None:
         with self._members_changed:
@@ -251,6 +261,14 @@ class SchedulerLink:
                     callback(int(header.meta["rank"]), str(header.meta["host"]), int(header.meta["port"]))
                 except Exception:
                     logger.exception("a server_back callback failed")
+        elif header.op == "dropped":
+            _exit_aborted(dropped_notice(header.meta))
+        elif header.op == "server_lost":
+            for callback in self._on_server_lost:
+                try:
+                    callback(int(header.meta["rank"]), str(header.meta.get("reason", "")))
+                except Exception:
+                    logger.exception("a lost-server callback failed")
         elif header.op == "shutdown":
             self._leaving = True
             self.shutdown.set()

@@ -25,7 +25,13 @@ Protocol (requests carry an id and get a reply; heartbeats are one-way):
 
 and, from the scheduler, one-way notices: `abort {reason}` (some node failed: stop now),
 `shutdown {}` (every worker finished: servers exit cleanly) and, in an elastic job,
-`members {generation, workers, joiners}` to every node each time the membership changes.
+`members {generation, workers, joiners}` to every node each time the membership changes. With
+elasticity or replication the job goes on without a node it lost, which may still be alive behind a
+partition; then: `dropped {role, rank, reason}` to that node, at once and again at each heartbeat
+it sends later (it exits saying why: it must not rejoin as itself), and `server_lost {rank,
+reason}` to every other node when a server is lost (workers fail over from it without waiting for
+its connection to break, servers stop copying to it and refuse its copies: fencing, see
+kvstore/server/fence.py).
 
 Membership is the live workers: registered, not finished, not dropped. Barriers count it live, so a
 barrier completes with the workers that are left. Without elasticity (JobConfig.elastic None) a node
@@ -146,6 +152,8 @@ class Scheduler(Handler):
         """Workers dropped from the membership (the dashboard still lists them)."""
         self._joining: list[Request] = []
         """Registrations into the running job that wait for their rank to be freed."""
+        self._fenced: dict[Connection, dict[str, Any]] = {}
+        """Connections of nodes the job went on without: the `dropped` notice each one gets."""
         sock = listen_socket(spec)
         self.server = RpcServer(spec.secret, self, sock=sock, config=config.transport, name="scheduler")
 
@@ -175,7 +183,7 @@ class Scheduler(Handler):
         deadline = time.monotonic() + self.config.finish_timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if not any(n.role == "server" for n in self._by_conn.values()):
+                if not any(n.role == "server" and n.conn not in self._fenced for n in self._by_conn.values()):
                     return
             time.sleep(0.02)
         logger.warning("servers still connected %.0f s after the job ended", self.config.finish_timeout_s)
@@ -229,7 +237,9 @@ class Scheduler(Handler):
                     if not n.finished and now - n.last_seen > self.config.heartbeat_timeout_s
                 ]
                 missing = self._missing() if not self._started else []
-            late = [n for n in late if not self._survivable(n, "sent no heartbeat")]
+            late = [
+                n for n in late if not self._survivable(n, f"sent no heartbeat for {now - n.last_seen:.1f} s")
+            ]
             if late:
                 node = late[0]
                 heard = datetime.fromtimestamp(node.last_seen_wall).strftime("%H:%M:%S.%f")[:-3]
@@ -285,7 +295,10 @@ class Scheduler(Handler):
 
     def _heartbeat(self, request: Request) -> None:
         node = self._by_conn.get(request.conn)
-        if node is not None:
+        fenced = self._fenced.get(request.conn)
+        if fenced is not None:  # it is back from a partition: say again that it was dropped
+            _quietly(request.conn.send, "dropped", 0, fenced)
+        elif node is not None:
             node.last_seen, node.last_seen_wall = time.monotonic(), time.time()
             report = request.meta.get("report")
             if report is not None and self.observer is not None:
@@ -459,7 +472,7 @@ class Scheduler(Handler):
             return
         logger.warning("dropped %s from the membership: %s", node.describe(), reason)
         # A worker declared dead that is still there (frozen, cut off) must not come back as itself.
-        _quietly(node.conn.send, "abort", 0, {"reason": f"dropped from the membership: {reason}"})
+        self._fence(node, reason)
         self._release(released)
         self._notify(membership)
         self._admit_joiners()
@@ -611,6 +624,7 @@ class Scheduler(Handler):
         with self._lock:
             node = self._by_conn.pop(conn, None)
             self._joining = [r for r in self._joining if r.conn is not conn]
+            self._fenced.pop(conn, None)
         if node is None or node.finished:
             return
         if self.outcome is not None:
@@ -685,7 +699,19 @@ class Scheduler(Handler):
             what,
             self.config.replication,
         )
+        self._fence(node, f"{node.describe()} {what}")
+        with self._lock:
+            others = [conn for conn in self._by_conn if conn is not node.conn]
+        for conn in others:
+            _quietly(conn.send, "server_lost", 0, {"rank": node.rank, "reason": what})
         return True
+
+    def _fence(self, node: Node, reason: str) -> None:
+        """The job goes on without `node`: tell it so (now, and at each heartbeat it sends later)."""
+        notice = {"role": node.role, "rank": node.rank, "reason": reason}
+        with self._lock:
+            self._fenced[node.conn] = notice
+        _quietly(node.conn.send, "dropped", 0, notice)
 
 
 def listen_socket(spec: ClusterSpec):

@@ -149,12 +149,12 @@ def save(module: Any, folder: Path) -> None:
     """This rank's residuals into a checkpoint folder (nothing where `module` has no hook or
     updates.CompressedUpdates)."""
     state = getattr(module, ATTRIBUTE, None)
-    if getattr(state, "saves_residuals", False):  # a CompressionHookState, updates.CompressedUpdates
+    if state is not None and getattr(state, "saves_residuals", False):  # or updates.CompressedUpdates
         save_file(state_path(folder), state.state_dict())
 
 
 def restore(module: Any, folder: Path) -> None:
     state = getattr(module, ATTRIBUTE, None)
     path = state_path(folder)
-    if getattr(state, "saves_residuals", False) and path.exists():
+    if state is not None and getattr(state, "saves_residuals", False) and path.exists():
         state.load_state_dict(load_file(path))

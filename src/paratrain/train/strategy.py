@@ -57,12 +57,13 @@ class Strategy:
     """collective only. >0: no per-step all-reduce; parameters are averaged every this many steps."""
     compression: str | None = None
     """2bit, topk, fp16, bf16 (collective and ps) or powersgd (collective): gradients travel
-    compressed, with error feedback (paratrain.compression)."""
+    compressed, with error feedback (paratrain.compression). topk sends the optimizer's updates
+    instead: every worker steps its own optimizer (CompressionConfig.sends_updates)."""
     compression_threshold: float = 0.5
     """2bit: a worker's mean gradient element is sent as +-threshold where |element| >= threshold,
     else 0; the rest waits in the error feedback."""
     compression_ratio: float = 0.01
-    """topk: the fraction of each gradient's elements sent (those of largest magnitude)."""
+    """topk: the fraction of each update's elements sent (those of largest magnitude)."""
     compression_rank: int = 1
     """powersgd: the rank of each gradient matrix's approximation."""
     error_feedback: bool = True

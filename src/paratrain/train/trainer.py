@@ -107,14 +107,17 @@ class LocalEngine:
 
 
 class CollectiveEngine(LocalEngine):
-    """All-reduce data parallel: DDP (gradients averaged in buckets during backward), or local SGD."""
+    """All-reduce data parallel: DDP (gradients averaged in buckets during backward), local SGD, or
+    top-k's compressed optimizer updates (collective/updates.py)."""
+
+    local_sgd: Any = None
+    updates: Any = None
 
     def __init__(self, model: nn.Module, strategy: Strategy, ctx: Any) -> None:
         from paratrain import collective
         from paratrain.cluster.rendezvous import init_torch_distributed
 
         init_torch_distributed(ctx, collective.backend_for(model))
-        self.local_sgd = self.updates = None
         compression = strategy.compression_config
         if strategy.local_sgd_period:
             super().__init__(model)

@@ -62,6 +62,7 @@ class Replicator:
         self._addresses: list[tuple[str, int]] = []
         self._clients: dict[int, RpcClient] = {}
         self._lock = threading.Lock()
+        self._connecting = threading.Lock()
         self._sent: queue.SimpleQueue = queue.SimpleQueue()  # (shard, version, [(server, future)])
         self._confirming: threading.Thread | None = None
         self.on_durable: Callable[[], None] = lambda: None
@@ -137,6 +138,16 @@ class Replicator:
                 pass
         logger.warning("server %d: server %d rejoined; it backs up its slices again", self.rank, server)
 
+    def server_lost(self, rank: int, reason: str) -> None:
+        """The scheduler lost server `rank` (a death or a partition): no copy goes to it, none
+        from it is taken (fence.py), and the copies still unconfirmed by it stop waiting."""
+        self.mark_dead([rank])
+        with self._lock:
+            client = self._clients.pop(rank, None)
+        if client is not None:  # fails its pending copies: `_confirm` goes on without it
+            logger.warning("server %d: closing the link to lost server %d (%s)", self.rank, rank, reason)
+            threading.Thread(target=client.close, name="fence", daemon=True).start()
+
     def forward(self, shard: ShardState) -> None:
         """Send the slice's new state to its live backups (holds shard.cond: the bytes are out
         when this returns); `_confirm` moves its durable version once they replied."""
@@ -145,6 +156,7 @@ class Replicator:
         sent = []
         if backups:
             meta, tensors = shard.replica()
+            meta["sender"] = self.rank  # backups refuse copies from a server the job lost (fence.py)
             for server in backups:
                 client = None
                 try:
@@ -209,6 +221,12 @@ class Replicator:
             client = self._clients.get(server)
         if client is not None:
             return client
+        with self._connecting:  # one connection per server: a state transfer and the updates
+            with self._lock:  # after it must arrive in order (rejoin.py)
+                client = self._clients.get(server)
+            return client if client is not None else self._connect(server)
+
+    def _connect(self, server: int) -> RpcClient:
         host, port = self._addresses[server]
         made: list[RpcClient] = []
         client = RpcClient(
@@ -259,12 +277,24 @@ class Replicator:
             confirming.join(CONNECT_TIMEOUT_S)
 
 
-def restore(shard: ShardState, request: Request) -> None:
-    """A backup's side of `replicate`: take the primary's state of one slice."""
+def restore(shard: ShardState, request: Request, dead: set[int] | frozenset[int] = frozenset()) -> None:
+    """A backup's side of `replicate`: take the primary's state of one slice. Not from a sender
+    known `dead`: a frame it sent just before dying may be read after this server took over the
+    slice and applied pushes sent again to it (a worker marks the sender dead here before those);
+    the frame's version may then equal this server's own, and taking it would lose them. The sender
+    died before it could acknowledge what that frame carried."""
     meta, tensors = request.meta, request.tensors
+    with shard.cond:  # atomic with the pushes applied here (mark_dead comes before them)
+        if meta.get("sender") in dead:
+            logger.warning("server: dropped %s's state from dead server %s", shard.describe(), meta["sender"])
+            return
+        _restore(shard, meta, tensors, request.header.at is not None)
+
+
+def _restore(shard: ShardState, meta: dict, tensors: list, ring: bool) -> None:
     if len(tensors) != 1 + len(meta["state"]):
         raise KVError(f"replicate of {shard.describe()} carried {len(tensors)} tensors")
-    if request.header.at is not None:  # views into a same-host ring, which later frames overwrite
+    if ring:  # views into a same-host ring, which later frames overwrite
         tensors = [tensor.clone() for tensor in tensors]
     state = dict(zip(meta["state"], tensors[1:], strict=True))
     value = tensors[0]

@@ -61,6 +61,7 @@ from paratrain.kvstore.api import KVError
 from paratrain.kvstore.compressed import ServerCompression
 from paratrain.kvstore.consistency import policy
 from paratrain.kvstore.server import rejoin, replica
+from paratrain.kvstore.server.fence import Fence
 from paratrain.kvstore.server.replies import ReplySenders
 from paratrain.kvstore.server.shard import Push, Rules, ShardState
 from paratrain.kvstore.server.sparse import SparseTables
@@ -122,6 +123,7 @@ class KVServer(Handler):
         self._configured: frozenset[int] = frozenset()  # the members worker 0 configured
         self.configuration: dict = {}  # what worker 0's configure said (a rejoining server's too)
         self._live: frozenset[int] | None = None  # elastic: the scheduler's live workers
+        self.fence = Fence(rank)  # dropped workers' pushes and lost servers' copies (fence.py)
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
@@ -173,6 +175,7 @@ class KVServer(Handler):
                 self._push(request)
                 self._pull(request, self._acknowledged_at(request.meta, request.meta["min_versions"]))
             elif op == "replicate":
+                self.fence.check_replicate(request.meta.get("sender"), self.replicator.dead)
                 self._replicate(request)
                 request.reply({})
             elif op == "rejoin":  # a restarted server catches up (rejoin.py)
@@ -205,6 +208,8 @@ class KVServer(Handler):
             elif op == "waiting":
                 request.reply({"waits": self._waiting(request.meta)})
             elif op in SparseTables.OPS:
+                if op == "sparse_push":  # a dropped worker's late push is refused here too
+                    self.fence.check_push(request.conn, int(request.meta["rank"]))
                 self.tables.handle(request)
             else:
                 request.fail(f"unknown op {op!r}")
@@ -217,7 +222,8 @@ class KVServer(Handler):
         ident = tuple(request.meta[k[:-1]] for k in SLICE)
         if ident not in self._shards and self.replicator.catching_up:
             return
-        replica.restore(self._shard({k: [request.meta[k[:-1]]] for k in SLICE}, 0), request)
+        shard = self._shard({k: [request.meta[k[:-1]]] for k in SLICE}, 0)
+        replica.restore(shard, request, self.replicator.dead)
 
     def configure(self, meta: dict) -> None:
         """How worker 0 configured the servers (also a restarted server's, from the others)."""
@@ -243,6 +249,7 @@ class KVServer(Handler):
             self.rules.joiners = frozenset(joiners)
             self.rules.members = (self.rules.members & self._live) - self.rules.joiners
             shards = list(self._shards.values())
+        self.fence.drop(gone)
         for shard in shards:
             for rank in gone:
                 shard.forget(rank)
@@ -341,6 +348,7 @@ class KVServer(Handler):
     # -- push -------------------------------------------------------------------------------------
     def _push(self, request: Request) -> None:
         meta, rank = request.meta, int(request.meta["rank"])
+        self.fence.check_push(request.conn, rank)
         owned = request.header.at is None  # else the tensors view the ring until handle() returns
         weight = int(meta.get("weight", 1))
         tensors = request.tensors

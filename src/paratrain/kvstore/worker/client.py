@@ -19,6 +19,7 @@ import atexit
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,6 +123,8 @@ class DistKVStore(SparseAPI):
                 meta["replication"] = ctx.config.replication
                 meta["servers"] = [list(address) for address in ctx.servers]
             self._all_servers("configure", meta)
+        if ctx.link is not None and ctx.config.replication > 1:
+            ctx.link.on_server_lost(self._server_dropped)
         if not self._joined:
             self._barrier("kvstore-create")
         atexit.register(self.close)
@@ -155,6 +158,12 @@ class DistKVStore(SparseAPI):
             self._servers.fail_over(rank)  # its unanswered requests go to the next copies now
         if self._ctx.link is not None:
             self._ctx.link.peer_lost("server", rank, error)
+
+    def _server_dropped(self, rank: int, reason: str) -> None:
+        """The scheduler lost that server (it may be alive behind a partition, its connection
+        open): close the connection, so that what waits on it fails over to the backups now."""
+        if self._servers.lost(rank, reason):
+            threading.Thread(target=self._clients[rank].close, name="fence", daemon=True).start()
 
     @property
     def tables(self) -> Any:

@@ -2,7 +2,8 @@
 requests that fail over to a slice's next live server when the one serving it dies.
 
 A request to the servers of one primary's slices is sent to the first live server of their chain
-(placement.replicas). If its connection is lost before the reply, the server is marked dead and the
+(placement.replicas). If its connection is lost before the reply, or the scheduler says the server
+is lost (Servers.fail_over, at once: not when the caller waits), the server is marked dead and the
 same request (same pushes, same (worker, clock) per slice) goes to the next live server of the
 chain, with the list of dead servers, so that it stops forwarding to them. The new server drops a
 push it already has from the dead primary's replication and waits for the others' to complete a
