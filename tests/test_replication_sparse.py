@@ -312,7 +312,10 @@ def test_a_primary_dying_at_any_step_loses_no_acknowledged_row_update_and_applie
 
 # -- the counting job -----------------------------------------------------------------------------
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode,servers,seed", [("sync", 2, 5), ("async", 3, 2)])
+# One run (CI time): sync with 2 servers, where after the second death the restarted server holds
+# every row alone, its own (served by the other meanwhile) and its copy of the other's. Async runs
+# pass too (mode "async" with 3 servers, seed 2); the async clocks' transfer is unit-tested above.
+@pytest.mark.parametrize("mode,servers,seed", [("sync", 2, 5)])
 def test_a_restarted_server_gets_every_row_and_the_job_survives_another_death(
     tmp_path: Path, mode: str, servers: int, seed: int
 ) -> None:

@@ -240,10 +240,8 @@ class Replicator:
         )
         made.append(client)
         with self._lock:
-            known = self._clients.setdefault(server, client)
-        if known is not client:  # another thread connected first: one connection, frames in order
-            client.close()
-        return known
+            self._clients[server] = client
+        return client
 
     def _lost(self, server: int, error: Exception | None, client: RpcClient | None = None) -> None:
         """`server` is dead; where `client` is given, only if that is still the connection to it
