@@ -386,6 +386,20 @@ def test_connection_frames_land_in_destinations(conn_pair: tuple[Connection, Con
         server.read()
 
 
+def test_frames_larger_than_the_socket_buffer_go_out_whole(conn_pair: tuple[Connection, Connection]) -> None:
+    """A frame that one sendmsg cannot take goes out in pieces (the rest of a partial send)."""
+    server, client = conn_pair
+    client._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sent = [torch.randn(1 << 20), torch.empty(0), *_tensors()]
+    thread, result = _in_thread(lambda: [server.read() for _ in range(2)])
+    for i in range(2):
+        client.send("push", i + 1, {}, sent)
+    thread.join(WAIT_S)
+    for i, (header, got) in enumerate(result["value"]):
+        assert header.id == i + 1
+        assert all(torch.equal(have, want) for have, want in zip(got, sent, strict=True))
+
+
 def _raw_send(conn: Connection, data: bytes) -> None:
     conn._sock.sendall(data)
 

@@ -23,6 +23,7 @@ from paratrain.transport.shm import Ring
 from paratrain.transport.tensors import byte_view, copy_bytes
 
 READ_AHEAD_BYTES = 256 * 1024
+_PREFIX_BYTES = frame.PREFIX.size
 IOV_MAX = 512
 
 # Called with a parsed header; returns the tensors to receive the payload into (None: allocate).
@@ -55,7 +56,7 @@ class Connection:
     ) -> None:
         self.peer = peer
         self._sock = sock
-        self._recv_key, self._send_key = recv_key, send_key
+        self._recv_key, self._send_key = frame.MacKey(recv_key), frame.MacKey(send_key)
         self._limits = limits or Limits()
         self._send_lock = threading.Lock()
         self._send_seq = 0
@@ -84,12 +85,12 @@ class Connection:
         with self._send_lock:
             if self.closed:
                 raise TransportError(f"connection to {self.peer} is closed")
-            at = self._to_ring(views, size)
-            head, _ = frame.encode(self._send_key, self._send_seq, op, id, meta or {}, tensors, at)
+            at = None if self.send_ring is None else self._to_ring(views, size)
+            head, _ = frame.encode(self._send_key, self._send_seq, op, id, meta or {}, tensors, at, size)
             self._send_seq += 1
-            payload = () if at is not None else (v for v in views if len(v))
+            bufs = [head] if at is not None or not size else [head, *views]
             try:
-                self._send_vectors([memoryview(head), *payload])
+                self._send_vectors(bufs, len(head) + (0 if at is not None else size))
             except OSError as exc:
                 raise TransportError(f"sending {op!r} to {self.peer} failed: {exc}") from exc
 
@@ -107,15 +108,20 @@ class Connection:
             offset += len(view)
         return at
 
-    def _send_vectors(self, bufs: list[memoryview]) -> None:
+    def _send_vectors(self, bufs: list[Any], total: int) -> None:
         if isinstance(self._sock, ssl.SSLSocket):  # SSL sockets have no sendmsg
             for b in bufs:
                 self._sock.sendall(b)
             return
+        sent = 0
+        if len(bufs) <= IOV_MAX:
+            sent = self._sock.sendmsg(bufs)
+            if sent == total:  # the common case: the whole frame in one call
+                return
+        bufs = [memoryview(b) for b in bufs if len(b)]
         i = 0
-        while i < len(bufs):
-            sent = self._sock.sendmsg(bufs[i : i + IOV_MAX])
-            while sent:
+        while True:
+            while sent:  # skip what went out
                 n = len(bufs[i])
                 if sent >= n:
                     sent -= n
@@ -123,6 +129,9 @@ class Connection:
                 else:
                     bufs[i] = bufs[i][sent:]
                     sent = 0
+            if i >= len(bufs):
+                return
+            sent = self._sock.sendmsg(bufs[i : i + IOV_MAX])
 
     # -- receiving -------------------------------------------------------------------------------
     def read(
@@ -133,14 +142,16 @@ class Connection:
         `ring_views` and a payload in the shared-memory ring, comes back as views of the ring (no
         copy) that stay valid until `release_frame()`."""
         try:
-            self._fill(frame.PREFIX.size, between_frames=True)
-            header_len, payload_len, tag = frame.check_prefix(self._take(frame.PREFIX.size), self._limits)
-            self._fill(header_len)
+            if self._end - self._start < _PREFIX_BYTES:  # a small frame is often all read ahead
+                self._fill(_PREFIX_BYTES, between_frames=True)
+            header_len, payload_len, tag = frame.check_prefix(self._take(_PREFIX_BYTES), self._limits)
+            if self._end - self._start < header_len:
+                self._fill(header_len)
             raw_header = self._take(header_len)
             header = frame.decode_header(self._recv_key, self._recv_seq, tag, raw_header, payload_len)
             self._recv_seq += 1
             dests = destinations(header) if destinations else None
-            source = self._ring_region(header, ring_views)
+            source = None if header.at is None else self._ring_region(header, ring_views)
             tensors = [self._receive_tensor(header, i, dests, source) for i in range(len(header.specs))]
             if source is not None:
                 assert header.at is not None
