@@ -359,12 +359,7 @@ class Scheduler(Handler):
                     self._started = True
                     waiting, self._waiting = self._waiting, []
         except RegistrationError as exc:
-            # Refuse that node, not the job: a stray process with the secret (a duplicate rank, a
-            # leftover of another run) must not end a healthy job. A refused member of this job
-            # fails on its own (its init raises), and the launcher, or the start timeout, ends it.
-            request.fail(str(exc))
-            logger.warning("refused a registration from %s: %s", request.conn.peer, exc)
-            self._refused.append((request.conn.peer, str(exc)))
+            self._refuse(request, exc)
             return
         logger.info("registered %s", node.describe())
         if ready:
@@ -490,9 +485,7 @@ class Scheduler(Handler):
                 self._check_node(request.meta)
                 self._joining.append(request)
         except RegistrationError as exc:
-            request.fail(str(exc))
-            logger.warning("refused a registration from %s: %s", request.conn.peer, exc)
-            self._refused.append((request.conn.peer, str(exc)))
+            self._refuse(request, exc)
             return
         self._admit_joiners()
 
@@ -635,6 +628,14 @@ class Scheduler(Handler):
             return
         self._failed(node, f"{node.describe()} lost its connection to the scheduler{cause}")
 
+    def _refuse(self, request: Request, exc: RegistrationError) -> None:
+        """Refuse that node, not the job: a stray process with the secret (a duplicate rank, a
+        leftover of another run) must not end a healthy job. A refused member of this job fails on
+        its own (its init raises), and the launcher, or the start timeout, ends it."""
+        request.fail(str(exc))
+        logger.warning("refused a registration from %s: %s", request.conn.peer, exc)
+        self._refused.append((request.conn.peer, str(exc)))
+
     # -- replicated servers: a restarted one rejoins -------------------------------------------------
     def _rejoin(self, request: Request) -> None:
         """A restarted server registers into the running job, with the rank of a lost server (the
@@ -656,9 +657,7 @@ class Scheduler(Handler):
                 lost = sorted(self.lost_servers - {rank})
                 membership = self._membership()
         except RegistrationError as exc:
-            request.fail(str(exc))
-            logger.warning("refused a registration from %s: %s", request.conn.peer, exc)
-            self._refused.append((request.conn.peer, str(exc)))
+            self._refuse(request, exc)
             return
         logger.warning("%s rejoins the running job; it catches up from the live servers", node.describe())
         roster = self._roster()
