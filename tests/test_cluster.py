@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from paratrain.cluster.config import JobConfig, config_differences
-from paratrain.testing import assert_all_gone, free_port, listening_ports, run_job
+from paratrain.testing import assert_all_gone, free_port_run, listening_ports, run_job
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -209,7 +209,7 @@ def test_torchrun_convention_runs_the_scheduler_inside_worker_0(tmp_path):
         "import paratrain\nctx = paratrain.init()\nctx.barrier()\n"
         "print('rank', ctx.rank, 'of', ctx.num_workers)\n"
     )
-    master_port = free_port()
+    master_port = free_port_run(2)  # the scheduler listens at MASTER_PORT+1
     base = {k: v for k, v in os.environ.items() if not k.startswith("PARATRAIN_")}
     base.update(
         MASTER_ADDR="127.0.0.1",
@@ -289,7 +289,7 @@ def test_torchrun_with_servers_runs_an_exact_parameter_server_job_and_a_world_of
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(free_port()),
+        str(free_port_run(2)),  # paratrain's scheduler listens at MASTER_PORT+1
     ]
     runs = {
         "kv": [*torchrun, str(Path(__file__).parent / "jobs" / "kv_exact.py"), "dist_sync", "2", "tcp"],

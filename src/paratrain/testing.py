@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import re
 import signal
 import socket
@@ -271,3 +272,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
+    """The first of `count` consecutive TCP ports that were free on `host` a moment ago, below the
+    kernel's ephemeral range: a convention that puts a second service at MASTER_PORT+1 (torchrun's,
+    with paratrain's scheduler there) needs both, and a port next to one from `free_port` may be
+    taken meanwhile by any outgoing connection."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    chance = random.Random()
+    for _ in range(200):
+        first = chance.randrange(max(1024, low - 10_000), low - count)
+        try:
+            for port in range(first, first + count):
+                with socket.socket(family, socket.SOCK_STREAM) as sock:
+                    sock.bind((host, port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {count} consecutive free ports below {low} on {host}")
