@@ -25,8 +25,10 @@ of their "deep" rows) as training goes on, printing what it answered.
 """
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -160,6 +162,7 @@ def main() -> None:
         parser.error("--serve reads the tables from the job's servers: paratrain launch -w 2 -s 2 ...")
     torch.set_num_threads(1)
     folder = tempfile.mkdtemp(prefix="ctr-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the generated data, checkpoints
     if args.train is None:
         args.train, args.test = os.path.join(folder, "train.tsv"), os.path.join(folder, "test.tsv")
         write_synthetic_criteo(args.train, args.rows, seed=1)
