@@ -260,7 +260,7 @@ def test_the_digits_job_loses_a_worker_and_a_restarted_one_joins_without_losing_
     assert results[2][1:] == ("3, 4, 5, 6, 7", "True"), results  # the replacement's epochs
     assert results[0][1:] == (", ".join(map(str, range(EPOCHS))), "False"), results
     assert "worker 2" in outcome.stderr and "(restart 1 of 1)" in outcome.stderr
-    assert "worker 3" in outcome.stderr and "(not restarted)" in outcome.stderr
+    assert "worker 3" in outcome.stderr and "(not restarted: all 1 used)" in outcome.stderr
     reference = digits_reference()
     for accuracy, _, _ in results.values():
         assert abs(accuracy - reference) <= 0.01, (results, reference)

@@ -54,6 +54,7 @@ from paratrain.launch.report import (
     interrupted_exit_code,
     write_outcome,
 )
+from paratrain.launch.restarts import Restarts
 from paratrain.metrics.dashboard import DashboardConfig
 
 logger = logging.getLogger(__name__)
@@ -310,7 +311,7 @@ class _Job:
         self.started = time.monotonic()
         self.deadline = None if config.timeout_s is None else self.started + config.timeout_s
         self.interrupt: int | None = None
-        self.restarts = 0
+        self.restarts = Restarts(config.max_restarts, config.elastic)
         self.ending = False
         """Elastic: the job is done while replacements that never joined still start; stop them."""
         self._secret, self._port = b"", 0
@@ -491,7 +492,7 @@ class _Job:
         return True
 
     def _elastic(self) -> bool:
-        return self.config.elastic or self.config.max_restarts > 0
+        return self.restarts.on
 
     def _only_replacements_left(self) -> bool:
         """The scheduler ended the job and every worker still running is a replacement (one that had
@@ -511,14 +512,9 @@ class _Job:
     def _lost(self, child: _Child) -> None:
         """A worker of an elastic job died: the scheduler drops it; restart it while restarts last."""
         reason = _exit_reason(child.returncode or 0)
-        again = self.restarts < self.config.max_restarts
-        what = f"restart {self.restarts + 1} of {self.config.max_restarts}" if again else "not restarted"
-        self.printer.write(
-            self.printer.err,
-            f"paratrain: {child.label} (pid {child.pid}) {reason}; the job goes on ({what})\n",
-        )
+        again, line = self.restarts.take(f"{child.label} (pid {child.pid}) {reason}")
+        self.printer.write(self.printer.err, line)
         if again:
-            self.restarts += 1
             self._spawn("worker", child.rank, self._secret, self._port)
             self.children[-1].replacement = True
 
@@ -527,12 +523,10 @@ class _Job:
         process rejoins with its rank and catches up (kvstore/server/rejoin.py). It takes the dead
         one's place in `lost`: whether the job survives it dying again, or another server dying
         before it caught up, is the scheduler's call (it counts servers lost until caught up)."""
-        again = self.restarts < self.config.max_restarts and self._workers_running() and not self.ending
-        what = f"restart {self.restarts + 1} of {self.config.max_restarts}" if again else "not restarted"
-        note = f"paratrain: server {child.rank} {child.failure_reason}; the job goes on ({what})\n"
-        self.printer.write(self.printer.err, note)
+        wanted = self._workers_running() and not self.ending
+        again, line = self.restarts.take(f"server {child.rank} {child.failure_reason}", wanted)
+        self.printer.write(self.printer.err, line)
         if again:
-            self.restarts += 1
             self.lost.remove(child)
             self._spawn("server", child.rank, self._secret, self._port)
 

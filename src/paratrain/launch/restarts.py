@@ -8,8 +8,8 @@ dead one's rank and joins the running job at the next epoch. Only workers are re
 scheduler or server still ends the job, and so does a worker that exited with EXIT_ABORTED (the
 scheduler aborted the job: nothing to go on with).
 
-The Ray engine (ray_supervise.py) applies `Restarts` with one budget for the job, N restarts in
-all, as the local launcher does (local.py keeps its own copy of this rule, in `_Job._lost`). The
+The local launcher (local.py) and the Ray engine (ray_supervise.py) apply `Restarts` with one budget
+for the job, N restarts in all; the local launcher also spends it on replicated servers. The
 Slurm engine's tasks share no state (no shared file system is assumed), so each worker task of its
 script counts its own N (slurm.py, `supervised_task`).
 """
@@ -49,13 +49,15 @@ class Restarts:
             return False
         return lost or returncode not in (0, EXIT_ABORTED, None)
 
-    def take(self, what: str) -> tuple[bool, str]:
-        """Spends a restart if one is left. `what` says who died and how ("worker 1 (pid 7, host
-        h) was killed by signal SIGKILL"); returns whether to start it again and the line to print."""
-        again = self.used < self.max_restarts
+    def take(self, what: str, wanted: bool = True) -> tuple[bool, str]:
+        """Spends a restart if one is left (and `wanted`: the job still needs the process). `what`
+        says who died and how ("worker 1 (pid 7, host h) was killed by signal SIGKILL"); returns
+        whether to start it again and the line to print."""
+        again = wanted and self.used < self.max_restarts
         if again:
             self.used += 1
             said = f"restart {self.used} of {self.max_restarts}"
         else:
-            said = f"not restarted: all {self.max_restarts} used" if self.max_restarts else "not restarted"
+            spent = self.max_restarts and self.used >= self.max_restarts
+            said = f"not restarted: all {self.max_restarts} used" if spent else "not restarted"
         return again, f"paratrain: {what}; the job goes on ({said})\n"
