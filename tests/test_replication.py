@@ -5,6 +5,8 @@ job: servers SIGKILLed at random moments, every key ends at exactly the acknowle
 from __future__ import annotations
 
 import random
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -176,6 +178,42 @@ def test_a_backup_takes_only_newer_state_and_repeats_are_recognised() -> None:
     assert not sync.ready(1)
     sync.push(Push(1, 0, grad()))
     assert sync.repeat(Push(1, 0, grad())) and sync.ready(1)
+
+
+def test_an_async_copy_never_carries_a_clock_without_its_update() -> None:
+    """The interleaving that lost one acknowledged push in CI: two async pushes wait while a pull
+    reply reads the value; the update applied first is copied to the backup, and the primary dies
+    before the second one's copy. That copy must not list the second push's clock without its
+    update, or the push, sent again to the backup, is dropped there as a repeat and lost."""
+    rules = Rules(Async(), frozenset({0, 1}))
+    primary, backup = Pair._shard(rules), Pair._shard(rules)
+    copies: list[tuple[dict, list[torch.Tensor]]] = []
+
+    def forward(state: ShardState) -> None:
+        meta, tensors = state.replica()
+        copies.append((meta, [t.clone() for t in tensors]))
+        state.replicated(state.version)
+
+    primary.on_applied = forward
+    primary.begin_read()  # a pull's reply is being sent from the value
+    pushes = [Push(0, 0, grad()), Push(1, 0, grad())]
+    threads = [threading.Thread(target=primary.push, args=(push,)) for push in pushes]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while len(primary.cond._waiters) < 2 and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.001)  # both pushes wait for the reader
+    primary.end_read()
+    for thread in threads:
+        thread.join(10)
+    assert primary.value.tolist() == [2.0] * 3 and len(copies) == 2
+    meta, tensors = copies[0]  # the backup got the first copy only: the primary died then
+    applied = {rank: Clocks(below, set(ahead)) for rank, below, ahead in meta["applied"]}
+    backup.restore(meta["version"], tensors[0], {}, applied)
+    for push in pushes:  # neither was acknowledged: both are sent again to the backup
+        if not backup.repeat(push):
+            backup.push(Push(push.rank, push.clock, grad()))
+    assert backup.value.tolist() == [2.0] * 3, backup.value.tolist()
 
 
 def frame(op: str, meta: dict, tensors: list[torch.Tensor]) -> Request:
