@@ -20,7 +20,7 @@ from paratrain.kvstore.server.rejoin import install, installation
 from paratrain.kvstore.server.replica import Replicator
 from paratrain.kvstore.server.server import KVServer
 from paratrain.kvstore.server.shard import Clocks, Push, Rules, ShardState
-from paratrain.kvstore.worker.failover import Servers
+from paratrain.kvstore.worker.failover import Payload, Servers
 from paratrain.testing import run_job
 from paratrain.transport.frame import Header
 from paratrain.transport.rpc import Future, Reply, Request
@@ -281,11 +281,35 @@ class FakeClient:
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, dict, Future]] = []
+        self.carried: list[tuple[object, object]] = []  # (tensors, out) of each request
 
     def request(self, op: str, meta: dict, tensors: object = (), out: object = None) -> Future:
         future = Future(op, None)
         self.sent.append((op, meta, future))
+        self.carried.append((tensors, out))
         return future
+
+
+def test_a_request_that_used_the_primarys_shared_memory_fails_over_with_its_payload() -> None:
+    """A same-host primary keeps its slices in shared memory: the worker added its push there and
+    would read the pulled value there. Sent again to the backup, the request carries the push and
+    takes the value in the reply; the Handle no longer reads this frame from the dead primary."""
+    clients = [FakeClient() for _ in range(2)]
+    servers = Servers(clients, 2)  # type: ignore[arg-type]
+    push, dest = torch.ones(3), torch.empty(3)
+    reads = [("primary's region", dest), ("another frame's region", torch.empty(3))]
+    meta = {"keys": ["w"], "clocks": [0]}
+    payload = Payload(dict(meta), [push], [dest], reads, reads[:1])
+    assert servers.in_place(0)
+    handle = servers.request(0, "pushpull", meta | {"added": [True], "read": [True]}, (), [], payload)
+    assert clients[0].sent[0][1]["added"] == [True] and clients[0].carried[0] == ((), [])
+    servers.lost(0, "killed")
+    servers.fail_over(0)
+    assert not servers.in_place(0)
+    assert clients[1].sent[0][1] == meta | {"dead": [0]} and clients[1].carried[0] == ([push], [dest])
+    assert [name for name, _ in reads] == ["another frame's region"]
+    clients[1].sent[0][2]._set(Reply({}, []), None)
+    assert handle.wait(1).meta == {}
 
 
 def test_requests_fail_over_as_soon_as_their_server_dies_not_when_waited_for() -> None:
