@@ -14,9 +14,9 @@ Rows (each a function returning table rows; main() only joins them):
   benchmarks/kvstore.py's sizes), median seconds per iteration of the slowest worker, with
   replication=2 against replication=1 (the anchor; target <= 1.3x). Jobs alternate
   (1, 2, 1, 2, ...) on this machine and the medians of each are compared; "tcp" turns the
-  same-host path off for both, "default" is what a job on one machine gets (replicated servers do
-  not keep their slices in shared memory: kvstore/server/replica.py; their pushes and pulls go
-  through the same-host rings, the copies to backups over TCP). `--paths` picks rows.
+  same-host path off for both, "default" is what a job on one machine gets (a primary keeps its
+  slices in shared memory, as without replication; the copies to backups go over TCP). `--paths`
+  picks rows.
 
 Every job is this file run again in its --paratrain-role mode by the local launcher.
 """

@@ -283,6 +283,7 @@ def restore(shard: ShardState, request: Request, dead: set[int] | frozenset[int]
     died before it could acknowledge what that frame carried."""
     meta, tensors = request.meta, request.tensors
     with shard.cond:  # atomic with the pushes applied here (mark_dead comes before them)
+        shard.settle()  # before the check: pushes may be applied here while it waits
         if meta.get("sender") in dead:
             logger.warning("server: dropped %s's state from dead server %s", shard.describe(), meta["sender"])
             return

@@ -304,7 +304,7 @@ class KVServer(Handler):
                         raise KVError(f"init of key {key!r} sent a value of the wrong size")
                     shard = ShardState(key, ident[1], ident[2], numel, shape, dtype, value, self.rules)
                     self.replicator.attach(shard, [int(s) for s in meta.get("chain", [self.rank])])
-                    if same_host and value.numel() and not self.replicator.enabled:
+                    if same_host and value.numel() and self._shares(shard):
                         self._share(shard)
                     else:
                         shard.value = value.clone()
@@ -337,6 +337,11 @@ class KVServer(Handler):
             f"{self.rank}: worker 0 did not initialize it, or with another shape; every worker must "
             "init the same keys with the same shapes, in the same order"
         )
+
+    def _shares(self, shard: Shard) -> bool:
+        """Whether a same-host slice lives in shared memory here: with replication only on its
+        primary (a backup takes copies; workers fail over to it with their payloads: failover.py)."""
+        return not self.replicator.enabled or shard.chain[0] == self.rank
 
     def _share(self, shard: Shard) -> None:
         """Move a new shard's value into the arena, with round buffers in rounds mode."""

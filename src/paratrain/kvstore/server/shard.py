@@ -251,9 +251,13 @@ class ShardState:
             return push.clock < self.version or (entry is not None and push.rank in entry.pushed)
 
     def apply_now(self, push: Push) -> None:
-        """Apply one push on its own (async); its payload is consumed here (a ring view will do)."""
+        """Apply one push on its own (async); its payload is consumed here (a ring view will do).
+        Its clock and its update are one step (settle first): were cond let go between them, a
+        copy for the backups (`replica`, from another push's update) could carry the clock
+        without the update, and the push, sent again after a fail-over, would be dropped there."""
         assert push.grad is not None
         with self.cond:
+            self.settle()
             self.applied.setdefault(push.rank, Clocks()).add(push.clock)
             self._apply(push.grad)
             if push.owned:
@@ -315,6 +319,12 @@ class ShardState:
         self._update(grad, weight, buffer)
         if self.on_applied is not None:
             self.on_applied(self)
+
+    def settle(self) -> None:
+        """Wait until no pull reads the value (holds cond). Until cond is let go, none can begin
+        (begin_read takes it), so what follows changes the state in one step."""
+        while self.readers:
+            self.cond.wait()
 
     def replicated(self, version: int) -> None:
         """The backups hold `version`: pulls and acknowledgements waiting for it may go."""
@@ -415,10 +425,9 @@ class ShardState:
         """A backup takes the primary's state at `version` (an older one, arriving late, is
         ignored). Its open rounds are dropped: only a primary has rounds."""
         with self.cond:
+            self.settle()  # first: an update applied while waiting would make this copy older
             if version < self.version:
                 return
-            while self.readers:
-                self.cond.wait()
             self._take(value.reshape(-1))
             self.version = self.durable = version
             self.applied = applied

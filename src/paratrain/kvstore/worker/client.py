@@ -41,7 +41,7 @@ from paratrain.kvstore.worker.checks import (
     check_tensors,
     explain_wait,
 )
-from paratrain.kvstore.worker.failover import Servers
+from paratrain.kvstore.worker.failover import Payload, Servers
 from paratrain.kvstore.worker.state import Entry, read_state, read_tables, write_state
 from paratrain.transport.rpc import Future, RpcClient
 from paratrain.transport.tensors import dtype_name
@@ -146,6 +146,9 @@ class DistKVStore(SparseAPI):
     def _server_back(self, rank: int, host: str, port: int) -> None:
         """A restarted server caught up (replicated servers): a backup again, at its new address."""
         if not self._closed:
+            for info in self._keys.values():  # its shared memory was its dead process's
+                info.regions.pop(rank, None)
+            self._arenas.pop(rank, None)
             self._servers.back(rank, self._connect(rank, host, port))
 
     def _server_lost(self, rank: int, error: Exception | None) -> None:
@@ -322,9 +325,10 @@ class DistKVStore(SparseAPI):
         )
         reads: list[tuple[Region, torch.Tensor]] = []
         for s, meta in frames:
-            packed = self._compressed_pull(meta)
-            out = None if packed else self._dests(s, meta, views, reads)
-            futures.append(self._servers.request(s, "pull", meta, (), out=out))
+            packed, first = self._compressed_pull(meta), len(reads)
+            out = None if packed else self._dests(s, meta, views, reads, self._servers.in_place(s))
+            payload = self._payload(meta, None, views, reads, first) if len(reads) > first else None
+            futures.append(self._servers.request(s, "pull", meta, (), out=out, payload=payload))
             if packed:
                 after.insert(0, self._decoder(meta, futures[-1], views))
         return self._handle("pull", keys, frames, futures, after, reads)
@@ -400,7 +404,7 @@ class DistKVStore(SparseAPI):
                 meta["weight"] = self._weight
         rounds = self.config.policy.rounds  # async pushes are applied by the server
         for s, meta in frames:
-            tensors, added = [], []
+            tensors, added, in_place = [], [], self._servers.in_place(s)
             slices = zip(meta["keys"], meta["starts"], meta["stops"], meta["clocks"], strict=True)
             for k, a, b, clock in slices:
                 if self._compression is not None:  # never through shared memory (compressed.py)
@@ -408,7 +412,7 @@ class DistKVStore(SparseAPI):
                     added.append(False)
                     tensors += self._compression.encode(k, a, flat[k][a:b], self._keys[k].numel)
                     continue
-                region = self._keys[k].regions.get(s)
+                region = self._keys[k].regions.get(s) if in_place else None
                 piece = flat[k][a:b]
                 # A joiner's clocks are its own (the server shifts them): it never adds in place.
                 added.append(rounds and not self._joined and region is not None and region.add(clock, piece))
@@ -418,8 +422,12 @@ class DistKVStore(SparseAPI):
                 meta["added"] = added
             op = "push" if views is None else "pushpull"
             packed = views is not None and self._compressed_pull(meta)
-            out = self._dests(s, meta, views, reads) if views is not None and not packed else None
-            futures.append(self._servers.request(s, op, meta, tensors, out=out))
+            first = len(reads)
+            out = self._dests(s, meta, views, reads, in_place) if views is not None and not packed else None
+            payload = (
+                self._payload(meta, flat, views, reads, first) if any(added) or len(reads) > first else None
+            )
+            futures.append(self._servers.request(s, op, meta, tensors, out=out, payload=payload))
             if packed:
                 after.insert(0, self._decoder(meta, futures[-1], views))
         return self._handle("push" if views is None else "pushpull", keys, frames, futures, after, reads)
@@ -442,12 +450,12 @@ class DistKVStore(SparseAPI):
                 after.append(lambda out=out, staging=staging: out.copy_(staging.view(out.shape)))
         return views
 
-    def _dests(self, server: int, meta: dict, views: dict, reads: list) -> list[torch.Tensor]:
+    def _dests(self, server: int, meta: dict, views: dict, reads: list, in_place: bool) -> list[torch.Tensor]:
         """Where a pull's slices from `server` land: slices it keeps in shared memory are marked
         (meta "read") and queued on `reads`; the rest come in the reply, into the returned tensors."""
         dests, read = [], []
         for k, a, b in zip(meta["keys"], meta["starts"], meta["stops"], strict=True):
-            region = self._keys[k].regions.get(server)
+            region = self._keys[k].regions.get(server) if in_place else None
             read.append(region is not None)
             if region is not None:
                 reads.append((region, views[k][a:b]))
@@ -456,6 +464,19 @@ class DistKVStore(SparseAPI):
         if any(read):
             meta["read"] = read
         return dests
+
+    def _payload(
+        self, meta: dict, flat: dict | None, views: dict | None, reads: list, first: int
+    ) -> Payload | None:
+        """The frame as a backup needs it, should the same-host primary die before replying: every
+        push in it (`flat`: the pushed values), every pulled value in the reply (failover.py)."""
+        if self._servers.replication == 1:
+            return None
+        where = list(zip(meta["keys"], meta["starts"], meta["stops"], strict=True))
+        plain = {k: v for k, v in meta.items() if k not in ("added", "read")}
+        tensors = [flat[k][a:b] for k, a, b in where] if flat is not None else []
+        out = [views[k][a:b] for k, a, b in where] if views is not None else None
+        return Payload(plain, tensors, out, reads, reads[first:])
 
     # -- compression (compressed.py) -------------------------------------------------------------
     def set_gradient_compression(self, compression: Any) -> None:

@@ -10,6 +10,12 @@ push it already has from the dead primary's replication and waits for the others
 round; the caller's Handle never sees the fail-over. Only when every server of a chain is dead does
 the wait fail.
 
+On one machine a primary keeps its slices in shared memory (as an unreplicated server does): the
+worker adds its pushes into the open round's buffer and reads the pulled values there. A backup
+does not, so a request sent to any server but the primary goes as its `Payload` says: the pushes in
+the frame, the values in the reply, and the Handle's reads of that frame dropped (they would read
+the dead primary's memory over the reply).
+
 A restarted server that has caught up (the scheduler's `server_back` notice, with its new address)
 is live again but comes last in every chain's order: it is a backup of the slices it held, and
 serves them again only if every other copy dies (no fail-back; replica.py says why).
@@ -22,6 +28,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -116,11 +123,39 @@ class Servers:
         meta: dict,
         tensors: Sequence[torch.Tensor] = (),
         out: Sequence[torch.Tensor | None] | None = None,
+        payload: Payload | None = None,
     ) -> Future | FailoverFuture:
-        """A request for `primary`'s slices: plain without replication, else one that fails over."""
+        """A request for `primary`'s slices: plain without replication, else one that fails over
+        (sent as `payload` says to any server but the primary, where it used shared memory)."""
         if self.replication == 1:
             return self.clients[primary].request(op, meta, tensors, out=out)
-        return FailoverFuture(self, primary, op, meta, tensors, out)
+        return FailoverFuture(self, primary, op, meta, tensors, out, payload)
+
+    def in_place(self, primary: int) -> bool:
+        """Whether a request for `primary`'s slices may use its shared memory: it serves them."""
+        try:
+            return self.replication == 1 or self.serving(primary) == primary
+        except KVStoreError:
+            return False  # the request itself says so
+
+
+@dataclass
+class Payload:
+    """A request as sent to a server that does not hold the slices in shared memory: a backup
+    that took over from a same-host primary. The worker had added its pushes into the primary's
+    shared buffers and would have read the pulled values there; the backup needs the pushes in the
+    frame and sends the values in its reply, and `reads` (the Handle's) loses this frame's
+    entries (`mine`), which would read the dead primary's memory over them."""
+
+    meta: dict
+    tensors: list[torch.Tensor]
+    out: list[torch.Tensor] | None
+    reads: list
+    mine: list
+
+    def use(self) -> tuple[dict, list[torch.Tensor], list[torch.Tensor] | None]:
+        self.reads[:] = [entry for entry in self.reads if not any(entry is m for m in self.mine)]
+        return self.meta, self.tensors, self.out
 
 
 class FailoverFuture:
@@ -134,9 +169,11 @@ class FailoverFuture:
         meta: dict,
         tensors: Sequence[torch.Tensor],
         out: Sequence[torch.Tensor | None] | None,
+        payload: Payload | None = None,
     ) -> None:
         self._servers, self._primary = servers, primary
         self._request: tuple[str, dict, Sequence[torch.Tensor], Any] = (op, meta, tensors, out)
+        self._payload = payload
         self._lock = threading.Lock()
         with self._lock:  # a fail_over meanwhile waits for the first send
             servers.track(self, True)
@@ -191,6 +228,8 @@ class FailoverFuture:
         op, meta, tensors, out = self._request
         while True:
             self._server = self._servers.serving(self._primary)
+            if self._payload is not None and self._server != self._primary:
+                meta, tensors, out = self._payload.use()
             dead = self._servers.dead_list()
             sent = dict(meta, dead=dead) if dead else meta
             try:
