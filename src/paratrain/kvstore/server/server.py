@@ -49,7 +49,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -490,10 +490,6 @@ class KVServer(Handler):
 
     def disconnected(self, conn: Connection, error: Exception | None) -> None:
         self._senders.close(conn)
-
-    def send_later(self, conn: Connection, job: Callable[[], None]) -> None:
-        """Run a reply job on `conn`'s own sender (replies.py), not on the calling thread."""
-        self._senders.send(conn, job)
 
     def _waiting(self, meta: dict) -> list[dict]:
         """The rounds that hold back a waiting worker's pulls: per slice below its min_version,

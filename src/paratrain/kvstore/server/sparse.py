@@ -41,7 +41,6 @@ table's version reaches its min_version. In async mode a push applies on arrival
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -50,7 +49,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from paratrain.errors import TransportError
 from paratrain.kvstore import consistency, kernels
 from paratrain.kvstore.api import TableConfig, TableError
 from paratrain.kvstore.consistency import Policy
@@ -727,20 +725,15 @@ class SparseTables:
         table.pending = waiting
         return ready
 
-    def _send(self, ready: list[tuple[Any, torch.Tensor | None, int | str]]) -> None:
-        """Answer the requests `_take_ready` served. Rows go out from each pulling worker's own
-        reply sender (KVServer.send_later): in sync rounds the thread that applied a round would
-        otherwise send every waiting worker's rows before reading its own worker's next pull."""
-        send_later = getattr(self.server, "send_later", None)
+    @staticmethod
+    def _send(ready: list[tuple[Any, torch.Tensor | None, int | str]]) -> None:
         for request, rows, version in ready:
             if isinstance(version, str):
                 request.fail(version)
             elif rows is None:
                 request.reply({})
-            elif send_later is None:
-                request.reply({"versions": [version]}, [rows])
             else:
-                send_later(request.conn, functools.partial(_reply_rows, request, rows, version))
+                request.reply({"versions": [version]}, [rows])
 
     def close(self) -> None:
         """The server ends: the thread confirming the backups' copies ends first (replies.py)."""
@@ -771,11 +764,3 @@ class SparseTables:
             entries.append(meta | {"tensors": len(parts)})
             tensors += parts
         request.reply({"tables": entries}, tensors)
-
-
-def _reply_rows(request: Any, rows: torch.Tensor, version: int) -> None:
-    """A pull's rows, from its worker's reply sender (a job there must not raise: replies.py)."""
-    try:
-        request.reply({"versions": [version]}, [rows])
-    except TransportError as exc:  # the worker is gone: its connection's end reports it
-        logger.debug("a pull reply to %s was not sent: %s", request.conn.peer, exc)
