@@ -621,15 +621,20 @@ class SparseTables:
         pull = PendingPull(request, ids, int(meta["clock"]), int(meta["min_version"]), bool(meta["train"]))
         pull.rank = None if rank is None else int(rank)
         with table.lock:
+            ready = self._catch_up(table)
             if table.broken is not None:
+                self._send(ready)
                 raise TableError(table.broken)
             if table.visible < pull.min_version:
                 if request.header.at is not None:  # a view of the shared-memory ring: keep a copy
                     pull.ids = ids.copy()
                 table.pending.append(pull)
-                return
-            rows, version = table.read(ids, pull.clock, pull.train, pull.rank), table.version
-        request.reply({"versions": [version]}, [rows])
+                rows = None
+            else:
+                rows, version = table.read(ids, pull.clock, pull.train, pull.rank), table.version
+        self._send(ready)
+        if rows is not None:
+            request.reply({"versions": [version]}, [rows])
 
     def _push(self, request: Any) -> None:
         meta, table = request.meta, self._serving(request.meta)
@@ -668,17 +673,31 @@ class SparseTables:
         """Apply the table's complete rounds; the pulls that may go on. A round that fails to apply
         fails the waiting pulls and every later one: workers get the error, never a hang."""
         with table.lock:
-            try:
-                table.apply_complete_rounds(members)
-            except Exception as exc:
-                logger.exception("table %r: a round failed to apply", table.key)
-                table.broken = (
-                    f"server {self.server.rank}: table {table.key!r} could not apply a round: {exc!r}"
-                )
-            if table.broken is not None:
-                failed, table.pending = table.pending, []
-                return [(pull.request, None, table.broken) for pull in failed]
-            return self._take_ready(table)
+            return self._applied(table, members)
+
+    def _applied(self, table: SparseTable, members: frozenset) -> list:
+        """_apply_rounds, holding table.lock."""
+        try:
+            table.apply_complete_rounds(members)
+        except Exception as exc:
+            logger.exception("table %r: a round failed to apply", table.key)
+            table.broken = f"server {self.server.rank}: table {table.key!r} could not apply a round: {exc!r}"
+        if table.broken is not None:
+            failed, table.pending = table.pending, []
+            return [(pull.request, None, table.broken) for pull in failed]
+        return self._take_ready(table)
+
+    def _catch_up(self, table: SparseTable) -> list:
+        """Before a read (holds table.lock): apply a round whose pushes were all acknowledged but
+        that its last pusher's thread has not applied yet (it replies first, _push). So a request
+        sent after a round's pushes were acknowledged sees that round, as with dense keys (whose
+        rounds apply before the reply): e.g. a bounded pull after kv.barrier() sees every round.
+        Returns the pulls that may go now."""
+        members = self.server.rules.members
+        waiting = table.rounds.get(table.version)
+        if waiting is None or not members.issubset(waiting):
+            return []
+        return self._applied(table, members)
 
     @staticmethod
     def _ids(request: Any, table: SparseTable) -> np.ndarray:
@@ -739,7 +758,9 @@ class SparseTables:
         entries, tensors = [], []
         for table in tables:
             with table.lock:
+                ready = self._catch_up(table)
                 meta, parts = table.state(full)
+            self._send(ready)
             entries.append(meta | {"tensors": len(parts)})
             tensors += parts
         request.reply({"tables": entries}, tensors)

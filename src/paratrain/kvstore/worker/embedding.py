@@ -10,9 +10,10 @@ A forward dedups its ids and groups the unique ids by server (a hash of the id) 
 just those rows, one frame per server. The rows become a fresh leaf tensor (never an nn.Parameter, so
 torch optimizers and DDP leave it alone) that the output gathers from; its gradient, which autograd
 has already summed per unique row, is pushed from a hook during backward, and `flush()` (called by
-the trainer where the optimizer steps, and by the next forward) waits for the pushes. In sync mode the
-next pull waits on the servers until every worker's push of the round was applied, as dense pulls
-do; so a training forward (module.training, grad enabled) needs its backward on every worker.
+the trainer where the optimizer steps, and by the next forward once its pull is sent) waits for the
+pushes. In sync mode the next pull waits on the servers until every worker's push of the round was
+applied, as dense pulls do; so a training forward (module.training, grad enabled) needs its backward
+on every worker.
 
 `TableClient` does the wire work of the sparse kvstore API (init_table, row_sparse_pull, push_sparse,
 ...) for DistKVStore, and for a store without servers (`LocalSparseKVStore`) over the servers' own
@@ -445,7 +446,7 @@ class DistributedEmbedding(nn.Module):
     The module holds no parameters: the table, and its lazy optimizer (`optimizer`: torch.optim.SGD,
     Adagrad or Adam, by class or path, with `optimizer_args`; else the store's set_optimizer), live
     on the servers. A training forward pulls the batch's unique rows into a leaf tensor; backward
-    pushes their gradients from a hook on it; `flush()` (also the start of the next forward) waits
+    pushes their gradients from a hook on it; `flush()` (also the next forward, after its pull left) waits
     for those pushes. Every worker builds the same modules in the same order."""
 
     paratrain_sparse = True
@@ -515,11 +516,13 @@ class DistributedEmbedding(nn.Module):
         absent rows are created and backward pushes the rows' gradients."""
         if self.mode is None and offsets is not None:
             raise ValueError("offsets are for bag modes: DistributedEmbedding(mode='sum' or 'mean')")
-        self.flush()
         tables = self.kv.tables
         route, where = tables.dedup(_ids(ids))
         train = self.training and torch.is_grad_enabled()
         handle, rows = tables.pull(self.key, route, train)
+        # The last pushes are waited for only now: each server reads this pull after them (one
+        # connection, in order), so their acknowledgements overlap the pull's trip.
+        self.flush()
         handle.wait()
         where = where.view(ids.shape).to(ids.device)
         if train:
