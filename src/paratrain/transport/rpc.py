@@ -493,8 +493,7 @@ class RpcClient:
     def _destinations(self, header: Header) -> Sequence[torch.Tensor | None] | None:
         if header.op != "reply":
             return None
-        with self._lock:
-            future = self._pending.get(header.id)
+        future = self._pending.get(header.id)  # one dict operation: atomic, no lock needed
         return future.out if future is not None else None
 
     def _read_loop(self) -> None:
@@ -523,8 +522,9 @@ class RpcClient:
             if self._on_message is not None:
                 self._on_message(header, tensors)
             return
-        with self._lock:
-            future = self._pending.pop(header.id, None)
+        # One dict operation is atomic; the lock only orders `_error` with the swap in _fail_pending,
+        # which runs on this thread too.
+        future = self._pending.pop(header.id, None)
         if future is None:
             logger.warning("%s sent a reply to unknown request %d", self.name, header.id)
         elif header.op == "reply":
