@@ -157,7 +157,9 @@ def _msgpack_header(
     return msgpack.packb(fields)
 
 
-def check_prefix(prefix: bytes | bytearray | memoryview, limits: Limits, offset: int = 0) -> tuple[int, int, bytes]:
+def check_prefix(
+    prefix: bytes | bytearray | memoryview, limits: Limits, offset: int = 0
+) -> tuple[int, int, bytes]:
     """The prefix at `offset` of `prefix`: (header length, payload length, MAC), within limits."""
     header_len, payload_len, tag = PREFIX.unpack_from(prefix, offset)
     if not 0 < header_len <= limits.max_header_bytes:
