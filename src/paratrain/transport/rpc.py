@@ -329,15 +329,23 @@ class Future:
     """The reply to one request. A lock held until the reply arrives is the cheapest wake-up
     CPython has (an Event adds a Condition and a second lock)."""
 
-    __slots__ = ("_done", "_reply", "_error", "out", "what")
+    __slots__ = ("_done", "_reply", "_error", "out", "_what")
 
-    def __init__(self, what: str, out: Sequence[torch.Tensor | None] | None) -> None:
+    def __init__(self, what: str | tuple[str, int, str], out: Sequence[torch.Tensor | None] | None) -> None:
+        """`what`: the request, for errors; or (op, id, peer), formatted only if an error needs it."""
         self._done = threading.Lock()
         self._done.acquire()
         self._reply: Reply | None = None
         self._error: BaseException | None = None
         self.out = out
-        self.what = what
+        self._what = what
+
+    @property
+    def what(self) -> str:
+        if isinstance(self._what, tuple):
+            op, id, peer = self._what
+            return f"{op!r} (id {id}) from {peer}"
+        return self._what
 
     def _set(self, reply: Reply | None, error: BaseException | None) -> None:
         self._reply, self._error = reply, error
@@ -462,7 +470,7 @@ class RpcClient:
         """Send a request; the returned Future gives the reply. Reply tensors land in `out` where
         their dtype and size match it."""
         id = next(self._ids)
-        future = Future(f"{op!r} (id {id}) from {self.name}", out)
+        future = Future((op, id, self.name), out)
         with self._lock:
             if self._error is not None:
                 raise TransportError(f"connection to {self.name} is down: {self._error}")
