@@ -15,7 +15,11 @@ Why a reader thread even for a caller that waits on its reply at once: a `call` 
 reply (the reader thread parked in epoll, EPOLLONESHOT) used the same CPU per 1 KiB round trip
 (171 against 175 us, client and server together) but ran at 0.4-0.7x the rate on the loaded
 2-core machine, measured twice, interleaved, by two engineers; with the work split over two
-threads each thread sleeps more, and the scheduler wakes it sooner.
+threads each thread sleeps more, and the scheduler wakes it sooner. The hand-off itself is cheap:
+with plain sockets, a reader thread waking the caller through a lock cost the client 16.6 against
+9.5 us of CPU per 1 KiB round trip, at the same rate (one loaded run). What costs is the Python per
+frame, which the lean header (frame.py) cut to about 0.75x: 120-140 us per round trip, client and
+server together, against 27 us for plain TCP.
 """
 
 from __future__ import annotations
