@@ -2,10 +2,10 @@
 codec says the server must do with it.
 
 `fuzz_server` mixes (a) garbage in place of the handshake, (b) authenticated connections that send
-frames with a wrong prefix or MAC, (c) frames with a valid MAC over wrong, mutated or random headers,
-so the header parser itself is exercised, and (d) valid frames with ops no server serves (each gets an
-error reply and the connection stays). A refused frame must close its connection without an answer;
-an accepted one must be answered in order. Seeded, so a run is reproducible.
+frames with a wrong prefix or MAC, (c) frames with a valid MAC over wrong, mutated or random headers
+(msgpack and lean), so both header parsers are exercised, and (d) valid frames with ops no server
+serves (each gets an error reply and the connection stays). A refused frame must close its
+connection without an answer; an accepted one must be answered in order. Seeded, so a run is reproducible.
 
 tests/test_transport.py runs it in-process and as a job; the job's script imports this module by path,
 so it imports nothing from pytest.
@@ -220,6 +220,39 @@ def _mutated_header(rng: random.Random) -> tuple[bytes, int]:
     return bytes(data), payload_len
 
 
+def lean_header(fields: dict[str, Any]) -> bytes:
+    """The lean form (frame.py) of a valid header's fields, built here from the format itself."""
+    name = fields["op"].encode()
+    parts = [struct.pack("!BBQB", 0xC1, len(name), fields["id"], len(fields["tensors"])), name]
+    for dtype, shape in fields["tensors"]:
+        parts.append(struct.pack(f"!BB{len(shape)}Q", list(DTYPES).index(dtype), len(shape), *shape))
+    if fields["meta"]:
+        parts.append(msgpack.packb(fields["meta"]))
+    return b"".join(parts)
+
+
+def _valid_encoded(rng: random.Random, op: str | None = None) -> tuple[bytes, int]:
+    fields, payload_len = _valid_header(rng, op)
+    return (lean_header(fields) if rng.random() < 0.5 else msgpack.packb(fields)), payload_len
+
+
+def _mutated_lean_header(rng: random.Random) -> tuple[bytes, int]:
+    fields, payload_len = _valid_header(rng, op=rng.choice(["ping", *_OPS]))
+    data = bytearray(lean_header(fields))
+    kind = rng.randrange(5)
+    if kind == 0:
+        flip_bits(rng, data, rng.randint(1, 3))
+    elif kind == 1:
+        data[rng.randrange(len(data))] = rng.randrange(256)
+    elif kind == 2:
+        del data[rng.randrange(1, len(data)) :]
+    elif kind == 3:
+        data += rng.randbytes(rng.randint(1, 8))
+    else:
+        payload_len = max(0, payload_len + rng.choice([-3, -1, 1, 2, 64]))
+    return bytes(data), payload_len
+
+
 def _server_accepts(key: bytes, seq: int, header: bytes, payload_len: int) -> Header | None:
     """What the server makes of a frame signed with our key: the parsed header, or None if it
     must close the connection. Counts on frame.py being right; the fuzz checks the server agrees."""
@@ -291,8 +324,7 @@ def _closing_frame(rng: random.Random, session: Session, stats: Counter) -> None
             data = struct.pack("!IQ", rng.randrange(1, 200), rng.randrange(64)) + data[12:]
         data += rng.randbytes(rng.randrange(300))
     else:
-        fields, payload_len = _valid_header(rng)
-        header = msgpack.packb(fields)
+        header, payload_len = _valid_encoded(rng)
         flipped = bytearray(signed(header, payload_len, session.key, session.seq))
         flip_bits(rng, flipped, rng.randint(1, 3))
         data = bytes(flipped) + rng.randbytes(payload_len)
@@ -311,8 +343,8 @@ def _fuzz_session(rng: random.Random, host: str, port: int, secret: bytes, stats
     session = Session(host, port, secret)
     try:
         for _ in range(rng.randrange(4)):
-            fields, payload_len = _valid_header(rng, op="ping" if rng.random() < 0.2 else None)
-            _send_signed(session, rng, msgpack.packb(fields), payload_len, stats)
+            header, payload_len = _valid_encoded(rng, op="ping" if rng.random() < 0.2 else None)
+            _send_signed(session, rng, header, payload_len, stats)
             stats["valid_frames"] += 1
         stats["replies"] += session.drain()
         if rng.random() < 0.1:
@@ -322,7 +354,8 @@ def _fuzz_session(rng: random.Random, host: str, port: int, secret: bytes, stats
                 _closing_frame(rng, session, stats)
                 return
             stats["parser_frames"] += 1
-            make = _wrong_header if rng.random() < 0.6 else _mutated_header
+            pick = rng.random()
+            make = _wrong_header if pick < 0.45 else _mutated_header if pick < 0.7 else _mutated_lean_header
             if not _send_signed(session, rng, *make(rng), stats):
                 return
             stats["parser_frames_accepted"] += 1

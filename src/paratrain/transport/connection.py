@@ -20,7 +20,7 @@ from paratrain.errors import TransportError
 from paratrain.transport import frame
 from paratrain.transport.frame import Header, Limits
 from paratrain.transport.shm import Ring
-from paratrain.transport.tensors import byte_view, copy_bytes
+from paratrain.transport.tensors import byte_view, copy_bytes, fitting_view
 
 READ_AHEAD_BYTES = 256 * 1024
 _PREFIX_BYTES = frame.PREFIX.size
@@ -64,7 +64,8 @@ class Connection:
         self._buf = bytearray(READ_AHEAD_BYTES)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
-        self._waitall = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._waitall = 0 if self._tls else socket.MSG_WAITALL
         self.closed = False
         # The same-host path (see shm.py): set once both ends mapped the rings.
         self.send_ring: Ring | None = None
@@ -81,7 +82,7 @@ class Connection:
         tensors: Sequence[torch.Tensor] = (),
     ) -> None:
         views = [byte_view(t) for t in tensors]  # before taking a sequence number: may raise
-        size = sum(len(v) for v in views)
+        size = sum(map(len, views))
         with self._send_lock:
             if self.closed:
                 raise TransportError(f"connection to {self.peer} is closed")
@@ -109,7 +110,7 @@ class Connection:
         return at
 
     def _send_vectors(self, bufs: list[Any], total: int) -> None:
-        if isinstance(self._sock, ssl.SSLSocket):  # SSL sockets have no sendmsg
+        if self._tls:  # SSL sockets have no sendmsg
             for b in bufs:
                 self._sock.sendall(b)
             return
@@ -144,17 +145,21 @@ class Connection:
         try:
             if self._end - self._start < _PREFIX_BYTES:  # a small frame is often all read ahead
                 self._fill(_PREFIX_BYTES, between_frames=True)
-            header_len, payload_len, tag = frame.check_prefix(self._take(_PREFIX_BYTES), self._limits)
+            header_len, payload_len, tag = frame.check_prefix(self._buf, self._limits, self._start)
+            self._start += _PREFIX_BYTES
             if self._end - self._start < header_len:
                 self._fill(header_len)
-            raw_header = self._take(header_len)
+            start = self._start
+            self._start = start + header_len
+            raw_header = self._view[start : self._start]
             header = frame.decode_header(self._recv_key, self._recv_seq, tag, raw_header, payload_len)
             self._recv_seq += 1
             dests = destinations(header) if destinations else None
-            source = None if header.at is None else self._ring_region(header, ring_views)
-            tensors = [self._receive_tensor(header, i, dests, source) for i in range(len(header.specs))]
-            if source is not None:
-                assert header.at is not None
+            if header.at is None:
+                tensors = [self._receive_socket(header, i, dests) for i in range(len(header.specs))]
+            else:
+                source = self._ring_region(header, ring_views)
+                tensors = [self._receive_ring(header, i, dests, source) for i in range(len(header.specs))]
                 self._held = header.at + header.size
                 if not ring_views:
                     self.release_frame()
@@ -162,38 +167,47 @@ class Connection:
             raise TransportError(f"reading from {self.peer} failed: {exc}") from exc
         return header, tensors
 
-    def _ring_region(self, header: Header, views: bool) -> _RingCursor | None:
-        """Where a payload that is in the shared-memory ring lies; None if it is on the socket."""
-        if header.at is None:
-            return None
+    def _receive_socket(
+        self, header: Header, i: int, dests: Sequence[torch.Tensor | None] | None
+    ) -> torch.Tensor:
+        """Tensor i of a frame whose payload follows on the socket: into its destination if that
+        fits, else into a new tensor."""
+        dtype, shape = header.specs[i]
+        dest = dests[i] if dests is not None and i < len(dests) else None
+        view = None if dest is None else fitting_view(dest, dtype, frame.nbytes(dtype, shape))
+        if view is None:
+            dest = torch.empty(shape, dtype=dtype)
+            view = byte_view(dest)
+        self._receive_into(view)
+        assert dest is not None
+        return dest
+
+    def _ring_region(self, header: Header, views: bool) -> _RingCursor:
+        """Where a payload that is in the shared-memory ring lies."""
+        assert header.at is not None
         if self.recv_ring is None:
             raise frame.FrameError("frame names a shared-memory payload but this connection has no ring")
         return _RingCursor(self.recv_ring.check(header.at, header.size), 0, views)
 
-    def _receive_tensor(
-        self, header: Header, i: int, dests: Sequence[torch.Tensor | None] | None, source: _RingCursor | None
+    def _receive_ring(
+        self, header: Header, i: int, dests: Sequence[torch.Tensor | None] | None, source: _RingCursor
     ) -> torch.Tensor:
+        """Tensor i of a frame whose payload is in the shared-memory ring: copied into its
+        destination if that fits, else a view of the ring (`views`) or a new tensor."""
         dtype, shape = header.specs[i]
         dest = dests[i] if dests is not None and i < len(dests) else None
         size = frame.nbytes(dtype, shape)
-        fits = (
-            dest is not None
-            and dest.dtype == dtype
-            and dest.is_contiguous()
-            and dest.numel() * dest.element_size() == size
-            and dest.is_cpu
-        )
-        if source is None:
-            tensor = dest if fits and dest is not None else torch.empty(shape, dtype=dtype)
-            self._receive_into(byte_view(tensor))
-            return tensor
+        view = None if dest is None else fitting_view(dest, dtype, size)
         region = source.region[source.offset : source.offset + size]
         source.offset += size
-        if not fits and source.views and size:  # a view of the ring, valid until release_frame()
+        if view is None and source.views and size:  # a view of the ring, valid until release_frame()
             return torch.frombuffer(region, dtype=dtype).view(shape)
-        tensor = dest if fits and dest is not None else torch.empty(shape, dtype=dtype)
-        copy_bytes(byte_view(tensor), region)  # one copy, no syscall
-        return tensor
+        if view is None:
+            dest = torch.empty(shape, dtype=dtype)
+            view = byte_view(dest)
+        copy_bytes(view, region)  # one copy, no syscall
+        assert dest is not None
+        return dest
 
     def release_frame(self) -> None:
         """Hand the ring space of the last frame back to the writer."""
@@ -228,11 +242,6 @@ class Connection:
                     raise ConnectionClosed(f"{self.peer} closed the connection")
                 raise TransportError(f"{self.peer} closed the connection inside a frame")
             self._end += k
-
-    def _take(self, n: int) -> memoryview:
-        view = self._view[self._start : self._start + n]
-        self._start += n
-        return view
 
     def close(self) -> None:
         with self._send_lock:

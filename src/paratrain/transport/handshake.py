@@ -18,7 +18,7 @@ import socket
 
 from paratrain.errors import AuthenticationError, TransportError
 
-MAGIC = b"PTRAIN01"
+MAGIC = b"PTRAIN02"  # the wire's version: 02 added the lean frame header (frame.py)
 NONCE_BYTES = 32
 
 
@@ -65,6 +65,11 @@ def connect(sock: socket.socket, secret: bytes) -> tuple[bytes, bytes]:
     """Client side. Returns (receive key, send key); raises AuthenticationError on a bad peer."""
     hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
     if hello[: len(MAGIC)] != MAGIC:
+        if hello[:6] == MAGIC[:6]:
+            raise TransportError(
+                f"peer speaks paratrain wire version {hello[6:8]!r}, this process {MAGIC[6:]!r}: "
+                "run one paratrain version on every host"
+            )
         raise TransportError(f"peer is not a paratrain endpoint (greeting {hello[:8]!r})")
     server_nonce = hello[len(MAGIC) :]
     client_nonce = os.urandom(NONCE_BYTES)

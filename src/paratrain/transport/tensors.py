@@ -18,6 +18,10 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+# The lean header's dtype codes (frame.py): a dtype's position in DTYPES. They are on the wire:
+# a new dtype goes at the end of DTYPES, and none is ever removed or moved.
+BY_CODE: tuple[torch.dtype, ...] = tuple(DTYPES.values())
+CODES: dict[torch.dtype, int] = {dtype: code for code, dtype in enumerate(BY_CODE)}
 MAX_DIMS = 16
 
 
@@ -49,6 +53,17 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if tensor.dtype is torch.bfloat16:  # numpy has no bfloat16; the bytes are the same
         tensor = tensor.view(torch.int16)
     return tensor.numpy().data.cast("B")
+
+
+def fitting_view(dest: torch.Tensor, dtype: torch.dtype, size: int) -> memoryview | None:
+    """dest's bytes if it can take `size` bytes of `dtype` as they are (no copy), else None."""
+    if dest.dtype is not dtype or not dest.is_cpu or not dest.is_contiguous() or dest.nbytes != size:
+        return None
+    if not size:
+        return memoryview(b"")
+    if dtype is torch.bfloat16:
+        dest = dest.view(torch.int16)
+    return dest.numpy().data.cast("B")
 
 
 BIG_COPY_BYTES = 1 << 20
