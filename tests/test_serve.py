@@ -379,3 +379,27 @@ def test_the_row_cache_is_bounded_and_time_limited():
     found, missing = cache.get(np.array([1, 3, 4]), now=1.2)  # 1 and 3 were stored at 0.0: expired
     assert list(found) == [2] and missing.tolist() == [0, 1]
     assert len(RowCache(max_rows=0, ttl_s=1.0)) == 0
+
+
+@pytest.mark.parametrize("factory", ["small_cnn", "views_conv"])
+def test_convolutions_run_channels_last_unless_the_model_fails_so(tmp_path, factory):
+    """A conv model is served channels-last with the answers of the model as built; one that fails
+    channels-last (a .view of a conv's output) on its first batch is made contiguous for good, and a
+    bad request after that fails alone without changing the layout."""
+    from paratrain.serve.model import ModelHolder
+
+    built = load_factory(f"{MODELS}:{factory}")().eval()
+    (tmp_path / "m.safetensors").write_bytes(save_safetensors(built.state_dict()))
+    holder = ModelHolder(load_factory(f"{MODELS}:{factory}"), tmp_path / "m.safetensors", reload_interval_s=0)
+    model = holder.current.model
+    x = torch.randn(5, 2, 6, 6)
+    with torch.inference_mode():
+        output, _ = holder.run(lambda m: m(x))
+        torch.testing.assert_close(output, built(x))
+        fails_channels_last = factory == "views_conv"
+        assert holder.channels_last is not fails_channels_last
+        weight = next(p for p in model.parameters() if p.dim() == 4)
+        assert weight.is_contiguous(memory_format=torch.channels_last) is not fails_channels_last
+        with pytest.raises(RuntimeError):
+            holder.run(lambda m: m(torch.randn(5, 3, 6, 6)))
+        assert holder.channels_last is not fails_channels_last
