@@ -283,7 +283,7 @@ def test_the_batcher_groups_by_signature_within_the_limit_and_isolates_failures(
     assert runs == [1, 4, 3, 1, 1, 1, 1]
 
 
-def test_a_batch_waits_only_for_as_many_rows_as_the_previous_batch_had():
+def test_a_batch_waits_only_for_as_many_rows_as_recent_batches_had():
     """A lone request runs at once (no wait of 60 s); requests queued while a batch runs form the
     next batch, whose size the one after it then waits for."""
     runs: list[int] = []
@@ -304,7 +304,7 @@ def test_a_batch_waits_only_for_as_many_rows_as_the_previous_batch_had():
     assert all(torch.equal(f.result(timeout=30)[0], torch.ones(1, 2)) for f in queued)
     waiting = [batcher.submit({"inputs": torch.zeros(1, 2)}) for _ in range(2)]
     time.sleep(0.2)
-    assert not any(f.done() for f in waiting)  # 2 rows < the previous batch's 3: still waiting
+    assert not any(f.done() for f in waiting)  # 2 rows < the recent batches' 3: still waiting
     last = batcher.submit({"inputs": torch.zeros(1, 2)})
     assert all(f.result(timeout=30)[1] == "tag" for f in [*waiting, last])
     batcher.close()

@@ -9,10 +9,10 @@ sees half-loaded weights. A checkpoint pruned or unreadable mid-load is skipped 
 
 Convolutions run channels-last (NHWC) by default: `ModelHolder(channels_last=True)` stores the 4-D
 weights of a model with 2-D convolutions that way, so oneDNN's NHWC kernels run them and the output
-of each convolution and pooling stays NHWC; answers are the same up to float rounding. Measured on
-the benchmark's small CNN (one thread, 2 cores): 0.27-0.35 ms per image at batch 32 against
-0.56-0.63 in NCHW, and 0.50-0.98 against 0.63-1.31 at batch 1 (NCHW max-pooling is not vectorised
-across channels, and conv 1->32 on NCHW batches of 16 or more took 10x per image what it took on 8).
+of each convolution and pooling stays NHWC; answers are the same up to float rounding. Measured
+on the benchmark's small CNN through the server's batch function (one thread, 2 shared cores, two
+runs each): 0.63-0.78 ms per image at batch 1 against 1.14-1.52 in NCHW, and 0.22-0.23 at batch 32
+against 0.41-0.42 (NCHW max-pooling is not vectorised across channels).
 A model that fails channels-last (a `.view` of a convolution's output, say) before any batch ran is
 put back to contiguous and run again, for good (`run`).
 """
