@@ -1,7 +1,7 @@
 """`paratrain serve` under load: requests/s and latency with dynamic batching on and off, beside a
 plain loop calling the model one request at a time.
 
-    python benchmarks/serve.py [--requests 2000] [--seconds 20] [--rounds 3] [--concurrency 1,8,32]
+    python benchmarks/serve.py [--requests 10000] [--seconds 2] [--rounds 7] [--concurrency 1,8,32]
                                [--plot serve.png]
 
 The model: a small CNN (conv 1->32, conv 32->64, 3x3, each with ReLU and 2x2 max-pooling, fc
@@ -12,12 +12,14 @@ connections driven by one event loop in this process (uvloop, answers parsed by 
 request's bytes made once), sending requests back to back until `requests` answers or `seconds`
 passed (after a warm-up), for c in `concurrency`: about 20 us of CPU per request, where a thread
 per client with http.client took several times that from the 2 cores the server runs on. Batching
-off: --max-batch 1 (every request runs alone); on: --max-batch 32 --batch-wait-ms 5; both servers
-run all along and each figure of one is measured right after the same figure of the other (the
-order flips every round), so a busy spell of the machine hits both. The anchor: this process
-calling the model on one image at a time in a loop (one thread, no HTTP). Figures: answers per
-second, and the median and 99th percentile of each request's latency (send to full answer), each
-the median over `rounds` rounds; "x off" is the median of each round's on/off ratio.
+off: --max-batch 1 (every request runs alone); on: the defaults (--max-batch 32 --batch-wait-ms 5);
+otherwise the same server and code path. Both servers run all along, and each figure of one is
+measured right after the same figure of the other (the order flips every round), in short runs
+(`seconds`) over many rounds, so a busy spell of the machine (5 people share its 2 cores) hits both
+sides of a round's ratio. The anchor: this process calling the model on one image at a time in a
+loop (one thread, no HTTP). Figures: answers per second (the median over the rounds) and the median
+and 99th percentile of each request's latency (send to full answer) over all rounds' requests; "x
+off" is the median of the rounds' on/off ratios, each of which is printed.
 The clients and the server share the machine's cores (the clients' own cost is in every figure).
 Also printed: the model's CPU time per image at batch 1 and 32 (thread time, one thread), which
 bounds what batching can gain on this machine, and the server process's CPU time per answer (from
@@ -44,7 +46,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-MODES = {"off": ["--max-batch", "1"], "on": ["--max-batch", "32", "--batch-wait-ms", "5"]}
+MODES = {"off": ["--max-batch", "1"], "on": []}  # on: the defaults, what a user gets
 
 
 def small_cnn() -> nn.Sequential:
@@ -70,9 +72,13 @@ def summary(latencies: list[float], elapsed_s: float) -> dict[str, float]:
     }
 
 
-def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
-    """Each figure's median over the rounds."""
-    return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+def median_run(runs: list[dict]) -> dict[str, float]:
+    """Each figure's median over the rounds; latencies' percentiles over all the rounds' requests."""
+    figures = {name: statistics.median(run[name] for run in runs) for name in runs[0] if name != "latencies"}
+    if "latencies" in runs[0]:
+        every = [latency for run in runs for latency in run["latencies"]]
+        figures |= {"p50_ms": 1e3 * statistics.median(every), "p99_ms": 1e3 * percentile(every, 0.99)}
+    return figures
 
 
 def plain_loop(requests: int, seconds: float) -> dict[str, float]:
@@ -92,10 +98,13 @@ def plain_loop(requests: int, seconds: float) -> dict[str, float]:
     return summary(latencies, time.perf_counter() - start)
 
 
-def model_cpu_ms_per_image(batch: int, runs: int = 30) -> float:
-    """Median thread CPU time per image of one forward of `batch` images (one thread)."""
+def model_cpu_ms_per_image(batch: int, runs: int = 30, channels_last: bool = False) -> float:
+    """Median thread CPU time per image of one forward of `batch` images (one thread), with the
+    weights as built or channels-last (as `paratrain serve` runs them)."""
     torch.set_num_threads(1)
     model, x = small_cnn().eval(), torch.randn(batch, 1, 28, 28)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
     times = []
     with torch.inference_mode():
         for i in range(runs + 5):
@@ -151,7 +160,8 @@ def load(port: int, concurrency: int, requests: int, seconds: float, server_pid:
     load_run = run(_load(port, LoadRun(concurrency, requests, seconds, server_pid)))
     if load_run.errors:
         raise RuntimeError(f"{len(load_run.errors)} requests failed: {load_run.errors[:5]}")
-    figures = summary(load_run.latencies, load_run.elapsed)
+    figures: dict = summary(load_run.latencies, load_run.elapsed)
+    figures["latencies"] = load_run.latencies
     figures["server_cpu_ms"] = 1e3 * load_run.server_cpu_s / len(load_run.latencies)
     figures["client_cpu_ms"] = 1e3 * load_run.client_cpu_s / len(load_run.latencies)
     return figures
@@ -251,10 +261,10 @@ class Client(asyncio.Protocol):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=2000, help="answers per figure (at most)")
-    parser.add_argument("--seconds", type=float, default=20.0, help="time per figure (at most)")
+    parser.add_argument("--requests", type=int, default=10000, help="answers per figure and round (at most)")
+    parser.add_argument("--seconds", type=float, default=2.0, help="time per figure and round (at most)")
     parser.add_argument("--concurrency", default="1,8,32", help="client counts, comma-separated")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of every figure (the median counts)")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds of every figure (the median counts)")
     parser.add_argument("--plot", metavar="PATH", help="also save a chart (needs matplotlib)")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -266,7 +276,11 @@ def main() -> None:
         staging = checkpoint.staging_dir(folder, 1)
         checkpoint.save_file(staging / "model.pt", {"model": small_cnn().state_dict()})
         checkpoint.commit(folder, 1, {})
-        anchor: dict = {"cpu_ms": {b: model_cpu_ms_per_image(b) for b in (1, 32)}}
+        anchor: dict = {
+            "cpu_ms": {
+                (b, cl): model_cpu_ms_per_image(b, channels_last=cl) for b in (1, 32) for cl in (False, True)
+            }
+        }
         servers: dict[str, tuple[int, subprocess.Popen]] = {}
         runs: dict[tuple[str, int], list[dict[str, float]]] = {}
         loops = []
@@ -301,10 +315,15 @@ def report(args, anchor: dict, results: dict, levels: list[int]) -> None:  # noq
     print(
         f"small CNN, 1 image/request, server 1 torch thread, {os.cpu_count()} cores shared with the "
         f"clients (load average {load_avg:.1f} at the end); up to {args.requests} answers or "
-        f"{args.seconds:.0f} s per run, median of {args.rounds} rounds (x off: of each round's ratio)"
+        f"{args.seconds:g} s per run, {args.rounds} rounds (req/s and x off: the median of the rounds; "
+        f"latencies: of all rounds' requests)"
     )
     cpu = anchor["cpu_ms"]
-    print(f"model CPU time per image, one thread: {cpu[1]:.3f} ms at batch 1, {cpu[32]:.3f} ms at batch 32")
+    for cl, layout in ((False, "as built (NCHW)"), (True, "channels-last, as served")):
+        print(
+            f"model CPU time per image, one thread, {layout}: {cpu[1, cl]:.3f} ms at batch 1, "
+            f"{cpu[32, cl]:.3f} ms at batch 32"
+        )
     head = f"{'setup':<28}{'clients':>8}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'x off':>8}{'x loop':>8}"
     print(f"{head}{'srv CPU ms/req':>16}{'cli CPU ms/req':>16}")
     loop = anchor

@@ -34,3 +34,29 @@ def deep() -> nn.Sequential:
     torch.manual_seed(2)
     dims = [8, 64, 64, 64, 64, 64, 4]
     return nn.Sequential(*(nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in zip(dims, dims[1:])))
+
+
+class ViewsConv(nn.Module):
+    """A conv whose output is flattened with `.view`, which channels-last strides refuse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv(x))
+        return self.fc(y.view(y.shape[0], -1))
+
+
+def views_conv() -> nn.Module:
+    torch.manual_seed(3)
+    return ViewsConv()
+
+
+def small_cnn() -> nn.Module:
+    """conv, pool, flatten, linear: runs channels-last."""
+    torch.manual_seed(4)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(36, 3)
+    )

@@ -261,8 +261,12 @@ def test_the_batcher_groups_by_signature_within_the_limit_and_isolates_failures(
             raise ValueError("negative input")
         return x * 2, "tag"
 
-    gate = threading.Event()
-    batcher = Batcher(lambda inputs: (gate.wait(), run(inputs))[1], max_batch=4, batch_wait_s=0.5)
+    started, gate = threading.Event(), threading.Event()
+    batcher = Batcher(
+        lambda inputs: (started.set(), gate.wait(), run(inputs))[2], max_batch=4, batch_wait_s=0.5
+    )
+    first = batcher.submit({"inputs": torch.ones(1, 5)})  # runs at once, alone; the rest queue meanwhile
+    assert started.wait(30)
     futures = [batcher.submit({"inputs": torch.full((1, 2), float(i))}) for i in range(6)]
     odd = batcher.submit({"inputs": torch.ones(1, 3)})  # another signature: its own batch
     bad = batcher.submit({"inputs": -torch.ones(1, 2)})
@@ -270,16 +274,52 @@ def test_the_batcher_groups_by_signature_within_the_limit_and_isolates_failures(
     for i, future in enumerate(futures):
         output, tag = future.result(timeout=30)
         assert tag == "tag" and torch.equal(output, torch.full((1, 2), 2.0 * i))
-    assert odd.result(timeout=30)[0].shape == (1, 3)
+    assert odd.result(timeout=30)[0].shape == (1, 3) and first.result(timeout=30)[0].shape == (1, 5)
     with pytest.raises(ModelInputError, match="negative input"):
         bad.result(timeout=30)
     batcher.close()
-    # 4 of the same signature; the other 2 with the bad one, which fails, so each runs alone; the odd one
-    assert runs == [4, 3, 1, 1, 1, 1]
+    # the first; 4 of the same signature; the other 2 with the bad one, which fails, so each runs
+    # alone; the odd one
+    assert runs == [1, 4, 3, 1, 1, 1, 1]
+
+
+def test_a_batch_waits_only_for_as_many_rows_as_recent_batches_had():
+    """A lone request runs at once (no wait of 60 s); requests queued while a batch runs form the
+    next batch, whose size the one after it then waits for."""
+    runs: list[int] = []
+    started, gate = threading.Event(), threading.Event()
+
+    def run(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
+        runs.append(inputs["inputs"].shape[0])
+        started.set()
+        gate.wait()
+        return inputs["inputs"] + 1, "tag"
+
+    batcher = Batcher(run, max_batch=8, batch_wait_s=60)
+    lone = batcher.submit({"inputs": torch.zeros(1, 2)})
+    assert started.wait(30)  # running, not waiting 60 s for others
+    queued = [batcher.submit({"inputs": torch.zeros(1, 2)}) for _ in range(3)]
+    gate.set()
+    assert torch.equal(lone.result(timeout=30)[0], torch.ones(1, 2))
+    assert all(torch.equal(f.result(timeout=30)[0], torch.ones(1, 2)) for f in queued)
+    waiting = [batcher.submit({"inputs": torch.zeros(1, 2)}) for _ in range(2)]
+    time.sleep(0.2)
+    assert not any(f.done() for f in waiting)  # 2 rows < the recent batches' 3: still waiting
+    last = batcher.submit({"inputs": torch.zeros(1, 2)})
+    assert all(f.result(timeout=30)[1] == "tag" for f in [*waiting, last])
+    batcher.close()
+    assert runs == [1, 3, 3]
 
 
 def test_the_batcher_answers_an_event_loop_in_one_hand_off_per_batch_and_skips_cancelled_requests():
-    batcher = Batcher(lambda inputs: (inputs["inputs"] + 1, "tag"), max_batch=8, batch_wait_s=0.2)
+    started, gate = threading.Event(), threading.Event()
+    batcher = Batcher(
+        lambda inputs: (started.set(), gate.wait(), (inputs["inputs"] + 1, "tag"))[2],
+        max_batch=8,
+        batch_wait_s=0.2,
+    )
+    first = batcher.submit({"inputs": torch.zeros(1, 2)})  # runs alone; the four queue meanwhile
+    assert started.wait(30)
     hand_offs: list[object] = []
 
     async def main() -> list:
@@ -296,6 +336,7 @@ def test_the_batcher_answers_an_event_loop_in_one_hand_off_per_batch_and_skips_c
         ]
         await asyncio.sleep(0)  # all four queued, the batch still gathering
         tasks[1].cancel()  # its client went away: the batch runs it, nobody takes the answer
+        gate.set()
         return await asyncio.gather(*tasks, return_exceptions=True)
 
     results = asyncio.run(main())
@@ -305,6 +346,7 @@ def test_the_batcher_answers_an_event_loop_in_one_hand_off_per_batch_and_skips_c
         output, tag = results[i]
         assert tag == "tag" and torch.equal(output, torch.full((1, 2), i + 1.0))
     assert len(hand_offs) == 1  # the batch's answers in one call onto the loop
+    assert first.result(timeout=30)[1] == "tag"
 
 
 def start_cli(*args: str, timeout_s: float = 240) -> tuple[subprocess.Popen, str]:
@@ -379,3 +421,27 @@ def test_the_row_cache_is_bounded_and_time_limited():
     found, missing = cache.get(np.array([1, 3, 4]), now=1.2)  # 1 and 3 were stored at 0.0: expired
     assert list(found) == [2] and missing.tolist() == [0, 1]
     assert len(RowCache(max_rows=0, ttl_s=1.0)) == 0
+
+
+@pytest.mark.parametrize("factory", ["small_cnn", "views_conv"])
+def test_convolutions_run_channels_last_unless_the_model_fails_so(tmp_path, factory):
+    """A conv model is served channels-last with the answers of the model as built; one that fails
+    channels-last (a .view of a conv's output) on its first batch is made contiguous for good, and a
+    bad request after that fails alone without changing the layout."""
+    from paratrain.serve.model import ModelHolder
+
+    built = load_factory(f"{MODELS}:{factory}")().eval()
+    (tmp_path / "m.safetensors").write_bytes(save_safetensors(built.state_dict()))
+    holder = ModelHolder(load_factory(f"{MODELS}:{factory}"), tmp_path / "m.safetensors", reload_interval_s=0)
+    model = holder.current.model
+    x = torch.randn(5, 2, 6, 6)
+    with torch.inference_mode():
+        output, _ = holder.run(lambda m: m(x))
+        torch.testing.assert_close(output, built(x))
+        fails_channels_last = factory == "views_conv"
+        assert holder.channels_last is not fails_channels_last
+        weight = next(p for p in model.parameters() if p.dim() == 4)
+        assert weight.is_contiguous(memory_format=torch.channels_last) is not fails_channels_last
+        with pytest.raises(RuntimeError):
+            holder.run(lambda m: m(torch.randn(5, 3, 6, 6)))
+        assert holder.channels_last is not fails_channels_last

@@ -108,6 +108,9 @@ class ServeConfig:
     request the model then fails on gets a 422 with the model's error)."""
     reload_interval_s: float = 2.0
     """How often an output folder is checked for a newer complete checkpoint (0: never)."""
+    channels_last: bool = True
+    """Run a model with 2-D convolutions channels-last (NHWC, oneDNN's fast path on CPU; see
+    serve/model.py); False: as the factory built it."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_body_bytes", "max_request_rows"):

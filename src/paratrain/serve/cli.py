@@ -126,6 +126,12 @@ def _points(ctx: click.Context, param: click.Parameter, value: str | None) -> tu
     help="With --join: seconds a cached row is served before it is pulled again.",
 )
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch intra-op threads.")
+@click.option(
+    "--channels-last/--no-channels-last",
+    default=True,
+    show_default=True,
+    help="Run a model with 2-D convolutions channels-last (NHWC: oneDNN's fast path on CPU).",
+)
 @click.argument("source", type=click.Path(exists=True))
 def serve(
     model_spec: str,
@@ -144,6 +150,7 @@ def serve(
     cache_rows: int,
     cache_ttl_s: float,
     threads: int | None,
+    channels_last: bool,
     source: str,
 ) -> None:
     """Serve the model of SOURCE (a checkpoint, an output folder: its newest checkpoint, reloaded
@@ -167,6 +174,7 @@ def serve(
             max_request_rows=max_request_rows,
             inputs=inputs,
             reload_interval_s=reload_interval_s,
+            channels_last=channels_last,
         )
         factory = load_factory(model_spec)
     except ValueError as exc:

@@ -6,6 +6,15 @@ factory that takes a `kv` parameter is given the serving process's read-only tab
 `reload_interval_s` for a newer complete checkpoint, builds a fresh model from it beside the current
 one and swaps the reference: a batch that started keeps the model it took, so no request fails or
 sees half-loaded weights. A checkpoint pruned or unreadable mid-load is skipped until the next check.
+
+Convolutions run channels-last (NHWC) by default: `ModelHolder(channels_last=True)` stores the 4-D
+weights of a model with 2-D convolutions that way, so oneDNN's NHWC kernels run them and the output
+of each convolution and pooling stays NHWC; answers are the same up to float rounding. Measured
+on the benchmark's small CNN through the server's batch function (one thread, 2 shared cores, two
+runs each): 0.63-0.78 ms per image at batch 1 against 1.14-1.52 in NCHW, and 0.22-0.23 at batch 32
+against 0.41-0.42 (NCHW max-pooling is not vectorised across channels).
+A model that fails channels-last (a `.view` of a convolution's output, say) before any batch ran is
+put back to contiguous and run again, for good (`run`).
 """
 
 from __future__ import annotations
@@ -60,6 +69,10 @@ def load_factory(spec: str) -> Factory:
     return factory
 
 
+def has_convolutions(model: nn.Module) -> bool:
+    return any(isinstance(module, nn.Conv2d) for module in model.modules())
+
+
 def build(factory: Factory, kv: Any = None) -> nn.Module:
     """A fresh model from `factory` (given `kv` if it takes one), in eval mode."""
     takes_kv = "kv" in inspect.signature(factory).parameters
@@ -89,9 +102,14 @@ class ModelHolder:
         reload_interval_s: float = 2.0,
         kv: Any = None,
         on_reload: Callable[[Loaded], None] | None = None,
+        channels_last: bool = True,
     ) -> None:
         self.factory, self.source, self.kv = factory, Path(source), kv
         self.on_reload = on_reload
+        self.channels_last = channels_last
+        """Whether models with convolutions are run channels-last (see the module docstring)."""
+        self._proven = False
+        """Whether a batch has run in the current layout (then a failure is the request's fault)."""
         self.watching = self._is_output_folder() and reload_interval_s > 0
         self.current = self._load_first()
         self._stop = threading.Event()
@@ -127,8 +145,33 @@ class ModelHolder:
             model.load_state_dict(state)
         except RuntimeError as exc:
             raise ServeError(f"the weights in {source} do not fit the factory's model: {exc}") from None
+        if self.channels_last and has_convolutions(model):
+            model.to(memory_format=torch.channels_last)
         logger.info("serving the model of %s (step %s)", source, step)
         return Loaded(model, step, source)
+
+    def run(self, call: Callable[[nn.Module], torch.Tensor]) -> tuple[torch.Tensor, int | None]:
+        """call(the current model) and that model's step; the batch thread's only entry. A model
+        that fails channels-last before any batch ran is made contiguous and called again: if that
+        works, every model is contiguous from then on."""
+        loaded = self.current  # one reference for the whole batch: a reload swaps it, never mutates
+        if self._proven or not (self.channels_last and has_convolutions(loaded.model)):
+            return call(loaded.model), loaded.step
+        try:
+            output = call(loaded.model)
+        except Exception as exc:
+            loaded.model.to(memory_format=torch.contiguous_format)
+            try:
+                output = call(loaded.model)
+            except Exception:
+                loaded.model.to(memory_format=torch.channels_last)
+                raise exc from None
+            logger.warning(
+                "the model fails channels-last (%s: %s); serving it contiguous", type(exc).__name__, exc
+            )
+            self.channels_last = False
+        self._proven = True
+        return output, loaded.step
 
     def refresh(self) -> bool:
         """Load the output folder's newest checkpoint if it is newer than the current one."""

@@ -32,11 +32,11 @@ def model_app(factory: Factory, source: str | Path, config: ServeConfig, kv: Any
         reload_interval_s=config.reload_interval_s,
         kv=kv,
         on_reload=lambda loaded: metrics.reloads.inc(),
+        channels_last=config.channels_last,
     )
 
     def run_batch(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int | None]:
-        loaded = holder.current  # one reference for the whole batch: a reload swaps it, never mutates
-        return call_model(loaded.model, inputs), loaded.step
+        return holder.run(lambda model: call_model(model, inputs))
 
     def close() -> None:
         holder.close()
