@@ -209,8 +209,7 @@ class DistKVStore(SparseAPI):
             for piece in info.slices:
                 chunks = frames.setdefault(piece.server, [])
                 size = piece.numel * itemsize
-                full = max_bytes is not None and chunks and chunks[-1]["bytes"] + size > max_bytes
-                if not chunks or (full and chunks[-1]["bytes"]):
+                if not chunks or (max_bytes is not None and chunks[-1]["bytes"] + size > max_bytes):
                     chunks.append({"keys": [], "starts": [], "stops": [], "rank": self.rank, "bytes": 0})
                 meta = chunks[-1]
                 meta["keys"].append(key)
