@@ -99,9 +99,12 @@ class DistKVStore(SparseAPI):
         self.rank, self.num_workers = ctx.rank, ctx.num_workers
         self._timeout_s = ctx.config.transport.request_timeout_s
         self._clients = [self._connect(i, host, port) for i, (host, port) in enumerate(ctx.servers)]
-        # Smaller slices only where every slice of a key is at one version after each round (sync).
-        most = config.max_slice_bytes if config.consistency == "sync" else None
+        # Smaller slices only where every slice of a key is at one version after each round (sync),
+        # and where the servers are on several hosts (on one, more frames only cost CPU).
+        spread = len({host for host, _ in ctx.servers}) > 1
+        most = config.max_slice_bytes if config.consistency == "sync" and spread else None
         self._placement = Placement(len(self._clients), config.slice_elements, most)
+        self._frame_bytes = config.frame_bytes if most is None else min(config.frame_bytes, most)
         self._servers = Servers(self._clients, ctx.config.replication)  # copies, fail-over
         if ctx.config.replication > 1 and ctx.link is not None:  # a restarted server caught up
             ctx.link.on_server_back(self._server_back)
@@ -321,7 +324,7 @@ class DistKVStore(SparseAPI):
         futures, after = [], []
         views = self._out_views(keys, outs, after)
         frames = self._frames(
-            keys, lambda key, info, piece: {"min_versions": self._min_version(info)}, self.config.frame_bytes
+            keys, lambda key, info, piece: {"min_versions": self._min_version(info)}, self._frame_bytes
         )
         reads: list[tuple[Region, torch.Tensor]] = []
         for s, meta in frames:
@@ -395,7 +398,7 @@ class DistKVStore(SparseAPI):
         frames = self._frames(
             keys,
             lambda key, info, piece: {"clocks": clocks[key], "min_versions": self._min_version(info)},
-            self.config.frame_bytes,
+            self._frame_bytes,
         )
         futures, reads = [], []
         if self._weight != 1:
