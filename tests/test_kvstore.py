@@ -44,6 +44,18 @@ def test_small_keys_balance_bytes_and_big_keys_are_sliced_across_every_server():
     assert placement.load == [200 + 1336, 80 + 20 + 1336, 120 + 1332]
 
 
+def test_max_slice_bytes_cuts_keys_into_slices_no_bigger_on_the_least_loaded_servers():
+    placement = Placement(num_servers=2, slice_elements=100, max_slice_bytes=40)
+    assert [(s.server, s.start, s.stop) for s in placement.place(10, 4)] == [(0, 0, 10)]  # 40 B: whole
+    small = placement.place(25, 4)  # 100 B, at most slice_elements: 3 slices, each where least is
+    assert [(s.server, s.start, s.stop) for s in small] == [(1, 0, 9), (1, 9, 17), (0, 17, 25)]
+    big = placement.place(101, 4)  # more than slice_elements: still no slice over 40 B
+    assert [s.numel for s in big] == [10, 10] + [9] * 9 and big[-1].stop == 101
+    assert sum(placement.load) == 4 * (10 + 25 + 101) and abs(placement.load[0] - placement.load[1]) <= 40
+    uncapped = Placement(num_servers=2, slice_elements=100, max_slice_bytes=1000).place(101, 4)
+    assert [(s.server, s.start, s.stop) for s in uncapped] == [(0, 0, 51), (1, 51, 101)]  # as without
+
+
 def test_placement_is_the_same_on_every_worker():
     def run():
         p = Placement(2, slice_elements=1000)

@@ -500,6 +500,31 @@ def client(server: RpcServer) -> Iterator[RpcClient]:
         c.close()
 
 
+def test_connections_use_the_congestion_control_configured(server: RpcServer) -> None:
+    available = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
+    names = available.read_text().split() if available.exists() else []
+    if "cubic" not in names or "reno" not in names:
+        pytest.skip(f"this kernel does not offer both cubic and reno: {names}")
+
+    def used(client: RpcClient) -> str:
+        return (
+            client._conn._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+            .rstrip(b"\0")
+            .decode()
+        )
+
+    with connected(server) as client:
+        assert used(client) == "cubic"  # the default
+        assert client.call("echo", {"n": 1}).meta == {"n": 1}
+    with connected(server, TransportConfig(congestion_control="reno")) as client:
+        assert used(client) == "reno"
+    with connected(server, TransportConfig(congestion_control="nosuchcc")) as client:  # the system's stays
+        assert used(client) in names
+        assert client.call("echo", {"n": 2}).meta == {"n": 2}
+    with pytest.raises(ValueError, match="congestion_control='cu bic'"):
+        TransportConfig(congestion_control="cu bic")
+
+
 @contextlib.contextmanager
 def connected(server: RpcServer, config: TransportConfig = CONFIG) -> Iterator[RpcClient]:
     client = RpcClient(server.host, server.port, SECRET, config=config)

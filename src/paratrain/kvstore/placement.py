@@ -2,8 +2,11 @@
 
 Small keys live whole on one server, each on the server holding the fewest bytes so far (ties: the
 lowest rank). A key of more than `slice_elements` elements is cut into one near-equal contiguous slice
-per server, so every server and link carries part of it. Every worker computes the same placement
-because every worker inits the same keys in the same order (the servers check that they agree).
+per server, so every server and link carries part of it. With `max_slice_bytes`, a key bigger than
+that is cut into more near-equal slices, none bigger, each placed on the server holding the fewest
+bytes so far: pushes and pulls then move in frames of nearly one size (benchmarks/hosts.py). Every
+worker computes the same placement because every worker inits the same keys in the same order (the
+servers check that they agree).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def split(numel: int, parts: int) -> list[tuple[int, int]]:
 class Placement:
     num_servers: int
     slice_elements: int = DEFAULT_SLICE_ELEMENTS
+    max_slice_bytes: int | None = None
+    """No slice bigger than this (None: no limit)."""
     load: list[int] = field(default_factory=list)
     """Bytes placed on each server so far."""
 
@@ -49,14 +54,26 @@ class Placement:
             raise ValueError(f"num_servers={self.num_servers!r} must be >= 1 for a parameter server")
         if self.slice_elements < 1:
             raise ValueError(f"slice_elements={self.slice_elements!r} must be >= 1")
+        if self.max_slice_bytes is not None and self.max_slice_bytes < 1:
+            raise ValueError(f"max_slice_bytes={self.max_slice_bytes!r} must be >= 1 or None")
         self.load = self.load or [0] * self.num_servers
 
     def place(self, numel: int, itemsize: int) -> list[Slice]:
-        if numel > self.slice_elements and self.num_servers > 1:
-            slices = [Slice(s, a, b) for s, (a, b) in enumerate(split(numel, self.num_servers))]
-        else:
+        if self.num_servers == 1:
+            return self._add([Slice(0, 0, numel)], itemsize)
+        capped = 1 if self.max_slice_bytes is None else -(-numel * itemsize // self.max_slice_bytes)
+        if numel > self.slice_elements and capped <= self.num_servers:
+            return self._add(
+                [Slice(s, a, b) for s, (a, b) in enumerate(split(numel, self.num_servers))], itemsize
+            )
+        parts = max(capped, self.num_servers if numel > self.slice_elements else 1)
+        slices = []
+        for a, b in split(numel, parts):  # each on the server holding the fewest bytes so far
             server = min(range(self.num_servers), key=lambda s: (self.load[s], s))
-            slices = [Slice(server, 0, numel)]
+            slices += self._add([Slice(server, a, b)], itemsize)
+        return slices
+
+    def _add(self, slices: list[Slice], itemsize: int) -> list[Slice]:
         for piece in slices:
             self.load[piece.server] += piece.numel * itemsize
         return slices

@@ -7,6 +7,7 @@ A frame that fails any check raises FrameError: the caller closes this connectio
 
 from __future__ import annotations
 
+import logging
 import socket
 import ssl
 import threading
@@ -21,6 +22,8 @@ from paratrain.transport import frame
 from paratrain.transport.frame import Header, Limits
 from paratrain.transport.shm import Ring
 from paratrain.transport.tensors import byte_view, copy_bytes, fitting_view
+
+logger = logging.getLogger(__name__)
 
 READ_AHEAD_BYTES = 256 * 1024
 _PREFIX_BYTES = frame.PREFIX.size
@@ -41,8 +44,25 @@ class ConnectionClosed(TransportError):
     """The peer closed the connection between frames (an orderly end, not an error)."""
 
 
-def tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket, congestion_control: str | None = None) -> None:
+    """No Nagle delay; the congestion control named (TransportConfig.congestion_control), where
+    the kernel has it and allows it (else the system's default stays, logged once)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if congestion_control is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion_control.encode())
+    except OSError as exc:
+        if congestion_control not in _REFUSED:
+            _REFUSED.add(congestion_control)
+            logger.info(
+                "TCP congestion control %r is not available (%s): the system's default stays",
+                congestion_control,
+                exc,
+            )
+
+
+_REFUSED: set[str] = set()
 
 
 class Connection:

@@ -206,7 +206,7 @@ class RpcServer:
     def _authenticate(self, entry: Handshake) -> Connection | None:
         sock = entry.sock
         try:
-            tune(sock)
+            tune(sock, self.config.congestion_control)
             sock.settimeout(self.config.handshake_timeout_s)  # per read; admission has the deadline
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
@@ -453,7 +453,7 @@ class RpcClient:
 
     def _authenticate(self, sock: socket.socket, secret: bytes) -> Connection:
         try:
-            tune(sock)
+            tune(sock, self.config.congestion_control)
             tls = _tls_context(self.config, server=False)
             if tls is not None:
                 sock = tls.wrap_socket(sock)

@@ -57,7 +57,7 @@ class KeyInfo:
     clock: int = 0
     """How many times this worker pushed the key: the round its next push joins."""
     regions: dict[int, Region] = field(default_factory=dict)
-    """Per server: its slice in shared memory, where the server is on this host."""
+    """Per slice (by its start): the slice in shared memory, where its server is on this host."""
 
     @property
     def numel(self) -> int:
@@ -99,7 +99,12 @@ class DistKVStore(SparseAPI):
         self.rank, self.num_workers = ctx.rank, ctx.num_workers
         self._timeout_s = ctx.config.transport.request_timeout_s
         self._clients = [self._connect(i, host, port) for i, (host, port) in enumerate(ctx.servers)]
-        self._placement = Placement(len(self._clients), config.slice_elements)
+        # Smaller slices only where every slice of a key is at one version after each round (sync),
+        # and where the servers are on several hosts (on one, more frames only cost CPU).
+        spread = len({host for host, _ in ctx.servers}) > 1
+        most = config.max_slice_bytes if config.consistency == "sync" and spread else None
+        self._placement = Placement(len(self._clients), config.slice_elements, most)
+        self._frame_bytes = config.frame_bytes if most is None else min(config.frame_bytes, most)
         self._servers = Servers(self._clients, ctx.config.replication)  # copies, fail-over
         if ctx.config.replication > 1 and ctx.link is not None:  # a restarted server caught up
             ctx.link.on_server_back(self._server_back)
@@ -147,7 +152,9 @@ class DistKVStore(SparseAPI):
         """A restarted server caught up (replicated servers): a backup again, at its new address."""
         if not self._closed:
             for info in self._keys.values():  # its shared memory was its dead process's
-                info.regions.pop(rank, None)
+                for piece in info.slices:
+                    if piece.server == rank:
+                        info.regions.pop(piece.start, None)
             self._arenas.pop(rank, None)
             self._servers.back(rank, self._connect(rank, host, port))
 
@@ -201,21 +208,22 @@ class DistKVStore(SparseAPI):
         self, keys: list, extra: Callable[[Any, KeyInfo, Slice], dict], max_bytes: int | None = None
     ) -> list[tuple[int, dict]]:
         """(server, meta) per frame: parallel lists of the slices `keys` have on that server, plus
-        per-slice extras. With `max_bytes`, a server's slices are cut into frames of about that
-        many bytes (whole slices), sent in the order `_interleaved` gives."""
+        per-slice extras. With `max_bytes`, a server's slices go in frames of at most that many
+        bytes (whole slices: a bigger one alone), sent in the order `_interleaved` gives."""
         frames: dict[int, list[dict]] = {}
         for key in keys:
             info = self._info(key)
             itemsize = info.dtype.itemsize
             for piece in info.slices:
                 chunks = frames.setdefault(piece.server, [])
-                if not chunks or (max_bytes is not None and chunks[-1]["bytes"] >= max_bytes):
+                size = piece.numel * itemsize
+                if not chunks or (max_bytes is not None and chunks[-1]["bytes"] + size > max_bytes):
                     chunks.append({"keys": [], "starts": [], "stops": [], "rank": self.rank, "bytes": 0})
                 meta = chunks[-1]
                 meta["keys"].append(key)
                 meta["starts"].append(piece.start)
                 meta["stops"].append(piece.stop)
-                meta["bytes"] += piece.numel * itemsize
+                meta["bytes"] += size
                 for name, value in extra(key, info, piece).items():
                     meta.setdefault(name, []).append(value)
         for chunks in frames.values():
@@ -302,12 +310,12 @@ class DistKVStore(SparseAPI):
         try:
             if server not in self._arenas:
                 self._arenas[server] = ArenaMap.open(reply["arena"])
-            for key, where in zip(meta["keys"], reply["regions"], strict=True):
+            slices = zip(meta["keys"], meta["starts"], meta["stops"], reply["regions"], strict=True)
+            for key, start, stop, where in slices:
                 info = self._keys[key]
-                if where is not None and server not in info.regions:
-                    piece = next(p for p in info.slices if p.server == server)
+                if where is not None and start not in info.regions:
                     arena = self._arenas[server]
-                    info.regions[server] = arena.region(int(where[0]), piece.numel, info.dtype, int(where[1]))
+                    info.regions[start] = arena.region(int(where[0]), stop - start, info.dtype, int(where[1]))
         except (OSError, ValueError, TypeError, IndexError) as exc:  # payloads go in frames instead
             logger.warning("server %d's shared memory is not usable here: %s", server, exc)
 
@@ -321,7 +329,7 @@ class DistKVStore(SparseAPI):
         futures, after = [], []
         views = self._out_views(keys, outs, after)
         frames = self._frames(
-            keys, lambda key, info, piece: {"min_versions": self._min_version(info)}, self.config.frame_bytes
+            keys, lambda key, info, piece: {"min_versions": self._min_version(info)}, self._frame_bytes
         )
         reads: list[tuple[Region, torch.Tensor]] = []
         for s, meta in frames:
@@ -396,7 +404,7 @@ class DistKVStore(SparseAPI):
         frames = self._frames(
             keys,
             lambda key, info, piece: {"clocks": clocks[key], "min_versions": self._min_version(info)},
-            self.config.frame_bytes,
+            self._frame_bytes,
         )
         futures, reads = [], []
         if self._weight != 1:
@@ -412,7 +420,7 @@ class DistKVStore(SparseAPI):
                     added.append(False)
                     tensors += self._compression.encode(k, a, flat[k][a:b], self._keys[k].numel)
                     continue
-                region = self._keys[k].regions.get(s) if in_place else None
+                region = self._keys[k].regions.get(a) if in_place else None
                 piece = flat[k][a:b]
                 # A joiner's clocks are its own (the server shifts them): it never adds in place.
                 added.append(rounds and not self._joined and region is not None and region.add(clock, piece))
@@ -455,7 +463,7 @@ class DistKVStore(SparseAPI):
         (meta "read") and queued on `reads`; the rest come in the reply, into the returned tensors."""
         dests, read = [], []
         for k, a, b in zip(meta["keys"], meta["starts"], meta["stops"], strict=True):
-            region = self._keys[k].regions.get(server) if in_place else None
+            region = self._keys[k].regions.get(a) if in_place else None
             read.append(region is not None)
             if region is not None:
                 reads.append((region, views[k][a:b]))
