@@ -202,6 +202,18 @@ def test_folding_prints_the_cause_once_and_drops_the_knock_on_lines():
     assert not any("aborted the job" in line or "aborting" in line for line in shown)
 
 
+def test_a_traceback_written_after_an_abort_notice_on_the_same_line_is_still_folded():
+    # A child's abort notice and its traceback, written by two threads at once, share a line.
+    notice = "paratrain: worker stopping: the scheduler aborted the job: worker 0 exited with code 1"
+    lines = [("worker 0", line) for line in TRACEBACK]
+    lines += [("worker 1", notice + TRACEBACK[0]), *(("worker 1", line) for line in TRACEBACK[1:])]
+    shown = _shown(lines)
+    assert shown == [
+        *(f"[worker 0] {line}" for line in TRACEBACK),
+        f"[worker 1] (the same traceback as worker 0, ending: {TRACEBACK[-1]})",
+    ]
+
+
 def test_different_tracebacks_are_each_printed():
     other = [*TRACEBACK[:-1], "RuntimeError: something else"]
     shown = _shown([("worker 0", line) for line in TRACEBACK] + [("worker 1", line) for line in other])

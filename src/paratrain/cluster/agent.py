@@ -281,7 +281,10 @@ class SchedulerLink:
 def _exit_aborted(reason: str) -> None:
     role = os.environ.get("PARATRAIN_ROLE", "node")
     try:
-        print(f"paratrain: {role} stopping: {reason}", file=sys.stderr, flush=True)
+        # One write, its newline included: print() writes the end apart, and a traceback that
+        # another thread prints at the same moment would land between the two (launch/lines.py).
+        sys.stderr.write(f"paratrain: {role} stopping: {reason}\n")
+        sys.stderr.flush()
         sys.stdout.flush()
     except BaseException:
         # stderr may be a pipe to a launcher that is gone (BrokenPipeError): saying why is

@@ -55,9 +55,11 @@ class ChildLines:
             self._held.append(line)
             ended = not line.startswith((" ", "\t")) or len(self._held) >= MAX_TRACEBACK_LINES
             return self._release() if ended else []
-        if line.startswith(TRACEBACK):
-            self._held = [line]
-            return []
+        at = line.find(TRACEBACK)
+        if at >= 0:  # after other text where two threads of the child wrote at once
+            before = self.feed(line[:at]) if at else []
+            self._held = [line[at:]]
+            return before
         if ABORT_NOTICE.search(line):
             return []
         return [line]
