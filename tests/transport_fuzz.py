@@ -205,18 +205,22 @@ def _wrong_header(rng: random.Random) -> tuple[bytes, int]:
     return msgpack.packb(fields), payload_len
 
 
-def _mutated_header(rng: random.Random) -> tuple[bytes, int]:
+def _mutated_header(rng: random.Random, lean: bool = False) -> tuple[bytes, int]:
+    """A valid header (msgpack, or `lean`) with bits flipped, a byte changed, cut short, bytes
+    added, or the payload length it is sent with made wrong."""
     fields, payload_len = _valid_header(rng, op=rng.choice(["ping", *_OPS]))
-    data = bytearray(msgpack.packb(fields))
-    kind = rng.randrange(4)
+    data = bytearray(lean_header(fields) if lean else msgpack.packb(fields))
+    kind = rng.randrange(5)
     if kind == 0:
         flip_bits(rng, data, rng.randint(1, 3))
     elif kind == 1:
         data[rng.randrange(len(data))] = rng.randrange(256)
     elif kind == 2:
         del data[rng.randrange(1, len(data)) :]
-    else:
+    elif kind == 3:
         data += rng.randbytes(rng.randint(1, 8))
+    else:
+        payload_len = max(0, payload_len + rng.choice([-3, -1, 1, 2, 64]))
     return bytes(data), payload_len
 
 
@@ -237,20 +241,7 @@ def _valid_encoded(rng: random.Random, op: str | None = None) -> tuple[bytes, in
 
 
 def _mutated_lean_header(rng: random.Random) -> tuple[bytes, int]:
-    fields, payload_len = _valid_header(rng, op=rng.choice(["ping", *_OPS]))
-    data = bytearray(lean_header(fields))
-    kind = rng.randrange(5)
-    if kind == 0:
-        flip_bits(rng, data, rng.randint(1, 3))
-    elif kind == 1:
-        data[rng.randrange(len(data))] = rng.randrange(256)
-    elif kind == 2:
-        del data[rng.randrange(1, len(data)) :]
-    elif kind == 3:
-        data += rng.randbytes(rng.randint(1, 8))
-    else:
-        payload_len = max(0, payload_len + rng.choice([-3, -1, 1, 2, 64]))
-    return bytes(data), payload_len
+    return _mutated_header(rng, lean=True)
 
 
 def _server_accepts(key: bytes, seq: int, header: bytes, payload_len: int) -> Header | None:
