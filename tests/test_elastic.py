@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from paratrain import version
+from paratrain.cluster.barriers import Barriers
 from paratrain.cluster.config import ElasticConfig, JobConfig
+from paratrain.cluster.membership import Members
 from paratrain.cluster.scheduler import Scheduler
 from paratrain.cluster.spec import ClusterSpec
-from paratrain.errors import RemoteError
+from paratrain.errors import RegistrationError, RemoteError
 from paratrain.kvstore.consistency import Sync
 from paratrain.kvstore.server.server import KVServer
 from paratrain.kvstore.server.shard import Push, Rules, ShardState
@@ -115,6 +117,54 @@ def test_the_job_stops_below_min_workers_naming_the_dead_worker(job):
     reason = nodes[0].notice("abort")["reason"]
     assert "worker 2" in reason and "fewer than min_workers=2" in reason, reason
     assert scheduler.failures[0]["rank"] == 2
+
+
+class _Registration:
+    """What Members and Barriers read of a request: its meta and its connection."""
+
+    def __init__(self, role: str, rank: int | None, config: JobConfig) -> None:
+        self.meta = {"role": role, "rank": rank, "host": "h", "port": 1, "pid": 1}
+        self.meta |= {"version": version.__version__, "config_digest": config.digest()}
+        self.conn = object()
+
+
+def test_members_give_free_ranks_and_refuse_duplicates_and_strangers():
+    config = JobConfig(elastic=ElasticConfig(min_workers=1, max_workers=3))
+    members = Members(ClusterSpec("scheduler", 0, 2, 1, "127.0.0.1", 1, SECRET), config)
+    first = members.admit(_Registration("worker", None, config))
+    assert (first.rank, members.admit(_Registration("worker", None, config)).rank) == (0, 1)
+    assert members.missing() == ["server 0"]
+    with pytest.raises(RegistrationError, match="worker 1 is already registered"):
+        members.admit(_Registration("worker", 1, config))
+    with pytest.raises(RegistrationError, match="different JobConfig"):
+        members.admit(_Registration("worker", None, JobConfig()))
+    assert members.free_rank(None) == 2 and members.free_rank(1) is None
+    with pytest.raises(RegistrationError, match=r"rank 3 is outside 0\.\.2"):
+        members.free_rank(3)
+    members.drop(first)
+    assert members.free_rank(None) == 0 and members.snapshot()["workers"] == [1]
+    assert first.state(job_started=True) == "lost"
+
+
+def test_a_barrier_completes_with_the_workers_left_and_replies_in_rank_order():
+    config = JobConfig()
+    members = Members(ClusterSpec("scheduler", 0, 3, 1, "127.0.0.1", 1, SECRET), config)
+    nodes = [members.admit(_Registration("worker", r, config)) for r in (2, 0, 1)]
+    barriers = Barriers()
+    for node in nodes[:2]:
+        barriers.arrive(("workers", "b"), _Registration("worker", node.rank, config), node, node.rank * 10)
+    assert barriers.complete(3) == [] and len(barriers.waiting()) == 2
+    members.drop(nodes[2])  # worker 1 dies before it arrives: the barrier no longer waits for it
+    barriers.forget(nodes[2])
+    released = barriers.complete(len(members.live_workers()))
+    replies: list = []
+    Barriers.release(released, lambda waiter, meta: replies.append((waiter.meta["rank"], meta)))
+    assert replies == [(2, {"data": [[0, 0], [2, 20]]}), (0, {"data": [[0, 0], [2, 20]]})]
+    assert barriers.waiting() == []
+    barriers.arrive(("all", "c"), _Registration("worker", 2, config), nodes[0], None)
+    members.drop(nodes[0])  # worker 2 dies in a barrier: what it brought is taken back
+    barriers.forget(nodes[0])
+    assert barriers.waiting() == [] and barriers.complete(1) == []
 
 
 def test_elastic_config_names_bad_values():

@@ -111,7 +111,7 @@ def partitioned_job():
 
 
 def node_of(scheduler: Scheduler, role: str, rank: int):
-    return scheduler._nodes[role, rank]
+    return scheduler.members.nodes[role, rank]
 
 
 def test_the_scheduler_tells_whom_it_went_on_without_and_says_it_again_at_each_later_heartbeat(

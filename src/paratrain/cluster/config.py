@@ -57,7 +57,7 @@ class JobConfig:
     job (workers fail over to a backup). 1: no copies, a server's death ends the job."""
     transport: TransportConfig = field(default_factory=TransportConfig)
     elastic: ElasticConfig | None = None
-    """Elastic workers (cluster/scheduler.py's membership); None: any death stops the job."""
+    """Elastic workers (cluster/membership.py); None: any death stops the job."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.replication, int) or self.replication < 1:

@@ -52,7 +52,7 @@ class Context:
         return self.link.barrier(group, name, timeout_s, data)
 
     def members(self) -> Membership:
-        """The job's live workers now (cluster/scheduler.py): generation, ranks, joiners. Without
+        """The job's live workers now (cluster/membership.py): generation, ranks, joiners. Without
         elasticity it never changes while the job runs (generation 0: ranks 0..num_workers-1)."""
         from paratrain.cluster.agent import Membership  # the transport, torch: not on a bare import
 

@@ -33,28 +33,10 @@ reason}` to every other node when a server is lost (workers fail over from it wi
 its connection to break, servers stop copying to it and refuse its copies: fencing, see
 kvstore/server/fence.py).
 
-Membership is the live workers: registered, not finished, not dropped. Barriers count it live, so a
-barrier completes with the workers that are left. Without elasticity (JobConfig.elastic None) a node
-that disconnects before finishing, or that sends no heartbeat for `heartbeat_timeout_s`, aborts the
-job with a message naming it.
-
-Elastic membership (JobConfig.elastic = ElasticConfig(min_workers, max_workers)). Once the job has
-started, a worker that dies (its connection closes, it sends no heartbeat for heartbeat_timeout_s,
-or a peer reports it lost) is dropped instead: its rank is freed, its barrier entries are taken
-back, the barriers it held up complete, and the membership's generation goes up. Below min_workers
-the job is aborted naming the worker that died, as without elasticity. A worker process that
-registers into a running job gets a rank (the rank it asks for, else the lowest free one below
-max_workers; a rank still held by a worker not yet declared dead waits for it) and its reply at
-once; it is a joiner: `joiners` lists the live workers that registered after the start (servers
-let a joiner into rounds from its first push). Servers and the scheduler are never dropped.
-
-    generation  an int, 0 at the start, +1 at each change: a worker dropped, joined or finished
-    workers     the live worker ranks, sorted
-    joiners     the live workers that joined the running job (a subset of workers)
-
-A process reads it with `SchedulerLink.members()` (a round trip) or `.membership` (the last notice),
-waits for a change with `SchedulerLink.wait_members(generation, timeout_s)`, and is called back
-with `SchedulerLink.on_members(callback)`; a worker's `Context.members()` is the same.
+Membership (the live workers, and elastic jobs' generations and joiners) is membership.py's; the
+barriers are barriers.py's. Without elasticity (JobConfig.elastic None) a node that disconnects
+before finishing, or that sends no heartbeat for `heartbeat_timeout_s`, aborts the job with a
+message naming it; with it, a worker that dies after the start is dropped instead (membership.py).
 """
 
 from __future__ import annotations
@@ -66,12 +48,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
-from paratrain import version
-from paratrain.cluster.config import JobConfig, config_differences
+from paratrain.cluster.barriers import Barriers, Released
+from paratrain.cluster.config import JobConfig
+from paratrain.cluster.membership import Members, Node, describe_request
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec
 from paratrain.errors import RegistrationError
 from paratrain.transport.connection import Connection
@@ -86,41 +68,6 @@ class Observer(Protocol):
     def record(self, role: str, rank: int, report: dict[str, Any]) -> None: ...
 
 
-@dataclass
-class Node:
-    role: str
-    rank: int
-    host: str
-    port: int
-    pid: int
-    conn: Connection
-    last_seen: float = field(default_factory=time.monotonic)
-    last_seen_wall: float = field(default_factory=time.time)
-    finished: bool = False
-    failed: bool = False
-    stopped: bool = False
-    """It left after the job was aborted (a consequence, not a cause)."""
-    joined_wall: float = field(default_factory=time.time)
-    joiner: bool = False
-    """It registered into the running job (elastic)."""
-    lost: bool = False
-    """It died and was dropped from an elastic job's membership."""
-
-    def describe(self) -> str:
-        return f"{self.role} {self.rank} (host {self.host}, pid {self.pid})"
-
-    def state(self, job_started: bool) -> str:
-        if self.failed:
-            return "failed"
-        if self.lost:
-            return "lost"
-        if self.finished:
-            return "finished"
-        if self.stopped:
-            return "stopped"
-        return "running" if job_started else "waiting"
-
-
 class Scheduler(Handler):
     def __init__(self, spec: ClusterSpec, config: JobConfig, observer: Observer | None = None) -> None:
         self.spec = spec
@@ -130,12 +77,10 @@ class Scheduler(Handler):
         self.failures: list[dict[str, Any]] = []
         """{role, rank, reason, time} of the node that failed the job (the dashboard shows it)."""
         self._lock = threading.Lock()
-        self._nodes: dict[tuple[str, int], Node] = {}
-        self._by_conn: dict[Connection, Node] = {}
+        self.members = Members(spec, config)
         self._waiting: list[tuple[Request, Node]] = []
         self._started = False
-        self._barriers: dict[tuple[str, str], list[tuple[Request, Node]]] = {}
-        self._barrier_data: dict[tuple[str, str], list[list]] = {}
+        self._barriers = Barriers()
         self._done = threading.Event()
         self._refused: deque[tuple[str, str]] = deque(maxlen=16)
         """(address, reason) of the last refused registrations."""
@@ -143,13 +88,6 @@ class Scheduler(Handler):
         self.lost_servers: set[int] = set()
         """Servers that died while their backups held copies (JobConfig.replication): the job goes on."""
         self.elastic = config.elastic
-        self.max_workers = spec.num_workers
-        if self.elastic is not None and self.elastic.max_workers is not None:
-            self.max_workers = max(spec.num_workers, self.elastic.max_workers)
-        self.generation = 0
-        """Membership's generation: +1 at each change (elastic jobs notify every node of it)."""
-        self._lost: list[Node] = []
-        """Workers dropped from the membership (the dashboard still lists them)."""
         self._joining: list[Request] = []
         """Registrations into the running job that wait for their rank to be freed."""
         self._fenced: dict[Connection, dict[str, Any]] = {}
@@ -183,7 +121,8 @@ class Scheduler(Handler):
         deadline = time.monotonic() + self.config.finish_timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if not any(n.role == "server" and n.conn not in self._fenced for n in self._by_conn.values()):
+                servers = [n for n in self.members.by_conn.values() if n.role == "server"]
+                if all(n.conn in self._fenced for n in servers):
                     return
             time.sleep(0.02)
         logger.warning("servers still connected %.0f s after the job ended", self.config.finish_timeout_s)
@@ -198,9 +137,9 @@ class Scheduler(Handler):
                 self.failures.append(
                     {"role": culprit.role, "rank": culprit.rank, "reason": reason, "time": time.time()}
                 )
-            conns = list(self._by_conn)
+            conns = list(self.members.by_conn)
             waiting = [r for r, _ in self._waiting]
-            waiting += [r for group in self._barriers.values() for r, _ in group]
+            waiting += self._barriers.waiting()
         logger.error("aborting the job: %s", reason)
         # The notice goes first: a node's reader sees it before the failed reply to its barrier,
         # so the node exits with EXIT_ABORTED (a consequence) rather than raising (a cause).
@@ -215,7 +154,7 @@ class Scheduler(Handler):
             if self.outcome is not None:
                 return
             self.outcome = ""
-            servers = [n.conn for n in self._by_conn.values() if n.role == "server"]
+            servers = [n.conn for n in self.members.by_conn.values() if n.role == "server"]
         logger.info("every worker finished; stopping %d server(s)", len(servers))
         for conn in servers:
             _quietly(conn.send, "shutdown", 0, {})
@@ -233,10 +172,10 @@ class Scheduler(Handler):
             with self._lock:
                 late = [
                     n
-                    for n in self._nodes.values()
+                    for n in self.members.nodes.values()
                     if not n.finished and now - n.last_seen > self.config.heartbeat_timeout_s
                 ]
-                missing = self._missing() if not self._started else []
+                missing = self.members.missing() if not self._started else []
             late = [
                 n for n in late if not self._survivable(n, f"sent no heartbeat for {now - n.last_seen:.1f} s")
             ]
@@ -263,11 +202,6 @@ class Scheduler(Handler):
         more = f" (the last 8 of {len(refused)})" if len(refused) > 8 else ""
         return f"; refused meanwhile{more}: {shown}"
 
-    def _missing(self) -> list[str]:
-        wanted = [("server", r) for r in range(self.spec.num_servers)]
-        wanted += [("worker", r) for r in range(self.spec.num_workers)]
-        return [f"{role} {rank}" for role, rank in wanted if (role, rank) not in self._nodes]
-
     # -- requests --------------------------------------------------------------------------------
     def handle(self, request: Request) -> None:
         op = request.op
@@ -287,14 +221,14 @@ class Scheduler(Handler):
             self._roster_query(request)
         elif op == "members":
             with self._lock:
-                request.reply(self._membership())
+                request.reply(self.members.snapshot())
         elif op == "caught_up":
             self._caught_up(request)
         else:
             request.fail(f"unknown op {op!r}")
 
     def _heartbeat(self, request: Request) -> None:
-        node = self._by_conn.get(request.conn)
+        node = self.members.by_conn.get(request.conn)
         fenced = self._fenced.get(request.conn)
         if fenced is not None:  # it is back from a partition: say again that it was dropped
             _quietly(request.conn.send, "dropped", 0, fenced)
@@ -309,8 +243,8 @@ class Scheduler(Handler):
         """Every registered process: role, rank, host, pid, state, last heartbeat, uptime."""
         now = time.time()
         with self._lock:
-            nodes = sorted(self._nodes.values(), key=lambda n: (n.role != "server", n.role, n.rank))
-            nodes += list(self._lost)
+            nodes = sorted(self.members.nodes.values(), key=lambda n: (n.role != "server", n.role, n.rank))
+            nodes += list(self.members.lost)
             started = self._started
         return [
             {
@@ -352,9 +286,9 @@ class Scheduler(Handler):
             return
         try:
             with self._lock:
-                node = self._admit(request)
+                node = self.members.admit(request)
                 self._waiting.append((request, node))
-                ready = not self._started and not self._missing()
+                ready = not self._started and not self.members.missing()
                 if ready:
                     self._started = True
                     waiting, self._waiting = self._waiting, []
@@ -363,70 +297,16 @@ class Scheduler(Handler):
             return
         logger.info("registered %s", node.describe())
         if ready:
-            roster = self._roster()
             with self._lock:
-                roster["membership"] = self._membership()
+                roster = {**self.members.roster(), "membership": self.members.snapshot()}
             for waiter, member in waiting:
                 _quietly(waiter.reply, {"rank": member.rank, **roster, "joined": False})
 
-    def _admit(self, request: Request) -> Node:
-        """Check a registration against the job; called with the lock held."""
-        meta = request.meta
-        role, rank = self._check_node(meta)
-        count = self.spec.num_servers if role == "server" else self.max_workers
-        if rank is None:
-            taken = {r for (ro, r) in self._nodes if ro == role}
-            rank = min((r for r in range(count) if r not in taken), default=count)
-        if not isinstance(rank, int) or not 0 <= rank < count:
-            raise RegistrationError(
-                f"{self._who(meta)}: rank {rank!r} is outside 0..{count - 1} for {count} {role}s"
-            )
-        if (role, rank) in self._nodes:
-            raise RegistrationError(f"{self._who(meta)}: {role} {rank} is already registered")
-        return self._add_node(request, role, rank)
-
-    @staticmethod
-    def _who(meta: dict) -> str:
-        return f"{meta.get('role')} {meta.get('rank', '?')} (host {meta.get('host')}, pid {meta.get('pid')})"
-
-    def _check_node(self, meta: dict) -> tuple[str, Any]:
-        """(role, requested rank) of a registration whose version and JobConfig match the job's."""
-        role, pid, host = meta.get("role"), meta.get("pid"), meta.get("host")
-        who = f"{role} {meta.get('rank', '?')} (host {host}, pid {pid})"
-        if meta.get("version") != version.__version__:
-            raise RegistrationError(
-                f"{who} runs paratrain {meta.get('version')!r} but the scheduler runs {version.__version__!r}"
-            )
-        if meta.get("config_digest") != self.config.digest():
-            diffs = config_differences(self.config.as_dict(), meta.get("config") or {})
-            raise RegistrationError(f"{who} has a different JobConfig: {'; '.join(diffs) or 'digest only'}")
-        if role not in ("server", "worker"):
-            raise RegistrationError(f"{who}: role {role!r} cannot register")
-        return str(role), meta.get("rank")
-
-    def _add_node(self, request: Request, role: str, rank: int, joiner: bool = False) -> Node:
-        meta = request.meta
-        port = meta.get("port") or 0
-        node = Node(role, rank, str(meta.get("host")), int(port), int(meta.get("pid") or 0), request.conn)
-        node.joiner = joiner
-        self._nodes[role, rank] = node
-        self._by_conn[request.conn] = node
-        return node
-
     # -- elastic membership ------------------------------------------------------------------------
-    def _membership(self) -> dict[str, Any]:
-        """{generation, workers, joiners}: see the module docstring; called with the lock held."""
-        live = [n for n in self._nodes.values() if n.role == "worker" and not n.finished]
-        return {
-            "generation": self.generation,
-            "workers": sorted(n.rank for n in live),
-            "joiners": sorted(n.rank for n in live if n.joiner),
-        }
-
     def _notify(self, membership: dict[str, Any]) -> None:
         """Tell every node the new membership (elastic jobs only)."""
         with self._lock:
-            conns = list(self._by_conn)
+            conns = list(self.members.by_conn)
         logger.info("membership generation %d: workers %s", membership["generation"], membership["workers"])
         for conn in conns:
             _quietly(conn.send, "members", 0, membership)
@@ -443,22 +323,16 @@ class Scheduler(Handler):
         barriers, release the barriers it held up, admit a joiner waiting for a rank."""
         assert self.elastic is not None
         with self._lock:
-            if self.outcome is not None or self._nodes.get(("worker", node.rank)) is not node:
+            if self.outcome is not None or self.members.nodes.get(("worker", node.rank)) is not node:
                 return
-            del self._nodes["worker", node.rank]
-            self._by_conn.pop(node.conn, None)
-            node.lost = True
-            self._lost.append(node)
-            for key, arrived in self._barriers.items():
-                kept = [i for i, (_, n) in enumerate(arrived) if n is not node]
-                self._barriers[key] = [arrived[i] for i in kept]
-                self._barrier_data[key] = [self._barrier_data[key][i] for i in kept]
-            left = sum(1 for n in self._nodes.values() if n.role == "worker" and not n.finished)
+            self.members.drop(node)
+            self._barriers.forget(node)
+            left = len(self.members.live_workers())
             below = left < self.elastic.min_workers
             if not below:
-                self.generation += 1
+                self.members.generation += 1
                 released = self._complete_barriers()
-                membership = self._membership()
+                membership = self.members.snapshot()
                 done = self._all_finished()
         if below:
             self.abort(
@@ -476,28 +350,18 @@ class Scheduler(Handler):
 
     def _all_finished(self) -> bool:
         """Every worker finished (and the job started); called with the lock held."""
-        return self._started and all(n.finished for n in self._nodes.values() if n.role == "worker")
+        return self._started and self.members.all_finished()
 
     def _join(self, request: Request) -> None:
         """A worker registering into the running elastic job: a rank now, or once one is freed."""
         try:
             with self._lock:
-                self._check_node(request.meta)
+                self.members.check(request.meta)
                 self._joining.append(request)
         except RegistrationError as exc:
             self._refuse(request, exc)
             return
         self._admit_joiners()
-
-    def _free_rank(self, wanted: Any) -> int | None:
-        """The rank a joiner gets: `wanted` or the lowest free one below max_workers; None while
-        none is free. Raises RegistrationError for a rank that can never be. Holds the lock."""
-        live = {r for (role, r) in self._nodes if role == "worker"}
-        if wanted is None:
-            return min((r for r in range(self.max_workers) if r not in live), default=None)
-        if not isinstance(wanted, int) or not 0 <= wanted < self.max_workers:
-            raise RegistrationError(f"rank {wanted!r} is outside 0..{self.max_workers - 1} (max_workers)")
-        return None if wanted in live else wanted
 
     def _admit_joiners(self) -> None:
         """Give each waiting joiner whose rank is free its rank and the roster."""
@@ -507,7 +371,7 @@ class Scheduler(Handler):
                 return
             for request in list(self._joining):
                 try:
-                    rank = self._free_rank(request.meta.get("rank"))
+                    rank = self.members.free_rank(request.meta.get("rank"))
                 except RegistrationError as exc:
                     self._joining.remove(request)
                     refused.append((request, exc))
@@ -515,11 +379,11 @@ class Scheduler(Handler):
                 if rank is None:
                     continue
                 self._joining.remove(request)
-                admitted.append((request, self._add_node(request, "worker", rank, joiner=True)))
-                self.generation += 1
-            membership = self._membership()
+                admitted.append((request, self.members.add(request, "worker", rank, joiner=True)))
+                self.members.generation += 1
+            membership = self.members.snapshot()
         for request, exc in refused:
-            _quietly(request.fail, f"{self._who(request.meta)}: {exc}")
+            _quietly(request.fail, f"{describe_request(request.meta)}: {exc}")
         if not admitted:
             return
         roster = self._roster()
@@ -530,11 +394,7 @@ class Scheduler(Handler):
 
     def _roster(self) -> dict:
         with self._lock:
-            nodes = sorted(self._nodes.values(), key=lambda n: (n.role, n.rank))
-        return {
-            "servers": [[n.host, n.port] for n in nodes if n.role == "server"],
-            "workers": [[n.host, n.pid] for n in nodes if n.role == "worker"],
-        }
+            return self.members.roster()
 
     def _roster_query(self, request: Request) -> None:
         """Where the servers are, for a client that reads from them without joining the job: it
@@ -549,36 +409,25 @@ class Scheduler(Handler):
         if group not in ("workers", "all"):
             request.fail(f"barrier group {group!r} is not 'workers' or 'all'")
             return
-        node = self._by_conn.get(request.conn)
+        node = self.members.by_conn.get(request.conn)
         if node is None:
             request.fail("barrier from a node that did not register")
             return
         with self._lock:
-            self._barriers.setdefault((group, name), []).append((request, node))
-            self._barrier_data.setdefault((group, name), []).append([node.rank, request.meta.get("data")])
+            self._barriers.arrive((group, name), request, node, request.meta.get("data"))
             released = self._complete_barriers()
         self._release(released)
 
-    def _complete_barriers(self) -> list[tuple[list[Request], list[list]]]:
-        """Barriers that every live worker has reached; called with the lock held. Membership is
-        live: servers take part in "all" by serving, and finished workers have left."""
-        members = sum(1 for n in self._nodes.values() if n.role == "worker" and not n.finished)
-        released = []
-        for key, arrived in list(self._barriers.items()):
-            if len(arrived) >= members:
-                del self._barriers[key]
-                released.append(([request for request, _ in arrived], self._barrier_data.pop(key)))
-        return released
+    def _complete_barriers(self) -> list[Released]:
+        """Barriers that every live worker has reached; called with the lock held."""
+        return self._barriers.complete(len(self.members.live_workers()))
 
     @staticmethod
-    def _release(released: list[tuple[list[Request], list[list]]]) -> None:
-        """Reply to every waiter of each completed barrier with what each worker brought to it."""
-        for waiters, data in released:
-            for waiter in waiters:
-                _quietly(waiter.reply, {"data": sorted(data, key=lambda pair: pair[0])})
+    def _release(released: list[Released]) -> None:
+        Barriers.release(released, lambda waiter, meta: _quietly(waiter.reply, meta))
 
     def _finish(self, request: Request) -> None:
-        node = self._by_conn.get(request.conn)
+        node = self.members.by_conn.get(request.conn)
         if node is None:
             request.fail("finish from a node that did not register")
             return
@@ -587,8 +436,8 @@ class Scheduler(Handler):
             done = self._all_finished()
             released = self._complete_barriers()
             if self.elastic is not None:
-                self.generation += 1
-                membership = self._membership()
+                self.members.generation += 1
+                membership = self.members.snapshot()
         self._release(released)
         request.reply({})
         if self.elastic is not None and not done:
@@ -600,9 +449,9 @@ class Scheduler(Handler):
     def _peer_lost(self, request: Request) -> None:
         """A node lost its connection to another (a worker to a server): the other is the cause
         of what follows, whichever disconnect reaches the scheduler first."""
-        reporter = self._by_conn.get(request.conn)
+        reporter = self.members.by_conn.get(request.conn)
         meta = request.meta
-        lost = self._nodes.get((meta.get("role"), meta.get("rank")))  # type: ignore[arg-type]
+        lost = self.members.nodes.get((meta.get("role"), meta.get("rank")))  # type: ignore[arg-type]
         if reporter is None or lost is None or self.outcome is not None:
             return
         if self._survivable(lost, f"is unreachable from {reporter.describe()}"):
@@ -615,7 +464,7 @@ class Scheduler(Handler):
 
     def disconnected(self, conn: Connection, error: Exception | None) -> None:
         with self._lock:
-            node = self._by_conn.pop(conn, None)
+            node = self.members.by_conn.pop(conn, None)
             self._joining = [r for r in self._joining if r.conn is not conn]
             self._fenced.pop(conn, None)
         if node is None or node.finished:
@@ -644,18 +493,16 @@ class Scheduler(Handler):
         (kvstore/server/replica.py); it counts as a copy again only once it reports `caught_up`."""
         try:
             with self._lock:
-                role, rank = self._check_node(request.meta)
+                role, rank = self.members.check(request.meta)
                 if rank not in self.lost_servers:
                     raise RegistrationError(
-                        f"{self._who(request.meta)}: the job is running and server {rank!r} is not lost "
-                        f"(lost: {sorted(self.lost_servers)}); only a lost server's rank can rejoin"
+                        f"{describe_request(request.meta)}: the job is running and server {rank!r} "
+                        f"is not lost (lost: {sorted(self.lost_servers)}); only a lost server's rank can "
+                        "rejoin"
                     )
-                old = self._nodes.get((role, rank))
-                if old is not None:  # a frozen one's connection, if still open, is no longer it
-                    self._by_conn.pop(old.conn, None)
-                node = self._add_node(request, role, rank)
+                node = self.members.add(request, role, rank)
                 lost = sorted(self.lost_servers - {rank})
-                membership = self._membership()
+                membership = self.members.snapshot()
         except RegistrationError as exc:
             self._refuse(request, exc)
             return
@@ -667,13 +514,13 @@ class Scheduler(Handler):
     def _caught_up(self, request: Request) -> None:
         """A rejoined server holds every slice it backs up: it counts as a copy again, and every
         node hears where it listens now (`server_back {rank, host, port}`)."""
-        node = self._by_conn.get(request.conn)
+        node = self.members.by_conn.get(request.conn)
         if node is None or node.role != "server":
             request.fail("caught_up from a node that is not a registered server")
             return
         with self._lock:
             self.lost_servers.discard(node.rank)
-            conns = list(self._by_conn)
+            conns = list(self.members.by_conn)
         request.reply({})
         logger.warning("%s caught up: it holds copies again", node.describe())
         for conn in conns:
@@ -700,7 +547,7 @@ class Scheduler(Handler):
         )
         self._fence(node, f"{node.describe()} {what}")
         with self._lock:
-            others = [conn for conn in self._by_conn if conn is not node.conn]
+            others = [conn for conn in self.members.by_conn if conn is not node.conn]
         for conn in others:
             _quietly(conn.send, "server_lost", 0, {"rank": node.rank, "reason": what})
         return True

@@ -1,0 +1,185 @@
+"""Who is in the job: the scheduler's table of registered nodes and its live workers.
+
+Membership is the live workers: registered, not finished, not dropped. Servers and the scheduler
+are never dropped from it (a lost server is replication's business: scheduler.py).
+
+Elastic membership (JobConfig.elastic = ElasticConfig(min_workers, max_workers)). Once the job has
+started, a worker that dies (its connection closes, it sends no heartbeat for heartbeat_timeout_s,
+or a peer reports it lost) is dropped instead of failing the job: its rank is freed, its barrier
+entries are taken back (barriers.py), the barriers it held up complete, and the generation goes up.
+Below min_workers the job is aborted naming the worker that died, as without elasticity. A worker
+process that registers into a running job gets a rank (the rank it asks for, else the lowest free
+one below max_workers; a rank still held by a worker not yet declared dead waits for it) and its
+reply at once; it is a joiner: `joiners` lists the live workers that registered after the start
+(servers let a joiner into rounds from its first push).
+
+    generation  an int, 0 at the start, +1 at each change: a worker dropped, joined or finished
+    workers     the live worker ranks, sorted
+    joiners     the live workers that joined the running job (a subset of workers)
+
+A process reads it with `SchedulerLink.members()` (a round trip) or `.membership` (the last notice),
+waits for a change with `SchedulerLink.wait_members(generation, timeout_s)`, and is called back
+with `SchedulerLink.on_members(callback)`; a worker's `Context.members()` is the same.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from paratrain import version
+from paratrain.cluster.config import JobConfig, config_differences
+from paratrain.cluster.spec import ClusterSpec
+from paratrain.errors import RegistrationError
+from paratrain.transport.connection import Connection
+from paratrain.transport.rpc import Request
+
+
+@dataclass
+class Node:
+    role: str
+    rank: int
+    host: str
+    port: int
+    pid: int
+    conn: Connection
+    last_seen: float = field(default_factory=time.monotonic)
+    last_seen_wall: float = field(default_factory=time.time)
+    finished: bool = False
+    failed: bool = False
+    stopped: bool = False
+    """It left after the job was aborted (a consequence, not a cause)."""
+    joined_wall: float = field(default_factory=time.time)
+    joiner: bool = False
+    """It registered into the running job (elastic)."""
+    lost: bool = False
+    """It died and was dropped from an elastic job's membership."""
+
+    def describe(self) -> str:
+        return f"{self.role} {self.rank} (host {self.host}, pid {self.pid})"
+
+    def state(self, job_started: bool) -> str:
+        if self.failed:
+            return "failed"
+        if self.lost:
+            return "lost"
+        if self.finished:
+            return "finished"
+        if self.stopped:
+            return "stopped"
+        return "running" if job_started else "waiting"
+
+
+class Members:
+    """The registered nodes by (role, rank) and by connection, and the workers dropped from the job.
+
+    Not thread-safe: the scheduler calls every method with its lock held.
+    """
+
+    def __init__(self, spec: ClusterSpec, config: JobConfig) -> None:
+        self.spec = spec
+        self.config = config
+        self.max_workers = spec.num_workers
+        if config.elastic is not None and config.elastic.max_workers is not None:
+            self.max_workers = max(spec.num_workers, config.elastic.max_workers)
+        self.nodes: dict[tuple[str, int], Node] = {}
+        self.by_conn: dict[Connection, Node] = {}
+        self.lost: list[Node] = []
+        """Workers dropped from the membership (the dashboard still lists them)."""
+        self.generation = 0
+        """+1 at each change (elastic jobs notify every node of it)."""
+
+    def check(self, meta: dict) -> tuple[str, Any]:
+        """(role, requested rank) of a registration whose version and JobConfig match the job's."""
+        who = describe_request(meta)
+        if meta.get("version") != version.__version__:
+            raise RegistrationError(
+                f"{who} runs paratrain {meta.get('version')!r} but the scheduler runs {version.__version__!r}"
+            )
+        if meta.get("config_digest") != self.config.digest():
+            diffs = config_differences(self.config.as_dict(), meta.get("config") or {})
+            raise RegistrationError(f"{who} has a different JobConfig: {'; '.join(diffs) or 'digest only'}")
+        role = meta.get("role")
+        if role not in ("server", "worker"):
+            raise RegistrationError(f"{who}: role {role!r} cannot register")
+        return str(role), meta.get("rank")
+
+    def admit(self, request: Request) -> Node:
+        """A registration before the start: its rank (the one asked for, else the lowest free one)."""
+        meta = request.meta
+        role, rank = self.check(meta)
+        count = self.spec.num_servers if role == "server" else self.max_workers
+        if rank is None:
+            taken = {r for (ro, r) in self.nodes if ro == role}
+            rank = min((r for r in range(count) if r not in taken), default=count)
+        if not isinstance(rank, int) or not 0 <= rank < count:
+            raise RegistrationError(
+                f"{describe_request(meta)}: rank {rank!r} is outside 0..{count - 1} for {count} {role}s"
+            )
+        if (role, rank) in self.nodes:
+            raise RegistrationError(f"{describe_request(meta)}: {role} {rank} is already registered")
+        return self.add(request, role, rank)
+
+    def add(self, request: Request, role: str, rank: int, joiner: bool = False) -> Node:
+        meta = request.meta
+        port = meta.get("port") or 0
+        node = Node(role, rank, str(meta.get("host")), int(port), int(meta.get("pid") or 0), request.conn)
+        node.joiner = joiner
+        old = self.nodes.get((role, rank))
+        if old is not None:  # a rejoining server: a frozen one's connection, if open, is no longer it
+            self.by_conn.pop(old.conn, None)
+        self.nodes[role, rank] = node
+        self.by_conn[request.conn] = node
+        return node
+
+    def drop(self, node: Node) -> None:
+        """Take a dead worker out: its rank is free, the dashboard still lists it as lost."""
+        del self.nodes["worker", node.rank]
+        self.by_conn.pop(node.conn, None)
+        node.lost = True
+        self.lost.append(node)
+
+    def missing(self) -> list[str]:
+        """The nodes the job starts with that have not registered yet: ["server 1", ...]."""
+        wanted = [("server", r) for r in range(self.spec.num_servers)]
+        wanted += [("worker", r) for r in range(self.spec.num_workers)]
+        return [f"{role} {rank}" for role, rank in wanted if (role, rank) not in self.nodes]
+
+    def live_workers(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.role == "worker" and not n.finished]
+
+    def all_finished(self) -> bool:
+        return all(n.finished for n in self.nodes.values() if n.role == "worker")
+
+    def snapshot(self) -> dict[str, Any]:
+        """{generation, workers, joiners}: see the module docstring."""
+        live = self.live_workers()
+        return {
+            "generation": self.generation,
+            "workers": sorted(n.rank for n in live),
+            "joiners": sorted(n.rank for n in live if n.joiner),
+        }
+
+    def free_rank(self, wanted: Any) -> int | None:
+        """The rank a joiner gets: `wanted` or the lowest free one below max_workers; None while
+        none is free. Raises RegistrationError for a rank that can never be."""
+        live = {r for (role, r) in self.nodes if role == "worker"}
+        if wanted is None:
+            return min((r for r in range(self.max_workers) if r not in live), default=None)
+        if not isinstance(wanted, int) or not 0 <= wanted < self.max_workers:
+            raise RegistrationError(f"rank {wanted!r} is outside 0..{self.max_workers - 1} (max_workers)")
+        return None if wanted in live else wanted
+
+    def roster(self) -> dict[str, list]:
+        """Where the servers listen and which pid each worker is, in rank order."""
+        nodes = sorted(self.nodes.values(), key=lambda n: (n.role, n.rank))
+        return {
+            "servers": [[n.host, n.port] for n in nodes if n.role == "server"],
+            "workers": [[n.host, n.pid] for n in nodes if n.role == "worker"],
+        }
+
+
+def describe_request(meta: dict) -> str:
+    """`worker 2 (host h, pid 123)` for a registration, before it has a node."""
+    return f"{meta.get('role')} {meta.get('rank', '?')} (host {meta.get('host')}, pid {meta.get('pid')})"
