@@ -215,7 +215,6 @@ def test_an_arena_is_mapped_only_if_it_is_the_one_described():
 @pytest.mark.parametrize(
     "kind, workers, servers, path",
     [
-        ("dist_sync", 1, 1, "shm"),
         ("dist_sync", 3, 3, "mixed"),  # worker 1 over TCP: the servers add its payloads in shared memory
         ("dist_sync", 4, 2, "shm"),
         ("dist_sync", 2, 2, "tcp"),  # pushes into pooled buffers, pulls over the socket
