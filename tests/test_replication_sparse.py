@@ -18,8 +18,10 @@ from paratrain.kvstore.api import TableConfig, TableError
 from paratrain.kvstore.consistency import Async, Sync
 from paratrain.kvstore.server.rowstore import initial_rows
 from paratrain.kvstore.server.shard import Rules
-from paratrain.kvstore.server.sparse import SparseTable, SparseTables, build_optimizer
+from paratrain.kvstore.server.sparse import SparseTables
+from paratrain.kvstore.server.sparse_optim import build_optimizer
 from paratrain.kvstore.server.sparse_replica import TableCopy, apply_delta, delta, send_tables
+from paratrain.kvstore.server.sparse_table import SparseTable
 from paratrain.testing import run_job
 
 JOBS = Path(__file__).parent / "jobs"

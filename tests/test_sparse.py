@@ -16,15 +16,11 @@ from paratrain.data.criteo import category_id, read_criteo, write_synthetic_crit
 from paratrain.errors import KVStoreError
 from paratrain.kvstore import TableConfig, create, kernels
 from paratrain.kvstore.consistency import Bounded
+from paratrain.kvstore.server.rowstore import IdIndex, initial_rows, shard_of
 from paratrain.kvstore.server.shard import Rules
-from paratrain.kvstore.server.sparse import (
-    IdIndex,
-    SparseTable,
-    SparseTables,
-    build_optimizer,
-    initial_rows,
-    shard_of,
-)
+from paratrain.kvstore.server.sparse import SparseTables
+from paratrain.kvstore.server.sparse_optim import build_optimizer
+from paratrain.kvstore.server.sparse_table import SparseTable
 from paratrain.kvstore.worker.embedding import DistributedEmbedding, ServingEmbedding
 from paratrain.testing import run_job
 

@@ -11,7 +11,7 @@ arrival, added to the value without an optimizer, and pulls never wait.
 
 A new consistency model is one more class here and its name in POLICIES: KVStoreConfig and
 Strategy take their vocabulary from POLICIES, the servers build theirs from the name the workers
-send (`configure`), and the shard state (server/shard.py, server/sparse.py) asks the policy.
+send (`configure`), and the shard state (server/shard.py, server/sparse_table.py) asks the policy.
 """
 
 from __future__ import annotations

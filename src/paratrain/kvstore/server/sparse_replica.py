@@ -62,7 +62,7 @@ from paratrain.kvstore.api import TableError
 from paratrain.kvstore.server.shard import Clocks
 
 if TYPE_CHECKING:
-    from paratrain.kvstore.server.sparse import SparseTable
+    from paratrain.kvstore.server.sparse_table import SparseTable
 
 logger = logging.getLogger(__name__)
 
