@@ -92,7 +92,6 @@ class Connection:
         self.recv_ring: Ring | None = None
         self.shm_min_bytes = 64 * 1024
         self._held: int | None = None  # ring position up to which the last frame's views reach
-        self._deferred: Callable[[], None] | None = None
         self._views = ViewCache()
 
     # -- sending ---------------------------------------------------------------------------------
@@ -231,20 +230,6 @@ class Connection:
         assert dest is not None
         return dest
 
-    def defer(self, action: Callable[[], None]) -> None:
-        """Run `action` on the reading thread just before it next blocks on the socket (or at the
-        next `defer` or `run_deferred`, whichever comes first). A reader that wakes another thread
-        this way keeps the GIL for only a few bytecodes after the wake-up, so the woken thread does
-        not wake a second time for the GIL."""
-        self.run_deferred()
-        self._deferred = action
-
-    def run_deferred(self) -> None:
-        action = self._deferred
-        if action is not None:
-            self._deferred = None
-            action()
-
     def release_frame(self) -> None:
         """Hand the ring space of the last frame back to the writer."""
         if self._held is not None and self.recv_ring is not None:
@@ -258,8 +243,6 @@ class Connection:
             view[:buffered] = self._view[self._start : self._start + buffered]
             self._start += buffered
         got = buffered
-        if got < n and self._deferred is not None:
-            self.run_deferred()
         while got < n:
             k = self._sock.recv_into(view[got:], n - got, self._waitall)
             if k == 0:
@@ -273,8 +256,6 @@ class Connection:
             size = self._end - self._start
             self._view[:size] = self._view[self._start : self._end]
             self._start, self._end = 0, size
-        if self._deferred is not None:
-            self.run_deferred()
         while self._end - self._start < n:
             k = self._sock.recv_into(self._view[self._end :])
             if k == 0:

@@ -25,7 +25,6 @@ server together, against 27 us for plain TCP.
 from __future__ import annotations
 
 import errno
-import functools
 import itertools
 import logging
 import os
@@ -525,7 +524,6 @@ class RpcClient:
             logger.exception("connection to %s: unexpected error", self.name)
             error = TransportError(f"connection to {self.name} broke: {exc!r}")
         finally:
-            self._conn.run_deferred()
             self._conn.close()
             if self._on_close is not None:  # first: it may tell someone before our callers react
                 self._on_close(error)
@@ -534,7 +532,6 @@ class RpcClient:
     def _dispatch(self, header: Header, tensors: list[torch.Tensor]) -> None:
         if header.id == 0:
             if self._on_message is not None:
-                self._conn.run_deferred()
                 self._on_message(header, tensors)
             return
         # One dict operation is atomic; the lock only orders `_error` with the swap in _fail_pending,
@@ -542,11 +539,11 @@ class RpcClient:
         future = self._pending.pop(header.id, None)
         if future is None:
             logger.warning("%s sent a reply to unknown request %d", self.name, header.id)
-        elif header.op == "reply":  # woken just before this thread next waits: see Connection.defer
-            self._conn.defer(functools.partial(future._set, Reply(header.meta, tensors), None))
+        elif header.op == "reply":
+            future._set(Reply(header.meta, tensors), None)
         else:
             message = header.meta.get("message", "unknown error")
-            self._conn.defer(functools.partial(future._set, None, RemoteError(f"{self.name}: {message}")))
+            future._set(None, RemoteError(f"{self.name}: {message}"))
 
     def _fail_pending(self, error: Exception) -> None:
         with self._lock:
