@@ -35,7 +35,7 @@ from paratrain.transport.config import TLSConfig, TransportConfig
 from paratrain.transport.connection import Connection, ConnectionClosed
 from paratrain.transport.frame import FrameError, Header, Limits
 from paratrain.transport.rpc import Handler, Request, RpcClient, RpcServer
-from paratrain.transport.tensors import DTYPES, MAX_DIMS, byte_view, nbytes
+from paratrain.transport.tensors import DTYPES, MAX_DIMS, ViewCache, byte_view, nbytes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -229,6 +229,32 @@ def test_byte_view_refuses_non_contiguous() -> None:
     for tensor in (torch.zeros(3, 4).t(), torch.zeros(10)[::2], torch.zeros(2, 3).expand(4, 2, 3)):
         with pytest.raises(ValueError, match="contiguous"):
             byte_view(tensor)
+
+
+def test_view_cache_gives_the_bytes_of_the_tensor_asked_about() -> None:
+    cache = ViewCache(max_bytes=64, entries=4)
+    buf = torch.zeros(32, dtype=torch.uint8)
+    first = cache.byte_view(buf[:8])
+    assert cache.byte_view(buf[:8]) is first  # another tensor over the same bytes: cached
+    assert cache.byte_view(buf[:8].view(torch.int16)) is first  # bytes are bytes, whatever dtype
+    assert cache.byte_view(buf[:4]) is not first and len(cache.byte_view(buf[:4])) == 4
+    cache.byte_view(buf[8:16])[:] = bytes(range(8))  # a view at another address writes there
+    assert buf[8:16].tolist() == list(range(8))
+    floats = torch.zeros(4)
+    view = cache.fitting_view(floats, torch.float32, 16)
+    assert view is not None and view is cache.byte_view(floats)
+    assert cache.fitting_view(floats, torch.int32, 16) is None  # another dtype does not fit
+    assert cache.fitting_view(floats, torch.float32, 8) is None  # nor another size
+    assert cache.fitting_view(torch.zeros(4, 4).t(), torch.float32, 64) is None
+    with pytest.raises(ValueError, match="contiguous"):
+        cache.byte_view(torch.zeros(3, 4).t())
+    big = torch.zeros(65, dtype=torch.uint8)  # over max_bytes: a fresh view, never kept
+    assert cache.byte_view(big) is not cache.byte_view(big)
+    for i in range(10):  # never more than `entries` kept
+        cache.byte_view(buf[i : i + 1])
+        assert len(cache._views) <= 4
+    cache.clear()
+    assert not cache._views
 
 
 def test_nbytes_and_dtypes() -> None:

@@ -21,7 +21,7 @@ from paratrain.errors import TransportError
 from paratrain.transport import frame
 from paratrain.transport.frame import Header, Limits
 from paratrain.transport.shm import Ring
-from paratrain.transport.tensors import byte_view, copy_bytes, fitting_view
+from paratrain.transport.tensors import ViewCache, byte_view, copy_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class Connection:
         self.recv_ring: Ring | None = None
         self.shm_min_bytes = 64 * 1024
         self._held: int | None = None  # ring position up to which the last frame's views reach
+        self._views = ViewCache()
 
     # -- sending ---------------------------------------------------------------------------------
     def send(
@@ -101,7 +102,7 @@ class Connection:
         meta: dict[str, Any] | None = None,
         tensors: Sequence[torch.Tensor] = (),
     ) -> None:
-        views = [byte_view(t) for t in tensors]  # before taking a sequence number: may raise
+        views = [self._views.byte_view(t) for t in tensors]  # before taking a sequence number: may raise
         size = sum(map(len, views))
         with self._send_lock:
             if self.closed:
@@ -194,7 +195,7 @@ class Connection:
         fits, else into a new tensor."""
         dtype, shape = header.specs[i]
         dest = dests[i] if dests is not None and i < len(dests) else None
-        view = None if dest is None else fitting_view(dest, dtype, frame.nbytes(dtype, shape))
+        view = None if dest is None else self._views.fitting_view(dest, dtype, frame.nbytes(dtype, shape))
         if view is None:
             dest = torch.empty(shape, dtype=dtype)
             view = byte_view(dest)
@@ -217,7 +218,7 @@ class Connection:
         dtype, shape = header.specs[i]
         dest = dests[i] if dests is not None and i < len(dests) else None
         size = frame.nbytes(dtype, shape)
-        view = None if dest is None else fitting_view(dest, dtype, size)
+        view = None if dest is None else self._views.fitting_view(dest, dtype, size)
         region = source.region[source.offset : source.offset + size]
         source.offset += size
         if view is None and source.views and size:  # a view of the ring, valid until release_frame()
@@ -267,6 +268,7 @@ class Connection:
         with self._send_lock:
             self.closed = True
             rings, self.send_ring, self.recv_ring = (self.send_ring, self.recv_ring), None, None
+        self._views.clear()  # before the rings: a view may be of one
         for ring in rings:
             if ring is not None:
                 ring.close()

@@ -66,6 +66,46 @@ def fitting_view(dest: torch.Tensor, dtype: torch.dtype, size: int) -> memoryvie
     return dest.numpy().data.cast("B")
 
 
+class ViewCache:
+    """Byte views of small tensors, by (address, length): a tensor sent or received again, or
+    another tensor over the same bytes (a slice of one buffer), skips `numpy()` and the cast,
+    half the Python of a 1 KiB frame's views. Correct whatever tensor asks: a view is only the
+    bytes at an address, and a live tensor owns the bytes at its address. Only tensors of at
+    most `max_bytes` are kept (a view keeps its tensor's memory alive), at most `entries` of them."""
+
+    __slots__ = ("_views", "max_bytes", "entries")
+
+    def __init__(self, max_bytes: int = 64 << 10, entries: int = 16) -> None:
+        self._views: dict[tuple[int, int], memoryview] = {}
+        self.max_bytes, self.entries = max_bytes, entries
+
+    def byte_view(self, tensor: torch.Tensor) -> memoryview:
+        """tensors.byte_view(tensor), from the cache where it can be."""
+        if not tensor.is_cpu or not tensor.is_contiguous():
+            return byte_view(tensor)  # raises the error that says why
+        size = tensor.nbytes
+        if not size or size > self.max_bytes:
+            return byte_view(tensor)
+        key = (tensor.data_ptr(), size)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= self.entries:
+                self._views.clear()
+            view = self._views[key] = byte_view(tensor)
+        return view
+
+    def fitting_view(self, dest: torch.Tensor, dtype: torch.dtype, size: int) -> memoryview | None:
+        """tensors.fitting_view(dest, dtype, size), from the cache where it can be."""
+        if dest.dtype is not dtype or dest.nbytes != size:
+            return None
+        if not dest.is_cpu or not dest.is_contiguous():
+            return None
+        return self.byte_view(dest)
+
+    def clear(self) -> None:
+        self._views.clear()
+
+
 BIG_COPY_BYTES = 1 << 20
 
 
