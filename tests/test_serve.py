@@ -445,3 +445,58 @@ def test_convolutions_run_channels_last_unless_the_model_fails_so(tmp_path, fact
         with pytest.raises(RuntimeError):
             holder.run(lambda m: m(torch.randn(5, 3, 6, 6)))
         assert holder.channels_last is not fails_channels_last
+
+
+@pytest.mark.parametrize(
+    "dtype", ["float32", "float64", "float16", "bfloat16", "int64", "int8", "uint8", "bool"]
+)
+def test_a_raw_body_decodes_to_its_tensor_in_every_dtype(dtype):
+    from paratrain.serve import codec
+    from paratrain.serve.api import DTYPES
+
+    x = (torch.arange(24).reshape(2, 3, 4) % 3).to(DTYPES[dtype])
+    raw = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+    headers = {"x-dtype": dtype, "x-shape": "2,3,4"}
+    got = codec.decode(raw.numpy().tobytes(), codec.RAW, headers, ())["inputs"]
+    assert got.dtype == x.dtype and torch.equal(got, x)
+    got.add_(1) if dtype != "bool" else got.logical_not_()  # writable: the model may work in place
+
+
+def test_the_coalescing_transport_joins_the_writes_of_one_turn_and_flushes_on_close():
+    from paratrain.serve.http import CoalescingTransport
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+            self.closed = False
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(data)
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+        def get_extra_info(self, name: str) -> str:
+            return f"info {name}"
+
+    async def main() -> Recorder:
+        inner = Recorder()
+        transport = CoalescingTransport(inner)
+        transport.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        transport.write(b"body")
+        assert inner.writes == [] and transport.get_write_buffer_size() == 23
+        await asyncio.sleep(0)
+        assert inner.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody"]
+        transport.write(b"last")
+        transport.close()  # written before the close, not lost
+        assert inner.writes[-1] == b"last" and inner.closed
+        assert transport.get_extra_info("peername") == "info peername"
+        return inner
+
+    assert len(asyncio.run(main()).writes) == 2

@@ -17,6 +17,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from paratrain.serve.api import DTYPES, BadRequest, InputSpec, dtype_name
@@ -144,11 +145,12 @@ def _from_raw(body: bytes, headers: Mapping[str, str], specs: Sequence[InputSpec
         raise BadRequest(
             400, f"X-Shape {shape} of {dtype_name(dtype)} is {size} bytes; the body has {len(body)}"
         )
-    tensor = (
-        torch.frombuffer(bytearray(body), dtype=dtype).reshape(shape)
-        if size
-        else torch.empty(shape, dtype=dtype)
-    )
+    if not size:
+        tensor = torch.empty(shape, dtype=dtype)
+    elif dtype == torch.bfloat16:  # numpy has no bfloat16
+        tensor = torch.frombuffer(bytearray(body), dtype=dtype).reshape(shape)
+    else:  # through numpy: its calls keep the GIL, where torch's let it go and wait for it back
+        tensor = torch.from_numpy(np.frombuffer(bytearray(body), dtype=dtype_name(dtype)).reshape(shape))
     return {_only_name(specs): tensor}
 
 

@@ -2,18 +2,74 @@
 
 The socket is bound here, before uvicorn starts, so port 0 picks a free port with no race and `url`
 is known at once.
+
+Each answer goes out in one write: uvicorn's httptools protocol writes a response's status line and
+headers on `http.response.start` and its body on `http.response.body`, two `send` syscalls and two
+TCP segments per answer (and two wake-ups of the client). `CoalescingTransport` joins the writes a
+connection makes in one turn of the event loop. With batching on, the event loop's work for a
+batch's answers runs while the model waits (it is half of a batch's time at 32 clients), so this
+matters most there; see docs/serve.md for the measurements.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
 
 from paratrain.serve.api import ServeError
+
+
+class CoalescingTransport:
+    """A connection's transport whose writes in one turn of the event loop go out as one write
+    (module docstring); everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
+        self._pending = []
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def http_protocol() -> type[asyncio.Protocol] | str:
+    """uvicorn's httptools protocol writing through a CoalescingTransport ("auto" without httptools)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return "auto"
+
+    class CoalescingHttpToolsProtocol(HttpToolsProtocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.transport = CoalescingTransport(transport)  # type: ignore[assignment]
+
+    return CoalescingHttpToolsProtocol
 
 
 class HttpServer:
@@ -30,7 +86,13 @@ class HttpServer:
         # No proxy-header middleware: nothing here reads the client's address, and it is a layer
         # every request passes through.
         config = uvicorn.Config(
-            app, log_level=log_level, access_log=False, lifespan="on", backlog=2048, proxy_headers=False
+            app,
+            http=http_protocol(),
+            log_level=log_level,
+            access_log=False,
+            lifespan="on",
+            backlog=2048,
+            proxy_headers=False,
         )
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
