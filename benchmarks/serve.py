@@ -6,7 +6,8 @@ plain loop calling the model one request at a time.
 
 The model: a small CNN (conv 1->32, conv 32->64, 3x3, each with ReLU and 2x2 max-pooling, fc
 3136->1024->10) on one 1x28x28 image per request, served from a checkpoint by `paratrain serve` in a
-process of its own with one torch thread, on 127.0.0.1. Requests carry the raw float32 bytes
+process of its own with its default threads (one for batches of fewer than 8 rows, torch's
+default, the machine's cores, for larger ones), on 127.0.0.1. Requests carry the raw float32 bytes
 (X-Dtype/X-Shape headers) and ask for raw bytes back. Clients: `c` keep-alive HTTP/1.1
 connections driven by one event loop in this process (uvloop, answers parsed by httptools; the
 request's bytes made once), sending requests back to back until `requests` answers or `seconds`
@@ -117,7 +118,7 @@ def model_cpu_ms_per_image(batch: int, runs: int = 30, channels_last: bool = Fal
 
 def start_server(mode: str, checkpoint_dir: str, port: int) -> tuple[int, subprocess.Popen]:
     argv = [sys.executable, "-c", "from paratrain.launch.cli import main; main()", "serve"]
-    argv += ["--model", f"{os.path.abspath(__file__)}:small_cnn", "--port", str(port), "--threads", "1"]
+    argv += ["--model", f"{os.path.abspath(__file__)}:small_cnn", "--port", str(port)]
     argv += ["--input", "inputs:float32:1x28x28", "--reload-interval", "0", *MODES[mode], checkpoint_dir]
     proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120

@@ -23,7 +23,7 @@ import paratrain.serve
 from paratrain import checkpoint
 from paratrain.errors import CheckpointError
 from paratrain.serve.api import InputSpec, ServeConfig
-from paratrain.serve.batcher import Batcher, ModelInputError
+from paratrain.serve.batcher import FEW_ROWS, Batcher, ModelInputError
 from paratrain.serve.http import HttpServer
 from paratrain.serve.model import load_factory
 from paratrain.serve.service import model_app
@@ -309,6 +309,25 @@ def test_a_batch_waits_only_for_as_many_rows_as_recent_batches_had():
     assert all(f.result(timeout=30)[1] == "tag" for f in [*waiting, last])
     batcher.close()
     assert runs == [1, 3, 3]
+
+
+def test_a_batch_of_few_rows_runs_on_one_thread_and_a_large_one_on_the_servers_threads():
+    threads: list[int] = []
+
+    def run(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
+        threads.append(torch.get_num_threads())
+        return inputs["inputs"], "tag"
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)  # the server's threads (--threads 3)
+    try:
+        batcher = Batcher(run, max_batch=32, batch_wait_s=0)
+        for rows in (1, FEW_ROWS - 1, FEW_ROWS, 1):
+            batcher.submit({"inputs": torch.zeros(rows, 2)}).result(timeout=30)
+        batcher.close()
+    finally:
+        torch.set_num_threads(before)
+    assert threads == [1, 1, 3, 1]
 
 
 def test_the_batcher_answers_an_event_loop_in_one_hand_off_per_batch_and_skips_cancelled_requests():

@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 Inputs = dict[str, torch.Tensor]
 RECENT = 8
 """Batches whose sizes set how many rows the next one waits for."""
+FEW_ROWS = 8
+"""Batches of fewer rows run on one intra-op thread; larger ones on the threads the server was
+given (torch's default: the machine's cores)."""
 RunBatch = Callable[[Inputs], tuple[torch.Tensor, object]]
 """Runs one batch: (output rows, a tag handed to every request of the batch, e.g. the model's step)."""
 
@@ -118,6 +121,7 @@ class Batcher:
     ) -> None:
         self.run_batch, self.max_batch, self.batch_wait_s = run_batch, max_batch, batch_wait_s
         self.on_batch = on_batch
+        self._threads = torch.get_num_threads()
         self._queue: deque[Item] = deque()
         self._queued_rows = 0
         self._wanted: int | None = None
@@ -166,7 +170,7 @@ class Batcher:
         # the main thread: without this, MKL's GEMMs of a batch started a second thread here that
         # spun after each of them (with --threads 1 on 2 cores, beside a tiny model: 0.28 ms of CPU
         # per request, where the rest of the server took 0.4 ms).
-        torch.set_num_threads(torch.get_num_threads())
+        torch.set_num_threads(self._threads)
         while True:
             batch = self._next_batch()
             if batch is None:
@@ -253,6 +257,9 @@ class Batcher:
         return outcomes
 
     def _forward(self, inputs: Inputs, rows: int) -> tuple[torch.Tensor, object]:
+        threads = 1 if rows < FEW_ROWS else self._threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         output, tag = self.run_batch(inputs)
         if not isinstance(output, torch.Tensor) or output.dim() == 0 or output.shape[0] != rows:
             got = f"shape {list(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__

@@ -125,7 +125,13 @@ def _points(ctx: click.Context, param: click.Parameter, value: str | None) -> tu
     show_default=True,
     help="With --join: seconds a cached row is served before it is pulled again.",
 )
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch intra-op threads.")
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="torch intra-op threads for batches of 8 rows or more (default torch's: the machine's cores); "
+    "smaller batches run on one.",
+)
 @click.option(
     "--channels-last/--no-channels-last",
     default=True,
