@@ -434,6 +434,26 @@ def test_a_same_host_backup_takes_values_through_its_buffers_and_never_holds_the
     mirrors.close()
 
 
+def test_a_same_host_backup_takes_the_optimizer_state_through_its_buffers_too() -> None:
+    primary, backup = KVServer(0), KVServer(1)
+    for server in (primary, backup):
+        server.configure({"mode": "async", "members": [0], "replication": 2, "servers": [["h", 1]] * 2})
+        server.set_optimizer("torch.optim.SGD", {"lr": 1.0, "momentum": 0.5})
+    meta = {"key": "m", "start": 0, "stop": 3, "numel": 3, "shape": [3], "dtype": "float32", "chain": [0, 1]}
+    shard, copy = primary.adopt(meta), backup.adopt(meta)
+    primary.replicator.dead.add(1)  # its own forwards skip server 1: they go through `mirrors` here
+    mirrors, link = Mirrors(0), Loopback(backup)
+    for clock in range(3):
+        shard.push(Push(0, clock, torch.arange(3.0)))
+        state, tensors = shard.replica()
+        mirrors.send(1, link, shard, state | {"sender": 0}, tensors)._set(Reply({}), None)
+        assert link.sent[-1][0]["mirrored"] == ["momentum_buffer"] and link.sent[-1][1] == []
+        assert torch.equal(copy.value, shard.value) and copy.version == shard.version == clock + 1
+        momentum = [s.optimizer.state[s.param]["momentum_buffer"] for s in (shard, copy)]
+        assert torch.equal(*momentum) and copy.applied == shard.applied
+    mirrors.close()
+
+
 def link_free(mirrors: Mirrors) -> int:
     (only,) = mirrors._links.values()
     free = only.free()

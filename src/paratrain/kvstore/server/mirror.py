@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BUFFERS = 2
+SETS = 2  # the set the backup holds, and the one written
+MAX_SLOTS = 4  # a value and up to 3 optimizer state tensors of its size (Adam has 2) per set
 
 
 @dataclass
@@ -53,15 +54,17 @@ class Link:
     """One slice's buffers on one backup, as the primary sees them."""
 
     region: Region | None
-    """None: this backup gets this slice's copies over TCP."""
+    """None: this backup gets this slice's copies over TCP. Else SETS sets of `slots` buffers:
+    set b is buffers[b * slots:(b + 1) * slots], the value then optimizer state tensors."""
+    slots: int = 1
     held: int | None = None
-    """The buffer the backup holds (that of the last frame with a buffer), None: neither."""
+    """The set the backup holds (that of the last frame with a set), None: neither."""
     last: Future | None = None
     """The last frame sent to this backup for this slice (with a buffer or not)."""
 
     def free(self) -> int | None:
-        """The buffer to write the next value into, None where none is surely free: the backup
-        has not answered the last frame yet (it may still hold the other buffer)."""
+        """The set to write the next state into, None where none is surely free: the backup has
+        not answered the last frame yet (it may still hold the other set)."""
         if self.region is None or (self.last is not None and not self.last.done()):
             return None
         return 0 if self.held is None else 1 - self.held
@@ -82,14 +85,27 @@ class Mirrors:
     ) -> Future:
         """Send one slice's copy (holds shard.cond): the value through the backup's buffer where
         one is free, else in the frame."""
-        link = self._link(server, client, shard)
+        link = self._link(server, client, shard, meta)
         b = link.free()
         if b is None:
             future = client.request("replicate", meta, tensors)
         else:
             assert link.region is not None
-            link.region.buffers[b].copy_(tensors[0])
-            future = client.request("replicate", meta | {"buffer": b}, tensors[1:])
+            buffers = link.region.buffers[b * link.slots : (b + 1) * link.slots]
+            buffers[0].copy_(tensors[0])
+            mirrored, rest = [], []
+            for name, tensor in zip(meta["state"], tensors[1:], strict=True):
+                if len(mirrored) + 1 < link.slots and fits(tensor, tensors[0]):
+                    buffers[len(mirrored) + 1].copy_(tensor)
+                    mirrored.append(name)
+                else:
+                    rest.append(tensor)
+            meta = meta | {
+                "buffer": b,
+                "mirrored": mirrored,
+                "state": [n for n in meta["state"] if n not in mirrored],
+            }
+            future = client.request("replicate", meta, rest)
             link.held = b
         link.last = future
         return future
@@ -106,19 +122,20 @@ class Mirrors:
             arena.close()
         self._arenas, self._links, self._retired = {}, {}, []
 
-    def _link(self, server: int, client: RpcClient, shard: ShardState) -> Link:
+    def _link(self, server: int, client: RpcClient, shard: ShardState, meta: dict) -> Link:
         ident = (server, shard.key, shard.start, shard.stop)
         link = self._links.get(ident)
         if link is None:
             with self._lock:
                 link = self._links.get(ident)
                 if link is None:
-                    link = self._links[ident] = Link(self._map(server, client, shard))
+                    slots = min(MAX_SLOTS, 1 + sum(fits(t, shard.value) for t in tensors_of(shard)))
+                    link = self._links[ident] = Link(self._map(server, client, shard, slots), slots)
         return link
 
-    def _map(self, server: int, client: RpcClient, shard: ShardState) -> Region | None:
+    def _map(self, server: int, client: RpcClient, shard: ShardState, slots: int) -> Region | None:
         """Ask the backup for the slice's buffers and map them; None (TCP) where that fails."""
-        where = {"key": shard.key, "start": shard.start, "stop": shard.stop}
+        where = {"key": shard.key, "start": shard.start, "stop": shard.stop, "count": SETS * slots}
         try:
             reply = client.call("mirror", where, timeout_s=client.config.request_timeout_s)
             if server not in self._arenas:
@@ -144,5 +161,36 @@ def offer(kv: KVServer, meta: dict) -> dict:
     shard = kv.shard_at(ident)
     if shard.value.dtype not in DTYPES.values():
         raise KVError(f"{shard.describe()} has dtype {shard.value.dtype}")
-    region = kv.mirror_region(shard, BUFFERS)
+    count = int(meta["count"])
+    if count % SETS or not SETS <= count <= SETS * MAX_SLOTS:
+        raise KVError(f"mirror of {shard.describe()}: count={count!r} must be {SETS} sets of 1..{MAX_SLOTS}")
+    region = kv.mirror_region(shard, count)
     return {"arena": kv.arena().describe(), "region": [region.offset, region.count]}
+
+
+def fits(tensor: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether an optimizer state tensor goes in a buffer of the value's size and dtype."""
+    return tensor.dtype == value.dtype and tensor.numel() == value.numel()
+
+
+def tensors_of(shard: ShardState) -> list[torch.Tensor]:
+    """The slice's optimizer state tensors now (holds shard.cond)."""
+    _, tensors = shard.replica()
+    return tensors[1:]
+
+
+def restored(mirror: Region | None, meta: dict, tensors: list) -> tuple[list[str], list[torch.Tensor]]:
+    """A backup's `replicate` frame with a set (`buffer`): the state's names and tensors, value
+    first, as a frame without one carries them (the value in the set, the optimizer state
+    tensors `mirrored` too, the others in the frame)."""
+    mirrored = [str(n) for n in meta.get("mirrored", [])]
+    if mirror is None:
+        raise KVError("a replicate frame names a buffer, but this server made none for the slice")
+    slots = mirror.count // SETS
+    b = int(meta["buffer"])
+    if not 0 <= b < SETS or len(mirrored) >= slots:
+        raise KVError(
+            f"replicate names set {b!r} with {len(mirrored)} state tensors; there are {SETS} of {slots}"
+        )
+    buffers = mirror.buffers[b * slots : (b + 1) * slots]
+    return [*mirrored, *meta["state"]], [*buffers[: 1 + len(mirrored)], *tensors]

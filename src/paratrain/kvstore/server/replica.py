@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
-from paratrain.kvstore.server.mirror import Mirrors
+from paratrain.kvstore.server.mirror import Mirrors, restored
 from paratrain.kvstore.server.shard import Clocks, ShardState
 from paratrain.kvstore.worker.client import same_host
 from paratrain.transport.config import TransportConfig
@@ -307,16 +307,16 @@ def restore(shard: ShardState, request: Request, dead: set[int] | frozenset[int]
 
 
 def _restore(shard: ShardState, meta: dict, tensors: list, ring: bool) -> None:
-    mirrored = "buffer" in meta  # the value is in this server's buffer `buffer` (mirror.py)
-    if len(tensors) != (0 if mirrored else 1) + len(meta["state"]):
-        raise KVError(f"replicate of {shard.describe()} carried {len(tensors)} tensors")
     if ring:  # views into a same-host ring, which later frames overwrite
         tensors = [tensor.clone() for tensor in tensors]
-    if mirrored:
-        if shard.mirror is None or not 0 <= int(meta["buffer"]) < shard.mirror.count:
-            raise KVError(f"replicate of {shard.describe()} names buffer {meta['buffer']!r}, not one of its")
-        tensors = [shard.mirror.buffers[int(meta["buffer"])], *tensors]
-    state = dict(zip(meta["state"], tensors[1:], strict=True))
+    names = meta["state"]
+    if "buffer" in meta:  # the value (and state) in this server's buffers (mirror.py)
+        names, tensors = restored(shard.mirror, meta, tensors)
+    if len(tensors) != 1 + len(names):
+        raise KVError(
+            f"replicate of {shard.describe()} carried {len(tensors) - 1} tensors, {len(names)} named"
+        )
+    state = dict(zip(names, tensors[1:], strict=True))
     value = tensors[0]
     applied = {
         int(rank): Clocks(int(below), {int(c) for c in ahead}) for rank, below, ahead in meta["applied"]
