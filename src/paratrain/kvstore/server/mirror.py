@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 SETS = 2  # the set the backup holds, and the one written
 MAX_SLOTS = 4  # a value and up to 3 optimizer state tensors of its size (Adam has 2) per set
+MIRROR_TIMEOUT_S = 30.0  # the `mirror` call is made holding the slice's lock, once per backup
 
 
 @dataclass
@@ -75,7 +76,7 @@ class Mirrors:
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self._arenas: dict[int, ArenaMap | None] = {}
+        self._arenas: dict[int, ArenaMap | None] = {}  # None: cannot be mapped, TCP for all
         self._links: dict[tuple[int, Any, int, int], Link] = {}
         self._retired: list[ArenaMap] = []
         self._lock = threading.Lock()  # one `mirror` call and map per backup and slice
@@ -85,7 +86,7 @@ class Mirrors:
     ) -> Future:
         """Send one slice's copy (holds shard.cond): the value through the backup's buffer where
         one is free, else in the frame."""
-        link = self._link(server, client, shard, meta)
+        link = self._link(server, client, shard)
         b = link.free()
         if b is None:
             future = client.request("replicate", meta, tensors)
@@ -122,7 +123,7 @@ class Mirrors:
             arena.close()
         self._arenas, self._links, self._retired = {}, {}, []
 
-    def _link(self, server: int, client: RpcClient, shard: ShardState, meta: dict) -> Link:
+    def _link(self, server: int, client: RpcClient, shard: ShardState) -> Link:
         ident = (server, shard.key, shard.start, shard.stop)
         link = self._links.get(ident)
         if link is None:
@@ -130,29 +131,34 @@ class Mirrors:
                 link = self._links.get(ident)
                 if link is None:
                     slots = min(MAX_SLOTS, 1 + sum(fits(t, shard.value) for t in tensors_of(shard)))
-                    link = self._links[ident] = Link(self._map(server, client, shard, slots), slots)
+                    link = Link(self._map(server, client, shard, slots), slots)
+                    unmappable = server in self._arenas and self._arenas[server] is None
+                    if link.region is not None or unmappable:  # else: ask again at the next copy
+                        self._links[ident] = link
         return link
 
     def _map(self, server: int, client: RpcClient, shard: ShardState, slots: int) -> Region | None:
-        """Ask the backup for the slice's buffers and map them; None (TCP) where that fails."""
+        """Ask the backup for the slice's buffers and map them; None (TCP) where that fails. A
+        backup that cannot be mapped gets every copy over TCP (its arena is None); one that did not
+        answer (it died, or is catching up and lacks the slice) is asked again at the next copy."""
         where = {"key": shard.key, "start": shard.start, "stop": shard.stop, "count": SETS * slots}
         try:
-            reply = client.call("mirror", where, timeout_s=client.config.request_timeout_s)
+            if self._arenas.get(server, True) is None:
+                return None
+            reply = client.call("mirror", where, timeout_s=MIRROR_TIMEOUT_S)
             if server not in self._arenas:
                 self._arenas[server] = ArenaMap.open(reply.meta["arena"])
             arena = self._arenas[server]
             assert arena is not None
             offset, count = (int(x) for x in reply.meta["region"])
             return arena.region(offset, shard.value.numel(), shard.value.dtype, count)
-        except (RemoteError, TransportError, TimeoutError, OSError, ValueError, KeyError) as exc:
-            logger.info(
-                "server %d: copies of %s go to server %d over TCP: %s",
-                self.rank,
-                shard.describe(),
-                server,
-                exc,
-            )
-            return None
+        except (RemoteError, TransportError, TimeoutError, KeyError) as exc:
+            what = shard.describe()
+            logger.info("server %d: no buffers for %s on server %d yet: %s", self.rank, what, server, exc)
+        except (OSError, ValueError) as exc:
+            logger.warning("server %d: copies to server %d go over TCP: %s", self.rank, server, exc)
+            self._arenas[server] = None
+        return None
 
 
 def offer(kv: KVServer, meta: dict) -> dict:
