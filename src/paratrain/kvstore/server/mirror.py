@@ -97,7 +97,8 @@ class Mirrors:
             assert link.region is not None
             buffers = link.region.buffers[b * link.slots : (b + 1) * link.slots]
             buffers[0].copy_(tensors[0])
-            mirrored, rest = [], []
+            mirrored: list[str] = []
+            rest: list[torch.Tensor] = []
             for name, tensor in zip(meta["state"], tensors[1:], strict=True):
                 if len(mirrored) + 1 < link.slots and fits(tensor, tensors[0]):
                     buffers[len(mirrored) + 1].copy_(tensor)
