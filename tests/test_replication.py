@@ -16,12 +16,15 @@ from paratrain.cluster.config import JobConfig
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.consistency import Async, Sync
 from paratrain.kvstore.placement import Placement, replicas
+from paratrain.kvstore.server import mirror
+from paratrain.kvstore.server.mirror import Mirrors
 from paratrain.kvstore.server.rejoin import install, installation
 from paratrain.kvstore.server.replica import Replicator
 from paratrain.kvstore.server.server import KVServer
 from paratrain.kvstore.server.shard import Clocks, Push, Rules, ShardState
 from paratrain.kvstore.worker.failover import Payload, Servers
 from paratrain.testing import run_job
+from paratrain.transport.config import TransportConfig
 from paratrain.transport.frame import Header
 from paratrain.transport.rpc import Future, Reply, Request
 
@@ -373,3 +376,86 @@ def test_a_restarted_server_catches_up_and_the_job_survives_another_death(
     assert "killed by signal SIGKILL; the job goes on (not restarted: all 1 used)" in outcome.stderr
     counts = [outcome.lines("worker", rank, "stdout") for rank in range(2)]
     assert counts[0] == counts[1] and counts[0][0].startswith("count ok "), counts
+
+
+class Loopback:
+    """A same-host backup's connection, answered in this process: `mirror` at once, `replicate`
+    frames taken by the backup at once and acknowledged by hand."""
+
+    config = TransportConfig()
+
+    def __init__(self, backup: KVServer) -> None:
+        self.backup, self.sent = backup, []
+
+    def call(self, op: str, meta: dict, timeout_s: float | None = None) -> Reply:
+        assert op == "mirror"
+        return Reply(mirror.offer(self.backup, meta))
+
+    def request(self, op: str, meta: dict, tensors: list) -> Future:
+        self.sent.append((meta, list(tensors)))
+        self.backup._replicate(frame(op, meta, list(tensors)))
+        return Future(op, None)
+
+
+def test_a_same_host_backup_takes_values_through_its_buffers_and_never_holds_the_one_written() -> None:
+    """mirror.py: the value goes into the buffer the backup does not hold, the frame carries no
+    value; while the last frame is unanswered a copy goes in the frame; a primary that dies while
+    writing leaves the backup's value whole; the backup never pools its buffers."""
+    primary, backup = KVServer(0), KVServer(1)
+    for server in (primary, backup):
+        server.configure({"mode": "sync", "members": [0], "replication": 2, "servers": [["h", 1]] * 2})
+    meta = {"key": "w", "start": 0, "stop": 3, "numel": 3, "shape": [3], "dtype": "float32", "chain": [0, 1]}
+    shard, copy = primary.adopt(meta), backup.adopt(meta)
+    mirrors, link = Mirrors(0), Loopback(backup)
+
+    def forward(value: float) -> Future:
+        shard.value.fill_(value)
+        shard.version += 1
+        state, tensors = shard.replica()
+        return mirrors.send(1, link, shard, state | {"sender": 0}, tensors)
+
+    first = forward(1.0)
+    assert link.sent[-1][0]["buffer"] == 0 and link.sent[-1][1] == []  # no value in the frame
+    assert copy.value.data_ptr() == copy.mirror.buffers[0].data_ptr() and copy.value.eq(1).all()
+    second = forward(2.0)  # the first is unanswered: its buffer is not surely free
+    assert "buffer" not in link.sent[-1][0] and len(link.sent[-1][1]) == 1
+    assert copy.value.eq(2).all() and copy.version == 2
+    for future in (first, second):
+        future._set(Reply({}), None)
+    forward(3.0)._set(Reply({}), None)
+    assert link.sent[-1][0]["buffer"] == 1 and copy.value.data_ptr() == copy.mirror.buffers[1].data_ptr()
+    buffers = {b.data_ptr() for b in copy.mirror.buffers}
+    assert not any(b.data_ptr() in buffers for b in copy.pool)  # the TCP copy's buffer went, not 0
+    copy.mirror.buffers[link_free(mirrors)].fill_(float("nan"))  # the primary dies mid-copy
+    assert copy.value.eq(3).all() and copy.version == 3
+    backup.replicator.dead.add(0)  # the backup takes over: a round's sum becomes its value
+    copy.push(Push(0, 3, torch.full((3,), 5.0)))
+    assert copy.value.eq(5).all() and not any(b.data_ptr() in buffers for b in copy.pool)
+    mirrors.close()
+
+
+def test_a_same_host_backup_takes_the_optimizer_state_through_its_buffers_too() -> None:
+    primary, backup = KVServer(0), KVServer(1)
+    for server in (primary, backup):
+        server.configure({"mode": "async", "members": [0], "replication": 2, "servers": [["h", 1]] * 2})
+        server.set_optimizer("torch.optim.SGD", {"lr": 1.0, "momentum": 0.5})
+    meta = {"key": "m", "start": 0, "stop": 3, "numel": 3, "shape": [3], "dtype": "float32", "chain": [0, 1]}
+    shard, copy = primary.adopt(meta), backup.adopt(meta)
+    primary.replicator.dead.add(1)  # its own forwards skip server 1: they go through `mirrors` here
+    mirrors, link = Mirrors(0), Loopback(backup)
+    for clock in range(3):
+        shard.push(Push(0, clock, torch.arange(3.0)))
+        state, tensors = shard.replica()
+        mirrors.send(1, link, shard, state | {"sender": 0}, tensors)._set(Reply({}), None)
+        assert link.sent[-1][0]["mirrored"] == ["momentum_buffer"] and link.sent[-1][1] == []
+        assert torch.equal(copy.value, shard.value) and copy.version == shard.version == clock + 1
+        momentum = [s.optimizer.state[s.param]["momentum_buffer"] for s in (shard, copy)]
+        assert torch.equal(*momentum) and copy.applied == shard.applied
+    mirrors.close()
+
+
+def link_free(mirrors: Mirrors) -> int:
+    (only,) = mirrors._links.values()
+    free = only.free()
+    assert free is not None and free != only.held
+    return free

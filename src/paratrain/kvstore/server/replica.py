@@ -4,7 +4,9 @@ With `JobConfig.replication` r >= 2, every dense slice lives on r servers (place
 primary, then the next servers in rank order). Workers init a slice on all of them but push and pull
 only at the first live one. Whenever the primary updates a slice (a round applied, an async push
 applied) it sends the backups the result, not the pushes: version, value, optimizer state and the
-async clocks applied (op `replicate`), holding the slice's lock while the bytes go out. The
+async clocks applied (op `replicate`), holding the slice's lock while the bytes go out (to a backup
+on this host, the value and the optimizer state tensors of its size go through that backup's own
+buffers: mirror.py). The
 backups' replies are awaited by one thread per server (`_confirm`), in order, which then moves the
 slice's `durable` version and serves what waited for it: pulls wait for `durable`, and so does a
 push's acknowledgement (for its own round). So every update a worker was told about is on every
@@ -30,7 +32,9 @@ from collections.abc import Callable
 
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
+from paratrain.kvstore.server.mirror import Mirrors, restored
 from paratrain.kvstore.server.shard import Clocks, ShardState
+from paratrain.kvstore.worker.client import same_host
 from paratrain.transport.config import TransportConfig
 from paratrain.transport.rpc import Future, Request, RpcClient
 
@@ -65,6 +69,7 @@ class Replicator:
         self._connecting = threading.Lock()
         self._sent: queue.SimpleQueue = queue.SimpleQueue()  # (shard, version, [(server, future)])
         self._confirming: threading.Thread | None = None
+        self._mirrors = Mirrors(rank)  # same-host backups: values go through their memory (mirror.py)
         self.on_durable: Callable[[], None] = lambda: None
         """Called (from the confirming thread) after a slice's `durable` moved: serve its waiters."""
 
@@ -131,6 +136,7 @@ class Replicator:
             old = self._clients.pop(server, None)
             self.dead.discard(server)
             self.back.add(server)
+            self._mirrors.forget(server)
         if old is not None:
             try:
                 old.close()
@@ -161,7 +167,11 @@ class Replicator:
                 client = None
                 try:
                     client = self._client(server)
-                    sent.append((server, client, client.request("replicate", meta, tensors)))
+                    if self._mirrored(server):
+                        future = self._mirrors.send(server, client, shard, meta, tensors)
+                    else:
+                        future = client.request("replicate", meta, tensors)
+                    sent.append((server, client, future))
                 except (TransportError, OSError) as exc:
                     self._lost(server, exc, client)
         if not sent:  # no live backup: this copy is the only one
@@ -172,6 +182,12 @@ class Replicator:
                 self._confirming = threading.Thread(target=self._confirm, name="replicas", daemon=True)
                 self._confirming.start()
         self._sent.put((shard, shard.version, sent))
+
+    def _mirrored(self, server: int) -> bool:
+        """Whether copies to `server` may go through its memory: on this host, same-host path on."""
+        with self._lock:
+            mine, theirs = self._addresses[self.rank][0], self._addresses[server][0]
+        return self._config.shm_ring_bytes > 0 and same_host(theirs, mine)
 
     def send(self, server: int, op: str, meta: dict, tensors: list) -> Future | None:
         """One frame to another server (a sparse table's delta: sparse_replica.py); None where
@@ -254,6 +270,7 @@ class Replicator:
             self.dead.add(server)
             self.back.discard(server)
             self._clients.pop(server, None)
+            self._mirrors.forget(server)
         logger.warning(
             "server %d: backup server %d is gone (%s); going on without it", self.rank, server, error
         )
@@ -273,6 +290,7 @@ class Replicator:
             confirming = self._confirming
         if confirming is not None:  # not inside torch when the process exits (replies.py, close_all)
             confirming.join(CONNECT_TIMEOUT_S)
+        self._mirrors.close()
 
 
 def restore(shard: ShardState, request: Request, dead: set[int] | frozenset[int] = frozenset()) -> None:
@@ -291,11 +309,16 @@ def restore(shard: ShardState, request: Request, dead: set[int] | frozenset[int]
 
 
 def _restore(shard: ShardState, meta: dict, tensors: list, ring: bool) -> None:
-    if len(tensors) != 1 + len(meta["state"]):
-        raise KVError(f"replicate of {shard.describe()} carried {len(tensors)} tensors")
     if ring:  # views into a same-host ring, which later frames overwrite
         tensors = [tensor.clone() for tensor in tensors]
-    state = dict(zip(meta["state"], tensors[1:], strict=True))
+    names = meta["state"]
+    if "buffer" in meta:  # the value (and state) in this server's buffers (mirror.py)
+        names, tensors = restored(shard.mirror, meta, tensors)
+    if len(tensors) != 1 + len(names):
+        raise KVError(
+            f"replicate of {shard.describe()} carried {len(tensors) - 1} tensors, {len(names)} named"
+        )
+    state = dict(zip(names, tensors[1:], strict=True))
     value = tensors[0]
     applied = {
         int(rank): Clocks(int(below), {int(c) for c in ahead}) for rank, below, ahead in meta["applied"]

@@ -20,6 +20,9 @@ Requests (meta lists are parallel; every tensor is one flat slice of one key):
     replicate     {key, start, stop, version, applied, state}       a slice's state, from its
                   primary to this backup (replica.py; with replication a push's reply waits until
                   its round is on the backups)
+    mirror        {key, start, stop}                                from a same-host primary: where
+                  this backup's two buffers for the slice are, which `replicate` {buffer} names
+                  (mirror.py)
     rejoin        {rank, address, dead}                             from a restarted server: it
                   is a backup again; reply once it has an `install` of each slice it backs up that
                   this server serves (rejoin.py), with the configuration worker 0 sent
@@ -60,12 +63,12 @@ from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.compressed import ServerCompression
 from paratrain.kvstore.consistency import policy
-from paratrain.kvstore.server import rejoin, replica
+from paratrain.kvstore.server import mirror, rejoin, replica
 from paratrain.kvstore.server.fence import Fence
 from paratrain.kvstore.server.replies import ReplySenders
 from paratrain.kvstore.server.shard import Push, Rules, ShardState
 from paratrain.kvstore.server.sparse import SparseTables
-from paratrain.kvstore.shared import Arena
+from paratrain.kvstore.shared import Arena, Region
 from paratrain.transport.connection import Connection
 from paratrain.transport.frame import Header
 from paratrain.transport.rpc import Handler, Request
@@ -128,6 +131,8 @@ class KVServer(Handler):
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
         if header.op == "replicate" and header.at is None:  # a backup's copy: into a pooled buffer
+            if "buffer" in header.meta:  # its value is in this server's memory already (mirror.py)
+                return None
             try:
                 return [self._shard({k: [header.meta[k[:-1]]] for k in SLICE}, 0).buffer()]
             except (KVError, KeyError, TypeError):
@@ -178,6 +183,8 @@ class KVServer(Handler):
                 self.fence.check_replicate(request.meta.get("sender"), self.replicator.dead)
                 self._replicate(request)
                 request.reply({})
+            elif op == "mirror":
+                request.reply(mirror.offer(self, request.meta))
             elif op == "rejoin":  # a restarted server catches up (rejoin.py)
                 rejoin.send_state(self, request, self.replicator.timeout_s)
             elif op == "install":
@@ -270,6 +277,29 @@ class KVServer(Handler):
         with self._lock:
             return list(self._shards.values())
 
+    def shard_at(self, ident: tuple[Any, int, int]) -> Shard:
+        with self._lock:
+            shard = self._shards.get(ident)
+        if shard is None:
+            raise KVError(f"key {ident[0]!r} [{ident[1]}, {ident[2]}) is not on server {self.rank}")
+        return shard
+
+    def arena(self) -> Arena:
+        """This server's shared-memory arena (shared.py), made on first use."""
+        with self._lock:
+            if self._arena is None:
+                self._arena = Arena()
+            return self._arena
+
+    def mirror_region(self, shard: Shard, count: int) -> Region:
+        """A backup's buffers for `shard` that its same-host primary writes into (mirror.py)."""
+        with self._lock:
+            if self._arena is None:
+                self._arena = Arena()
+            if shard.mirror is None:
+                shard.mirror = self._arena.region(shard.value.numel(), shard.value.dtype, count)
+            return shard.mirror
+
     def adopt(self, meta: dict) -> Shard:
         """The slice `meta` describes (an install: rejoin.py), made empty here if new."""
         ident = (meta["key"], int(meta["start"]), int(meta["stop"]))
@@ -344,7 +374,8 @@ class KVServer(Handler):
         return not self.replicator.enabled or shard.chain[0] == self.rank
 
     def _share(self, shard: Shard) -> None:
-        """Move a new shard's value into the arena, with round buffers in rounds mode."""
+        """Move a new shard's value into the arena, with round buffers in rounds mode (holds
+        self._lock)."""
         if self._arena is None:
             self._arena = Arena()
         count = 1 + (ROUND_BUFFERS if self.rules.policy.rounds else 0)

@@ -128,6 +128,9 @@ class ShardState:
     buffer open for its pushes."""
     value_buffer: int = 0
     opened: dict[int, int] = field(default_factory=dict)
+    mirror: Region | None = None
+    """Replicated servers on one host, on a backup: the buffers its primary writes new values into
+    (mirror.py). Its value may be one of them; they never go to the pool."""
     chain: list[int] = field(default_factory=list)
     """Replicated servers (replica.py): the servers holding this slice, primary first."""
     on_applied: Callable[[ShardState], None] | None = None
@@ -183,7 +186,10 @@ class ShardState:
             return self.pool.pop() if self.pool else torch.empty_like(self.value)
 
     def recycle(self, buffer: torch.Tensor) -> None:
-        """Keep a spent buffer for the next push, up to POOL_BUFFERS per shard; free the rest."""
+        """Keep a spent buffer for the next push, up to POOL_BUFFERS per shard; free the rest (and
+        never a mirror buffer: its primary may write into it)."""
+        if self.mirror is not None and any(buffer.data_ptr() == m.data_ptr() for m in self.mirror.buffers):
+            return
         if len(self.pool) < POOL_BUFFERS:
             self.pool.append(buffer)
 

@@ -1,0 +1,206 @@
+"""Replicated servers on one machine: a primary writes a slice's new value straight into its
+backup's memory (replica.py sends the rest of the copy, and the order, over TCP).
+
+Over TCP a copy moves each byte twice through the kernel (the primary's send, the backup's
+receive) and wakes both sides for every chunk: on one machine, 27 ms per round for 32 MB on a round
+of 23 ms (benchmarks/failures_servers.py). Here the backup owns two buffers per slice in its
+shared-memory arena (shared.py; op `mirror` makes them and says where they are), and the primary
+maps them. To copy a new state it copies the value into the buffer the backup does not hold (one
+memcpy), then sends the usual `replicate` frame with `buffer: b` and without the value (the
+optimizer state and the clocks still ride in the frame). The backup, on that frame, makes buffer b
+its value (no copy) and replies; the primary's acknowledgements still wait for that reply, as over
+TCP.
+
+Why a primary that dies mid-copy never leaves the backup a torn value: the backup's value is the
+buffer of the last frame it took, and the primary writes only into the other one, and only once the
+backup replied to its previous frame (so it no longer holds the buffer written). A primary that dies
+during the memcpy sends no frame: the backup keeps its last whole value. When the previous frame is
+not answered yet (async pushes applied back to back), the copy goes over TCP as before, which never
+touches the buffers. A backup never gives its buffers to its pool of push buffers
+(ShardState.recycle), so a late write of a primary the job lost (fence.py) never lands in a buffer
+the backup uses for something else; frames from such a sender are refused anyway.
+
+Memory: a backup holds two sets of buffers per slice it backs up (its value is in one of them), where
+it held one value before.
+
+Only between servers on one host (client.same_host), and only with the same-host path on
+(TransportConfig.shm_ring_bytes > 0). A backup that refuses or cannot be mapped gets copies over TCP.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from paratrain.errors import RemoteError, TransportError
+from paratrain.kvstore.api import KVError
+from paratrain.kvstore.shared import ArenaMap, Region
+from paratrain.transport.rpc import Future, RpcClient
+from paratrain.transport.tensors import DTYPES
+
+if TYPE_CHECKING:
+    from paratrain.kvstore.server.server import KVServer
+    from paratrain.kvstore.server.shard import ShardState
+
+logger = logging.getLogger(__name__)
+
+SETS = 2  # the set the backup holds, and the one written
+MAX_SLOTS = 4  # a value and up to 3 optimizer state tensors of its size (Adam has 2) per set
+MIRROR_TIMEOUT_S = 30.0  # the `mirror` call is made holding the slice's lock, once per backup
+
+
+@dataclass
+class Link:
+    """One slice's buffers on one backup, as the primary sees them."""
+
+    region: Region | None
+    """None: this backup gets this slice's copies over TCP. Else SETS sets of `slots` buffers:
+    set b is buffers[b * slots:(b + 1) * slots], the value then optimizer state tensors."""
+    slots: int = 1
+    held: int | None = None
+    """The set the backup holds (that of the last frame with a set), None: neither."""
+    last: Future | None = None
+    """The last frame sent to this backup for this slice (with a buffer or not)."""
+
+    def free(self) -> int | None:
+        """The set to write the next state into, None where none is surely free: the backup has
+        not answered the last frame yet (it may still hold the other set)."""
+        if self.region is None or (self.last is not None and not self.last.done()):
+            return None
+        return 0 if self.held is None else 1 - self.held
+
+
+class Mirrors:
+    """A primary's maps of its same-host backups' buffers, per backup and slice."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._arenas: dict[int, ArenaMap | None] = {}  # None: cannot be mapped, TCP for all
+        self._links: dict[tuple[int, Any, int, int], Link] = {}
+        self._retired: list[ArenaMap] = []
+        self._lock = threading.Lock()  # one `mirror` call and map per backup and slice
+
+    def send(
+        self, server: int, client: RpcClient, shard: ShardState, meta: dict, tensors: list[torch.Tensor]
+    ) -> Future:
+        """Send one slice's copy (holds shard.cond): the value through the backup's buffer where
+        one is free, else in the frame."""
+        link = self._link(server, client, shard)
+        b = link.free()
+        if b is None:
+            future = client.request("replicate", meta, tensors)
+        else:
+            assert link.region is not None
+            buffers = link.region.buffers[b * link.slots : (b + 1) * link.slots]
+            buffers[0].copy_(tensors[0])
+            mirrored: list[str] = []
+            rest: list[torch.Tensor] = []
+            for name, tensor in zip(meta["state"], tensors[1:], strict=True):
+                if len(mirrored) + 1 < link.slots and fits(tensor, tensors[0]):
+                    buffers[len(mirrored) + 1].copy_(tensor)
+                    mirrored.append(name)
+                else:
+                    rest.append(tensor)
+            meta = meta | {
+                "buffer": b,
+                "mirrored": mirrored,
+                "state": [n for n in meta["state"] if n not in mirrored],
+            }
+            future = client.request("replicate", meta, rest)
+            link.held = b
+        link.last = future
+        return future
+
+    def forget(self, server: int) -> None:
+        """`server` died or was restarted: its buffers are no more (a new process makes new ones)."""
+        self._links = {k: v for k, v in self._links.items() if k[0] != server}
+        arena = self._arenas.pop(server, None)
+        if arena is not None:
+            self._retired.append(arena)  # a copy may be writing into it: closed at the end
+
+    def close(self) -> None:
+        for arena in [*self._retired, *(a for a in self._arenas.values() if a is not None)]:
+            arena.close()
+        self._arenas, self._links, self._retired = {}, {}, []
+
+    def _link(self, server: int, client: RpcClient, shard: ShardState) -> Link:
+        ident = (server, shard.key, shard.start, shard.stop)
+        link = self._links.get(ident)
+        if link is None:
+            with self._lock:
+                link = self._links.get(ident)
+                if link is None:
+                    slots = min(MAX_SLOTS, 1 + sum(fits(t, shard.value) for t in tensors_of(shard)))
+                    link = Link(self._map(server, client, shard, slots), slots)
+                    unmappable = server in self._arenas and self._arenas[server] is None
+                    if link.region is not None or unmappable:  # else: ask again at the next copy
+                        self._links[ident] = link
+        return link
+
+    def _map(self, server: int, client: RpcClient, shard: ShardState, slots: int) -> Region | None:
+        """Ask the backup for the slice's buffers and map them; None (TCP) where that fails. A
+        backup that cannot be mapped gets every copy over TCP (its arena is None); one that did not
+        answer (it died, or is catching up and lacks the slice) is asked again at the next copy."""
+        where = {"key": shard.key, "start": shard.start, "stop": shard.stop, "count": SETS * slots}
+        try:
+            if self._arenas.get(server, True) is None:
+                return None
+            reply = client.call("mirror", where, timeout_s=MIRROR_TIMEOUT_S)
+            if server not in self._arenas:
+                self._arenas[server] = ArenaMap.open(reply.meta["arena"])
+            arena = self._arenas[server]
+            assert arena is not None
+            offset, count = (int(x) for x in reply.meta["region"])
+            return arena.region(offset, shard.value.numel(), shard.value.dtype, count)
+        except (RemoteError, TransportError, TimeoutError, KeyError) as exc:
+            what = shard.describe()
+            logger.info("server %d: no buffers for %s on server %d yet: %s", self.rank, what, server, exc)
+        except (OSError, ValueError) as exc:
+            logger.warning("server %d: copies to server %d go over TCP: %s", self.rank, server, exc)
+            self._arenas[server] = None
+        return None
+
+
+def offer(kv: KVServer, meta: dict) -> dict:
+    """A backup's side of `mirror`: the slice's two buffers in this server's arena (made once)."""
+    ident = (meta["key"], int(meta["start"]), int(meta["stop"]))
+    shard = kv.shard_at(ident)
+    if shard.value.dtype not in DTYPES.values():
+        raise KVError(f"{shard.describe()} has dtype {shard.value.dtype}")
+    count = int(meta["count"])
+    if count % SETS or not SETS <= count <= SETS * MAX_SLOTS:
+        raise KVError(f"mirror of {shard.describe()}: count={count!r} must be {SETS} sets of 1..{MAX_SLOTS}")
+    region = kv.mirror_region(shard, count)
+    return {"arena": kv.arena().describe(), "region": [region.offset, region.count]}
+
+
+def fits(tensor: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether an optimizer state tensor goes in a buffer of the value's size and dtype."""
+    return tensor.dtype == value.dtype and tensor.numel() == value.numel()
+
+
+def tensors_of(shard: ShardState) -> list[torch.Tensor]:
+    """The slice's optimizer state tensors now (holds shard.cond)."""
+    _, tensors = shard.replica()
+    return tensors[1:]
+
+
+def restored(mirror: Region | None, meta: dict, tensors: list) -> tuple[list[str], list[torch.Tensor]]:
+    """A backup's `replicate` frame with a set (`buffer`): the state's names and tensors, value
+    first, as a frame without one carries them (the value in the set, the optimizer state
+    tensors `mirrored` too, the others in the frame)."""
+    mirrored = [str(n) for n in meta.get("mirrored", [])]
+    if mirror is None:
+        raise KVError("a replicate frame names a buffer, but this server made none for the slice")
+    slots = mirror.count // SETS
+    b = int(meta["buffer"])
+    if not 0 <= b < SETS or len(mirrored) >= slots:
+        raise KVError(
+            f"replicate names set {b!r} with {len(mirrored)} state tensors; there are {SETS} of {slots}"
+        )
+    buffers = mirror.buffers[b * slots : (b + 1) * slots]
+    return [*mirrored, *meta["state"]], [*buffers[: 1 + len(mirrored)], *tensors]
