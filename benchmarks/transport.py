@@ -148,8 +148,15 @@ CLIENTS = {
 
 def measure(kinds: list[str], sizes: list[int], seconds: float, rounds: int) -> dict:
     """{kind: {(size, echo): [rate of each round]}}: every kind's server runs all along and, for
-    each size, the kinds take turns round by round (the order flips every round), so a busy spell
-    of the machine hits them all and a ratio of one round compares like with like."""
+    each size, the kinds take turns round by round, so a busy spell of the machine hits them all and
+    a ratio of one round compares like with like. Each turn lasts about seconds / rounds whatever
+    the kind (its count comes from its warm-up's rate), and the order rotates (a, b, c; b, c, a;
+    c, a, b), so no kind ever runs twice in a row. Both matter for small messages: plain TCP ran
+    1 KiB round trips at 26-37k/s in its first 0.1 s after another kind's turn, and at 13-17k/s
+    when it ran again right after itself, while paratrain's rate was the same either way (5-7k/s);
+    with equal counts and an order that flipped each round, TCP's turns were shorter than
+    paratrain's and ran after themselves every other round, which swung each round's ratio between
+    0.2 and 0.4."""
     ctx = mp.get_context("spawn")
     servers = {}
     results: dict = {kind: {} for kind in kinds}
@@ -165,11 +172,15 @@ def measure(kinds: list[str], sizes: list[int], seconds: float, rounds: int) -> 
         for size in sizes:
             for echo in (False, True):
                 iters = max(1, iterations(size, seconds, echo) // rounds)
-                for kind in kinds:  # warm up
-                    CLIENTS[kind](servers[kind][1], size, max(1, iters // 10), echo)
+                turn = {}  # each kind's count for a turn of seconds / rounds, from its warm-up rate
+                for kind in kinds:
+                    warm = max(1, iters // 10)
+                    rate = warm / CLIENTS[kind](servers[kind][1], size, warm, echo)
+                    turn[kind] = max(1, round(rate * seconds / rounds))
                 for r in range(rounds):
-                    for kind in kinds[:: 1 if r % 2 == 0 else -1]:
-                        rate = iters / CLIENTS[kind](servers[kind][1], size, iters, echo)
+                    for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
+                        n = turn[kind]
+                        rate = n / CLIENTS[kind](servers[kind][1], size, n, echo)
                         results[kind].setdefault((size, echo), []).append(rate)
     finally:
         for proc, _ in servers.values():
