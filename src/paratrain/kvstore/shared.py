@@ -227,3 +227,10 @@ class ArenaMap:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def same_host(peer: str, mine: str) -> bool:
+    """Whether a server shares this process's machine (a worker's, or another server's): the same
+    advertised host, or both loopback."""
+    loopback = ("127.", "::1", "localhost")
+    return peer == mine or (peer.startswith(loopback) and mine.startswith(loopback))

@@ -17,11 +17,10 @@ clients' number. Running at once whatever is queued (Triton's dynamic batcher wi
 them into batches of 9-16 and 17-32 in turn, which took more CPU per request (0.44 ms against 0.35,
 load 12 on 2 cores); waiting for the previous batch's size alone let one batch cut short by a busy
 machine shrink the next ones (batches of 1 to 16 among those of 32); the largest of the last 8 does
-not. Requests of
-another signature wait for the next batch, in order. If a batch of several requests fails, each is
-run alone, so a bad request fails only itself (a `ModelInputError` for it); a model that fails alone
-on every request fails them all. A ParatrainError (a server or stage process gone) fails the whole
-batch at once.
+not. Requests of another signature wait for the next batch, in order. If a batch of several
+requests fails, each is run alone, so a bad request fails only itself (a `ModelInputError` for it);
+a model that fails alone on every request fails them all. A ParatrainError (a server or stage
+process gone) fails the whole batch at once.
 
 Why a thread and not asyncio: the model runs outside the event loop anyway (torch releases the GIL
 in its kernels), and a thread with a condition variable keeps the batching policy in one loop that a

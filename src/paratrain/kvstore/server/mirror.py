@@ -23,7 +23,7 @@ the backup uses for something else; frames from such a sender are refused anyway
 Memory: a backup holds two sets of buffers per slice it backs up (its value is in one of them), where
 it held one value before.
 
-Only between servers on one host (client.same_host), and only with the same-host path on
+Only between servers on one host (shared.same_host), and only with the same-host path on
 (TransportConfig.shm_ring_bytes > 0). A backup that refuses or cannot be mapped gets copies over TCP.
 """
 

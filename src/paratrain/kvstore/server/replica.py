@@ -34,7 +34,7 @@ from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.server.mirror import Mirrors, restored
 from paratrain.kvstore.server.shard import Clocks, ShardState
-from paratrain.kvstore.worker.client import same_host
+from paratrain.kvstore.shared import same_host
 from paratrain.transport.config import TransportConfig
 from paratrain.transport.rpc import Future, Request, RpcClient
 

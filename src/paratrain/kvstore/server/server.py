@@ -287,17 +287,19 @@ class KVServer(Handler):
     def arena(self) -> Arena:
         """This server's shared-memory arena (shared.py), made on first use."""
         with self._lock:
-            if self._arena is None:
-                self._arena = Arena()
-            return self._arena
+            return self._own_arena()
+
+    def _own_arena(self) -> Arena:
+        """The arena, made on first use (holds self._lock)."""
+        if self._arena is None:
+            self._arena = Arena()
+        return self._arena
 
     def mirror_region(self, shard: Shard, count: int) -> Region:
         """A backup's buffers for `shard` that its same-host primary writes into (mirror.py)."""
         with self._lock:
-            if self._arena is None:
-                self._arena = Arena()
             if shard.mirror is None:
-                shard.mirror = self._arena.region(shard.value.numel(), shard.value.dtype, count)
+                shard.mirror = self._own_arena().region(shard.value.numel(), shard.value.dtype, count)
             return shard.mirror
 
     def adopt(self, meta: dict) -> Shard:
@@ -376,10 +378,8 @@ class KVServer(Handler):
     def _share(self, shard: Shard) -> None:
         """Move a new shard's value into the arena, with round buffers in rounds mode (holds
         self._lock)."""
-        if self._arena is None:
-            self._arena = Arena()
         count = 1 + (ROUND_BUFFERS if self.rules.policy.rounds else 0)
-        shard.share(self._arena.region(shard.value.numel(), shard.value.dtype, count))
+        shard.share(self._own_arena().region(shard.value.numel(), shard.value.dtype, count))
 
     # -- push -------------------------------------------------------------------------------------
     def _push(self, request: Request) -> None:

@@ -342,8 +342,7 @@ class ShardState:
         becoming the value, or an async push added to it. `weight`: the workers a round's sum
         stands for (its mean divides by it). `buffer`: the shared buffer that holds `grad` (it is
         returned to the shard's free buffers). Waits until no pull reads the value; holds cond."""
-        while self.readers:
-            self.cond.wait()
+        self.settle()
         rounds = self.rules.policy.rounds
         if rounds and self.rules.average and weight > 1:
             grad.div_(weight)
@@ -460,8 +459,7 @@ class ShardState:
     def load(self, value: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
         """Restart from a saved value (and optimizer state) at version 0, every round dropped."""
         with self.cond:
-            while self.readers:
-                self.cond.wait()
+            self.settle()
             with self.writing():
                 self.value.copy_(value.reshape(-1))
                 self.version, self.rounds, self.durable, self.applied = 0, {}, 0, {}

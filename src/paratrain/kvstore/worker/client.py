@@ -33,7 +33,7 @@ from paratrain.kvstore import optim
 from paratrain.kvstore.api import Handle, Keys, KVStoreConfig, SparseAPI
 from paratrain.kvstore.compressed import WorkerCompression, compression_config
 from paratrain.kvstore.placement import Placement, Slice
-from paratrain.kvstore.shared import ArenaMap, Region
+from paratrain.kvstore.shared import ArenaMap, Region, same_host
 from paratrain.kvstore.worker.checks import (
     as_lists,
     check_finite,
@@ -62,12 +62,6 @@ class KeyInfo:
     @property
     def numel(self) -> int:
         return sum(s.numel for s in self.slices)
-
-
-def same_host(peer: str, mine: str) -> bool:
-    """Whether a server shares this worker's machine: the same advertised host, or both loopback."""
-    loopback = ("127.", "::1", "localhost")
-    return peer == mine or (peer.startswith(loopback) and mine.startswith(loopback))
 
 
 def flat_cpu(tensor: torch.Tensor) -> torch.Tensor:
