@@ -385,7 +385,7 @@ class Loopback:
     config = TransportConfig()
 
     def __init__(self, backup: KVServer) -> None:
-        self.backup, self.sent = backup, []
+        self.backup, self.sent, self.unanswered = backup, [], []
 
     def call(self, op: str, meta: dict, timeout_s: float | None = None) -> Reply:
         assert op == "mirror"
@@ -393,8 +393,15 @@ class Loopback:
 
     def request(self, op: str, meta: dict, tensors: list) -> Future:
         self.sent.append((meta, list(tensors)))
-        self.backup._replicate(frame(op, meta, list(tensors)))
-        return Future(op, None)
+        reply = self.backup._replicate(frame(op, meta, list(tensors)))
+        future = Future(op, None)
+        self.unanswered.append((future, reply))
+        return future
+
+    def answer(self) -> None:
+        for future, reply in self.unanswered:
+            future._set(Reply(reply), None)
+        self.unanswered = []
 
 
 def test_a_same_host_backup_takes_values_through_its_buffers_and_never_holds_the_one_written() -> None:
@@ -459,3 +466,52 @@ def link_free(mirrors: Mirrors) -> int:
     free = only.free()
     assert free is not None and free != only.held
     return free
+
+
+def test_a_same_host_backup_holds_the_primarys_own_buffer_which_no_round_writes_until_given_back() -> None:
+    """mirror.py, lending: a round's sum is the value and the backup's, in the primary's memory (no
+    copy); the buffers a backup holds or is sent open for no round; a round without a free buffer
+    waits until the backup answers; a backup that takes over makes the value its own."""
+    primary, backup = KVServer(0), KVServer(1)
+    for server in (primary, backup):
+        server.configure({"mode": "sync", "members": [0], "replication": 2, "servers": [["h", 1]] * 2})
+    meta = {"key": "w", "start": 0, "stop": 3, "numel": 3, "shape": [3], "dtype": "float32", "chain": [0, 1]}
+    shard, copy = primary.adopt(meta), backup.adopt(meta)
+    shard.share(primary.arena().region(3, torch.float32, 3))  # a value and two round buffers
+    mirrors, link = Mirrors(0), Loopback(backup)
+    shard.on_applied = lambda s: mirrors.send(1, link, s, s.replica()[0] | {"sender": 0}, s.replica()[1])
+    region = shard.region
+
+    def round_(clock: int, value: float) -> None:
+        shard.push(Push(0, clock, torch.full((3,), value)))
+
+    round_(0, 1.0)
+    assert "lent" in link.sent[-1][0] and link.sent[-1][1] == []  # the frame carries no value
+    assert copy.value.eq(1).all() and copy.holding() == shard.value_buffer == 1
+    round_(1, 2.0)  # unanswered: the backup may hold either of the last two values
+    assert shard.lent == {1, 2} and set(shard.opened.values()) == {0}
+    round_(2, 3.0)  # every buffer is the value or lent: round 3 waits for one
+    assert shard.lent == {0, 1, 2} and not shard.opened
+    later = threading.Thread(target=round_, args=(3, 4.0))
+    later.start()
+    later.join(0.2)
+    assert later.is_alive() and shard.version == 3 and copy.value.eq(3).all()
+    link.answer()
+    mirrors.release(shard)  # buffers 1 and 2 given back: round 3's payload moves into one
+    later.join(10)
+    assert shard.version == 4 and shard.value_buffer == 1 and copy.value.eq(4).all()
+    assert shard.lent == {0, 1} and set(shard.opened.values()) == {2}
+    link.answer()
+    mirrors.release(shard)
+    assert shard.lent == {1} and set(shard.opened.values()) == {0, 2}
+    round_(4, 5.0)  # the primary dies after its round's sum, during the next one
+    assert copy.holding() == shard.value_buffer == 2
+    region.buffers[0].fill_(float("nan"))
+    assert copy.value.eq(5).all() and copy.version == 5
+    lent = copy.value
+    backup.replicator.mark_dead([0])  # the backup takes over: the value becomes its own
+    assert copy.holding() is None and copy.value.eq(5).all()
+    copy.push(Push(0, 5, torch.full((3,), 6.0)))
+    assert copy.value.eq(6).all() and not any(b.data_ptr() == lent.data_ptr() for b in copy.pool)
+    mirrors.close()
+    backup.replicator.close()

@@ -30,15 +30,17 @@ Only between servers on one host (shared.same_host), and only with the same-host
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
-from paratrain.kvstore.shared import ArenaMap, Region
+from paratrain.kvstore.shared import TOKEN_BYTES, ArenaMap, Region
 from paratrain.transport.rpc import Future, RpcClient
 from paratrain.transport.tensors import DTYPES
 
@@ -74,21 +76,90 @@ class Link:
         return 0 if self.held is None else 1 - self.held
 
 
+@dataclass
+class Lend:
+    """One slice's value as lent to one backup, as the primary sees it."""
+
+    held: int | None = None
+    """The buffer of the primary's region the backup said it holds (its last reply)."""
+    pending: deque[tuple[int | None, Future]] = field(default_factory=deque)
+    """The frames not yet answered: the buffer each lent (None: a copy), and its reply."""
+
+    def lent(self) -> set[int]:
+        named = {b for b, _ in self.pending if b is not None}
+        return named if self.held is None else named | {self.held}
+
+
 class Mirrors:
-    """A primary's maps of its same-host backups' buffers, per backup and slice."""
+    """A primary's maps of its same-host backups' buffers, per backup and slice, and what it
+    lends them of its own."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._arenas: dict[int, ArenaMap | None] = {}  # None: cannot be mapped, TCP for all
         self._links: dict[tuple[int, Any, int, int], Link] = {}
+        self._lends: dict[tuple[int, Any, int, int], Lend] = {}
+        self._tokens: dict[int, bytes] = {}  # this server's arena's token, by its descriptor
         self._retired: list[ArenaMap] = []
         self._lock = threading.Lock()  # one `mirror` call and map per backup and slice
 
     def send(
         self, server: int, client: RpcClient, shard: ShardState, meta: dict, tensors: list[torch.Tensor]
     ) -> Future:
-        """Send one slice's copy (holds shard.cond): the value through the backup's buffer where
-        one is free, else in the frame."""
+        """Send one slice's copy (holds shard.cond): lend the value where the shard allows it, else
+        the value through the backup's buffer where one is free, else in the frame."""
+        ident = (server, shard.key, shard.start, shard.stop)
+        lend = self._lends.get(ident)
+        if shard.lendable():
+            assert shard.region is not None
+            if lend is None:
+                lend = self._lends[ident] = Lend()
+            region, b = shard.region, shard.value_buffer
+            lent = [*self._own_arena(shard), region.offset, region.count, b]
+            future = client.request("replicate", meta | {"lent": lent}, tensors[1:])
+        else:
+            b, future = None, self._copy(server, client, shard, meta, tensors)
+        if lend is not None:
+            lend.pending.append((b, future))
+            shard.lent = frozenset(self._lent(shard))
+        return future
+
+    def release(self, shard: ShardState) -> None:
+        """After the backups answered copies of `shard` (from the confirming thread): the buffers
+        they gave back open for rounds, and what waits for one goes on."""
+        with shard.cond:
+            for (_, *slice_), lend in list(self._lends.items()):
+                if slice_ != [shard.key, shard.start, shard.stop]:
+                    continue
+                while lend.pending and lend.pending[0][1].done():
+                    _, future = lend.pending.popleft()
+                    try:
+                        holds = future.wait(0).meta.get("holds")
+                    except (RemoteError, TransportError, TimeoutError):
+                        continue  # that backup is taken as dead (replica.py): forgotten
+                    lend.held = _ours(holds, shard)
+            lent = frozenset(self._lent(shard))
+            if lent != shard.lent:
+                shard.lent = lent
+                shard.open_free_buffers()
+                shard.cond.notify_all()
+
+    def _lent(self, shard: ShardState) -> set[int]:
+        slice_ = [shard.key, shard.start, shard.stop]
+        lends = [lend for (_, *s), lend in list(self._lends.items()) if s == slice_]
+        return set().union(*(lend.lent() for lend in lends))
+
+    def _own_arena(self, shard: ShardState) -> list:
+        """What a backup needs to map this server's arena (shared.ArenaMap.open)."""
+        assert shard.region is not None
+        fd = shard.region.fd
+        if fd not in self._tokens:
+            self._tokens[fd] = os.pread(fd, TOKEN_BYTES, 0)
+        return [os.getpid(), fd, self._tokens[fd]]
+
+    def _copy(
+        self, server: int, client: RpcClient, shard: ShardState, meta: dict, tensors: list[torch.Tensor]
+    ) -> Future:
         link = self._link(server, client, shard)
         b = link.free()
         if b is None:
@@ -116,8 +187,10 @@ class Mirrors:
         return future
 
     def forget(self, server: int) -> None:
-        """`server` died or was restarted: its buffers are no more (a new process makes new ones)."""
+        """`server` died or was restarted: its buffers are no more (a new process makes new ones),
+        and it holds none of ours (given back at the next `release` of each slice)."""
         self._links = {k: v for k, v in self._links.items() if k[0] != server}
+        self._lends = {k: v for k, v in self._lends.items() if k[0] != server}
         arena = self._arenas.pop(server, None)
         if arena is not None:
             self._retired.append(arena)  # a copy may be writing into it: closed at the end
@@ -125,7 +198,7 @@ class Mirrors:
     def close(self) -> None:
         for arena in [*self._retired, *(a for a in self._arenas.values() if a is not None)]:
             arena.close()
-        self._arenas, self._links, self._retired = {}, {}, []
+        self._arenas, self._links, self._lends, self._retired = {}, {}, {}, []
 
     def _link(self, server: int, client: RpcClient, shard: ShardState) -> Link:
         ident = (server, shard.key, shard.start, shard.stop)
@@ -163,6 +236,61 @@ class Mirrors:
             logger.warning("server %d: copies to server %d go over TCP: %s", self.rank, server, exc)
             self._arenas[server] = None
         return None
+
+
+def _ours(holds: Any, shard: ShardState) -> int | None:
+    """A backup's `holds` ([pid, region offset, buffer]) as a buffer of this shard's region."""
+    if not isinstance(holds, list) or len(holds) != 3 or shard.region is None:
+        return None
+    pid, offset, b = (int(x) for x in holds)
+    return b if pid == os.getpid() and offset == shard.region.offset else None
+
+
+class Borrowed:
+    """A backup's maps of its same-host primaries' regions whose buffers it takes as values."""
+
+    def __init__(self) -> None:
+        self._arenas: dict[tuple[int, int, bytes], ArenaMap] = {}
+        self._regions: dict[tuple[int, int, bytes, int], Region] = {}
+        self._origins: dict[int, list[int]] = {}  # id(region): [pid, offset]
+        self._lock = threading.Lock()
+
+    def value(self, shard: ShardState, lent: list) -> torch.Tensor:
+        """A `replicate` frame's `lent` [pid, fd, token, offset, count, buffer]: the buffer, mapped
+        (holds shard.cond). A value in another primary's region (an earlier one) is copied first."""
+        pid, fd, token = int(lent[0]), int(lent[1]), bytes(lent[2])
+        offset, count, b = int(lent[3]), int(lent[4]), int(lent[5])
+        if not 0 <= b < count:
+            raise KVError(f"replicate of {shard.describe()} lends buffer {b} of {count}")
+        with self._lock:
+            region = self._regions.get((pid, fd, token, offset))
+            if region is None:
+                arena = self._arenas.get((pid, fd, token))
+                try:
+                    if arena is None:
+                        arena = self._arenas[(pid, fd, token)] = ArenaMap.open([pid, fd, token])
+                    region = arena.region(offset, shard.value.numel(), shard.value.dtype, count)
+                except (OSError, ValueError) as exc:
+                    raise KVError(f"cannot map server process {pid}'s buffers of {shard.describe()}: {exc}")
+                self._regions[(pid, fd, token, offset)] = region
+                self._origins[id(region)] = [pid, offset]
+        if shard.borrowed is not region:
+            shard.disown()
+            shard.borrowed = region
+        return region.buffers[b]
+
+    def holds(self, shard: ShardState) -> list[int] | None:
+        """What a backup answers a `replicate`: the primary's buffer its value is, if any."""
+        b = shard.holding()
+        if b is None or shard.borrowed is None:
+            return None
+        return [*self._origins[id(shard.borrowed)], b]
+
+    def close(self) -> None:
+        with self._lock:
+            for arena in self._arenas.values():
+                arena.close()
+            self._arenas, self._regions, self._origins = {}, {}, {}
 
 
 def offer(kv: KVServer, meta: dict) -> dict:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
-from paratrain.kvstore.server.mirror import Mirrors, restored
+from paratrain.kvstore.server.mirror import Borrowed, Mirrors, restored
 from paratrain.kvstore.server.shard import Clocks, ShardState
 from paratrain.kvstore.shared import same_host
 from paratrain.transport.config import TransportConfig
@@ -70,6 +70,10 @@ class Replicator:
         self._sent: queue.SimpleQueue = queue.SimpleQueue()  # (shard, version, [(server, future)])
         self._confirming: threading.Thread | None = None
         self._mirrors = Mirrors(rank)  # same-host backups: values go through their memory (mirror.py)
+        self.borrowed = Borrowed()  # same-host primaries' values this backup holds (mirror.py)
+        self.on_dead: Callable[[int], None] = lambda rank: None
+        """Called (outside the lock) for a server newly taken as dead: a value borrowed from it
+        becomes this server's own (ShardState.disown)."""
         self.on_durable: Callable[[], None] = lambda: None
         """Called (from the confirming thread) after a slice's `durable` moved: serve its waiters."""
 
@@ -101,6 +105,7 @@ class Replicator:
 
     def mark_dead(self, ranks: list[int]) -> None:
         """Servers a worker found dead (it sends them with what it sends again after a fail-over)."""
+        newly = []
         with self._lock:
             for rank in ranks:
                 if rank != self.rank and rank not in self.dead and rank not in self.back:
@@ -108,6 +113,9 @@ class Replicator:
                         "server %d: server %d is dead, its slices are served here", self.rank, rank
                     )
                     self.dead.add(rank)
+                    newly.append(rank)
+        for rank in newly:
+            self.on_dead(rank)
 
     def addresses(self) -> list[tuple[str, int]]:
         with self._lock:
@@ -226,6 +234,7 @@ class Replicator:
                     )
                     self._lost(server, exc, client)
             shard.replicated(version)
+            self._mirrors.release(shard)
             self.on_durable()
 
     def client(self, server: int) -> RpcClient:
@@ -291,27 +300,41 @@ class Replicator:
         if confirming is not None:  # not inside torch when the process exits (replies.py, close_all)
             confirming.join(CONNECT_TIMEOUT_S)
         self._mirrors.close()
+        self.borrowed.close()
 
 
-def restore(shard: ShardState, request: Request, dead: set[int] | frozenset[int] = frozenset()) -> None:
+def restore(
+    shard: ShardState,
+    request: Request,
+    dead: set[int] | frozenset[int] = frozenset(),
+    borrowed: Borrowed | None = None,
+) -> dict:
     """A backup's side of `replicate`: take the primary's state of one slice. Not from a sender
     known `dead`: a frame it sent just before dying may be read after this server took over the
     slice and applied pushes sent again to it (a worker marks the sender dead here before those);
     the frame's version may then equal this server's own, and taking it would lose them. The sender
-    died before it could acknowledge what that frame carried."""
+    died before it could acknowledge what that frame carried.
+
+    Returns the reply: which of the primary's buffers the value is now (`holds`, mirror.py), so
+    that the primary writes none that this server holds."""
     meta, tensors = request.meta, request.tensors
     with shard.cond:  # atomic with the pushes applied here (mark_dead comes before them)
         shard.settle()  # before the check: pushes may be applied here while it waits
         if meta.get("sender") in dead:
             logger.warning("server: dropped %s's state from dead server %s", shard.describe(), meta["sender"])
-            return
-        _restore(shard, meta, tensors, request.header.at is not None)
+        else:
+            _restore(shard, meta, tensors, request.header.at is not None, borrowed)
+        return {} if borrowed is None else {"holds": borrowed.holds(shard)}
 
 
-def _restore(shard: ShardState, meta: dict, tensors: list, ring: bool) -> None:
+def _restore(shard: ShardState, meta: dict, tensors: list, ring: bool, borrowed: Borrowed | None) -> None:
     if ring:  # views into a same-host ring, which later frames overwrite
         tensors = [tensor.clone() for tensor in tensors]
     names = meta["state"]
+    if "lent" in meta:  # the value is the primary's buffer, mapped here (mirror.py)
+        if borrowed is None:
+            raise KVError(f"replicate of {shard.describe()} lends a buffer where none can be taken")
+        tensors = [borrowed.value(shard, meta["lent"]), *tensors]
     if "buffer" in meta:  # the value (and state) in this server's buffers (mirror.py)
         names, tensors = restored(shard.mirror, meta, tensors)
     if len(tensors) != 1 + len(names):

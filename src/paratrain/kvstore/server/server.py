@@ -123,6 +123,7 @@ class KVServer(Handler):
         self._senders = ReplySenders(f"server {rank}")  # pull replies go out from these (replies.py)
         self.replicator = replicator or replica.Replicator(rank, b"")  # backups (replica.py)
         self.replicator.on_durable = self._serve_ready_pulls
+        self.replicator.on_dead = self._disown
         self._configured: frozenset[int] = frozenset()  # the members worker 0 configured
         self.configuration: dict = {}  # what worker 0's configure said (a rejoining server's too)
         self._live: frozenset[int] | None = None  # elastic: the scheduler's live workers
@@ -131,7 +132,7 @@ class KVServer(Handler):
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
         if header.op == "replicate" and header.at is None:  # a backup's copy: into a pooled buffer
-            if "buffer" in header.meta:  # its value is in this server's memory already (mirror.py)
+            if "buffer" in header.meta or "lent" in header.meta:  # its value is in memory (mirror.py)
                 return None
             try:
                 return [self._shard({k: [header.meta[k[:-1]]] for k in SLICE}, 0).buffer()]
@@ -181,8 +182,7 @@ class KVServer(Handler):
                 self._pull(request, self._acknowledged_at(request.meta, request.meta["min_versions"]))
             elif op == "replicate":
                 self.fence.check_replicate(request.meta.get("sender"), self.replicator.dead)
-                self._replicate(request)
-                request.reply({})
+                request.reply(self._replicate(request))
             elif op == "mirror":
                 request.reply(mirror.offer(self, request.meta))
             elif op == "rejoin":  # a restarted server catches up (rejoin.py)
@@ -223,14 +223,22 @@ class KVServer(Handler):
         except (KVError, ValueError, TypeError, KeyError) as exc:
             request.fail(f"server {self.rank}: {exc}")
 
-    def _replicate(self, request: Request) -> None:
+    def _replicate(self, request: Request) -> dict:
         """A backup's copy of a slice's new state (replica.py); one it does not hold yet, while it
         catches up after a restart, is dropped: that slice's install follows, newer (rejoin.py)."""
         ident = tuple(request.meta[k[:-1]] for k in SLICE)
         if ident not in self._shards and self.replicator.catching_up:
-            return
+            return {}
         shard = self._shard({k: [request.meta[k[:-1]]] for k in SLICE}, 0)
-        replica.restore(shard, request, self.replicator.dead)
+        return replica.restore(shard, request, self.replicator.dead, self.replicator.borrowed)
+
+    def _disown(self, server: int) -> None:
+        """`server` is dead: values this backup borrowed (from it or another) become its own
+        (mirror.py); a live primary lends its next value again."""
+        with self._lock:
+            shards = list(self._shards.values())
+        for shard in shards:
+            shard.disown()
 
     def configure(self, meta: dict) -> None:
         """How worker 0 configured the servers (also a restarted server's, from the others)."""

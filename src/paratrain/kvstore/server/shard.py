@@ -131,6 +131,14 @@ class ShardState:
     mirror: Region | None = None
     """Replicated servers on one host, on a backup: the buffers its primary writes new values into
     (mirror.py). Its value may be one of them; they never go to the pool."""
+    lent: frozenset[int] = frozenset()
+    """Replicated servers on one host, on a primary: the buffers of `region` that a backup holds
+    as its value or is sent (mirror.py, lending): none is opened for a round or written."""
+    lending: bool = True
+    """Off only while `reclaim` takes the value back from the backups."""
+    borrowed: Region | None = None
+    """On a backup: its primary's region, mapped; the value may be one of its buffers (never
+    written here, never pooled)."""
     chain: list[int] = field(default_factory=list)
     """Replicated servers (replica.py): the servers holding this slice, primary first."""
     on_applied: Callable[[ShardState], None] | None = None
@@ -187,8 +195,8 @@ class ShardState:
 
     def recycle(self, buffer: torch.Tensor) -> None:
         """Keep a spent buffer for the next push, up to POOL_BUFFERS per shard; free the rest (and
-        never a mirror buffer: its primary may write into it)."""
-        if self.mirror is not None and any(buffer.data_ptr() == m.data_ptr() for m in self.mirror.buffers):
+        never a mirror buffer or a borrowed one: its primary may write into it)."""
+        if _within(buffer, self.mirror) or _within(buffer, self.borrowed):
             return
         if len(self.pool) < POOL_BUFFERS:
             self.pool.append(buffer)
@@ -213,14 +221,58 @@ class ShardState:
         payload-built sum; holds cond."""
         if self.region is None:
             return
-        busy = {self.value_buffer, *self.opened.values()}
+        busy = {self.value_buffer, *self.opened.values(), *self.lent}
+        lendable = self.lendable()
         for b in range(self.region.count):
             if b not in busy:
                 round_ = self.version
-                while round_ in self.opened or round_ in self.rounds:
+                while round_ in self.opened or (round_ in self.rounds and not lendable):
                     round_ += 1
                 self.region.open(b, round_)
                 self.opened[round_] = b
+                entry = self.rounds.get(round_)
+                if entry is not None:  # lending: a round begun from payloads moves into the buffer
+                    self.region.add(round_, entry.acc)
+                    if entry.acc is not self.value:
+                        self.recycle(entry.acc)
+                    entry.acc = self.region.buffers[b]
+
+    def lendable(self) -> bool:
+        """Whether the backups may take the value as it is, in this server's memory (mirror.py):
+        a shared shard whose rounds' sums become the value, so none is written in place."""
+        rounds = self.rules.policy.rounds
+        return self.lending and self.region is not None and self.optimizer is None and rounds
+
+    def reclaim(self) -> None:
+        """Before the value is written in place (holds cond): where a backup holds its buffer, send
+        the backups a copy of it and wait until they no longer hold it."""
+        if self.region is None or self.value_buffer not in self.lent or self.on_applied is None:
+            return
+        self.lending = False
+        try:
+            self.on_applied(self)
+            while self.value_buffer in self.lent:
+                self.cond.wait()
+        finally:
+            self.lending = True
+
+    def disown(self) -> None:
+        """On a backup: a value in the primary's memory becomes this server's own (a copy), before
+        this server serves it or writes it (its primary died or the job lost it)."""
+        with self.cond:
+            if not _within(self.value, self.borrowed):
+                return
+            self.settle()
+            self._own(self.value.clone())
+
+    def holding(self) -> int | None:
+        """On a backup: which of the primary's buffers (`borrowed`) is the value, None: none."""
+        if self.borrowed is None:
+            return None
+        for b, buffer in enumerate(self.borrowed.buffers):
+            if buffer.data_ptr() == self.value.data_ptr():
+                return b
+        return None
 
     # -- push -------------------------------------------------------------------------------------
     def check(self, push: Push) -> None:
@@ -309,6 +361,9 @@ class ShardState:
                 if self.readers:  # a pull is being sent from the value: wait, then look again
                     self.cond.wait()
                     continue
+                if self.version not in self.opened and self.lendable():
+                    self.cond.wait()  # until a backup gives a buffer back (mirror.py, release)
+                    continue
                 del self.rounds[self.version]
                 b = self.opened.pop(self.version, None)
                 if b is not None:
@@ -357,6 +412,8 @@ class ShardState:
                 self.value_buffer = buffer
             self.value, self.version = grad, self.version + 1
             return
+        self.reclaim()  # a backup may hold the value's buffer: never written under it
+        self.settle()
         with self.writing():
             if self.optimizer is not None:
                 assert self.param is not None
@@ -404,6 +461,8 @@ class ShardState:
     # -- optimizer and state ----------------------------------------------------------------------
     def attach_optimizer(self, path: str, hyper: dict) -> None:
         with self.cond:
+            self.reclaim()  # its steps write the value in place
+            self.disown()
             self.param = torch.nn.Parameter(self.value, requires_grad=True)
             self.value = self.param.data
             self.optimizer = optim.build(path, hyper, self.param)
@@ -444,12 +503,21 @@ class ShardState:
                 optim.load_state_tensors(self.optimizer, self.param, state)
 
     def _take(self, value: torch.Tensor) -> None:
-        """Make `value` (received for this shard: its own buffer) the value, without a copy where
-        it can; the old value's buffer is kept for the next one (holds cond, no readers)."""
+        """Make `value` (received for this shard: its own buffer, or its primary's: `borrowed`) the
+        value, without a copy where it can; the old value's buffer is kept for the next one (holds
+        cond, no readers). An optimizer's parameter never borrows (its steps write it)."""
         if self.region is not None or value.dtype != self.value.dtype or value.numel() != self.value.numel():
-            self.value.copy_(value)
+            if _within(self.value, self.borrowed):
+                self._own(value.clone())
+            else:
+                self.value.copy_(value)
             return
+        if self.param is not None and _within(value, self.borrowed):
+            value = value.clone()
         self.recycle(self.value)
+        self._own(value)
+
+    def _own(self, value: torch.Tensor) -> None:
         if self.param is not None:  # the optimizer keeps its parameter; only its data moves
             self.param.data = value
             self.value = self.param.data
@@ -459,6 +527,8 @@ class ShardState:
     def load(self, value: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
         """Restart from a saved value (and optimizer state) at version 0, every round dropped."""
         with self.cond:
+            self.reclaim()
+            self.disown()
             self.settle()
             with self.writing():
                 self.value.copy_(value.reshape(-1))
@@ -475,3 +545,8 @@ class ShardState:
                     raise KVError("the state has optimizer state: call set_optimizer before load_state")
                 assert self.param is not None
                 optim.load_state_tensors(self.optimizer, self.param, state)
+
+
+def _within(tensor: torch.Tensor, region: Region | None) -> bool:
+    """Whether `tensor` is one of `region`'s buffers."""
+    return region is not None and any(tensor.data_ptr() == b.data_ptr() for b in region.buffers)
