@@ -98,7 +98,7 @@ class Mirrors:
         self.rank = rank
         self._arenas: dict[int, ArenaMap | None] = {}  # None: cannot be mapped, TCP for all
         self._links: dict[tuple[int, Any, int, int], Link] = {}
-        self._lends: dict[tuple[int, Any, int, int], Lend] = {}
+        self._lends: dict[tuple[Any, int, int], dict[int, Lend]] = {}  # by slice, then backup
         self._tokens: dict[int, bytes] = {}  # this server's arena's token, by its descriptor
         self._retired: list[ArenaMap] = []
         self._lock = threading.Lock()  # one `mirror` call and map per backup and slice
@@ -108,12 +108,13 @@ class Mirrors:
     ) -> Future:
         """Send one slice's copy (holds shard.cond): lend the value where the shard allows it, else
         the value through the backup's buffer where one is free, else in the frame."""
-        ident = (server, shard.key, shard.start, shard.stop)
-        lend = self._lends.get(ident)
+        lends = self._lends.get((shard.key, shard.start, shard.stop), {})
+        lend = lends.get(server)
         if shard.lendable():
             assert shard.region is not None
             if lend is None:
-                lend = self._lends[ident] = Lend()
+                lend = lends[server] = Lend()
+                self._lends[(shard.key, shard.start, shard.stop)] = lends
             region, b = shard.region, shard.value_buffer
             lent = [*self._own_arena(shard), region.offset, region.count, b]
             future = client.request("replicate", meta | {"lent": lent}, tensors[1:])
@@ -128,9 +129,7 @@ class Mirrors:
         """After the backups answered copies of `shard` (from the confirming thread): the buffers
         they gave back open for rounds, and what waits for one goes on."""
         with shard.cond:
-            for (_, *slice_), lend in list(self._lends.items()):
-                if slice_ != [shard.key, shard.start, shard.stop]:
-                    continue
+            for lend in list(self._lends.get((shard.key, shard.start, shard.stop), {}).values()):
                 while lend.pending and lend.pending[0][1].done():
                     _, future = lend.pending.popleft()
                     try:
@@ -145,8 +144,7 @@ class Mirrors:
                 shard.cond.notify_all()
 
     def _lent(self, shard: ShardState) -> set[int]:
-        slice_ = [shard.key, shard.start, shard.stop]
-        lends = [lend for (_, *s), lend in list(self._lends.items()) if s == slice_]
+        lends = list(self._lends.get((shard.key, shard.start, shard.stop), {}).values())
         return set().union(*(lend.lent() for lend in lends))
 
     def _own_arena(self, shard: ShardState) -> list:
@@ -190,7 +188,7 @@ class Mirrors:
         """`server` died or was restarted: its buffers are no more (a new process makes new ones),
         and it holds none of ours (given back at the next `release` of each slice)."""
         self._links = {k: v for k, v in self._links.items() if k[0] != server}
-        self._lends = {k: v for k, v in self._lends.items() if k[0] != server}
+        self._lends = {k: {s: v for s, v in by.items() if s != server} for k, by in self._lends.items()}
         arena = self._arenas.pop(server, None)
         if arena is not None:
             self._retired.append(arena)  # a copy may be writing into it: closed at the end

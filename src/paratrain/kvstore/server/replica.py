@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 # A backup that died refuses connections at once; one on a lost host would hold a primary's round
 # for the transport's whole connect timeout.
 CONNECT_TIMEOUT_S = 5.0
+_EMPTY = object()  # no copy waits to be confirmed
 
 
 class Replicator:
@@ -220,22 +221,34 @@ class Replicator:
             self._lost(server, exc)
 
     def _confirm(self) -> None:
-        """The backups' replies, in the order sent; then the slice's waiters may go."""
-        while (item := self._sent.get()) is not None:
-            shard, version, sent = item
-            for server, client, future in sent:
-                try:
-                    future.wait(self._config.request_timeout_s)
-                except (TransportError, TimeoutError) as exc:
-                    self._lost(server, exc, client)
-                except RemoteError as exc:  # it is not a copy any more: stop counting on it
-                    logger.error(
-                        "server %d: backup server %d refused %s: %s", self.rank, server, shard.describe(), exc
-                    )
-                    self._lost(server, exc, client)
-            shard.replicated(version)
-            self._mirrors.release(shard)
-            self.on_durable()
+        """The backups' replies, in the order sent; then the slice's waiters may go: at once, or
+        where the next slice's copies are answered already, after that one too (the slices of a
+        round are confirmed together, and the waiting pulls looked at once)."""
+        item = self._sent.get()
+        while item is not None:
+            self._confirm_one(*item)
+            try:
+                item = self._sent.get_nowait()
+            except queue.Empty:
+                item = _EMPTY
+            if item is _EMPTY or item is None or not all(f.done() for _, _, f in item[2]):
+                self.on_durable()
+            if item is _EMPTY:
+                item = self._sent.get()
+
+    def _confirm_one(self, shard: ShardState, version: int, sent: list) -> None:
+        for server, client, future in sent:
+            try:
+                future.wait(self._config.request_timeout_s)
+            except (TransportError, TimeoutError) as exc:
+                self._lost(server, exc, client)
+            except RemoteError as exc:  # it is not a copy any more: stop counting on it
+                logger.error(
+                    "server %d: backup server %d refused %s: %s", self.rank, server, shard.describe(), exc
+                )
+                self._lost(server, exc, client)
+        shard.replicated(version)
+        self._mirrors.release(shard)
 
     def client(self, server: int) -> RpcClient:
         """The connection to another server (updates and state transfers go out on it, in order)."""
