@@ -41,7 +41,7 @@ import torch
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.shared import TOKEN_BYTES, ArenaMap, Region
-from paratrain.transport.rpc import Future, RpcClient
+from paratrain.transport.rpc import Future, Reply, RpcClient
 from paratrain.transport.tensors import DTYPES
 
 if TYPE_CHECKING:
@@ -76,13 +76,43 @@ class Link:
         return 0 if self.held is None else 1 - self.held
 
 
+class Part:
+    """One slice's share of a `replicate` frame that lends several slices (Batch): its reply is
+    that frame's, with this slice's `holds`."""
+
+    __slots__ = ("index", "whole")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.whole: Future | None = None  # set when the frame is sent (Batch.flush)
+
+    def done(self) -> bool:
+        return self.whole is not None and self.whole.done()
+
+    def wait(self, timeout_s: float | None = None) -> Reply:
+        assert self.whole is not None, "a batch's copies are confirmed only once it is sent"
+        holds = self.whole.wait(timeout_s).meta.get("holds")
+        return Reply({"holds": holds[self.index] if isinstance(holds, list) else None})
+
+
+@dataclass
+class Batch:
+    """The slices one thread's push frame completed (server.py, `_push`): each backup gets their
+    lent values in one `replicate` frame, {slices: [...]}, once the frame's slices are applied."""
+
+    frames: dict[int, tuple[list[dict], list[Part]]] = field(default_factory=dict)
+    """Per backup: the slices' metas and their parts, in the order applied."""
+    confirms: list[tuple] = field(default_factory=list)
+    """What the confirming thread awaits (replica.py), queued once sent."""
+
+
 @dataclass
 class Lend:
     """One slice's value as lent to one backup, as the primary sees it."""
 
     held: int | None = None
     """The buffer of the primary's region the backup said it holds (its last reply)."""
-    pending: deque[tuple[int | None, Future]] = field(default_factory=deque)
+    pending: deque[tuple[int | None, Future | Part]] = field(default_factory=deque)
     """The frames not yet answered: the buffer each lent (None: a copy), and its reply."""
 
     def lent(self) -> set[int]:
@@ -124,6 +154,23 @@ class Mirrors:
             lend.pending.append((b, future))
             shard.lent = frozenset(self._lent(shard))
         return future
+
+    def defer(self, server: int, shard: ShardState, meta: dict, batch: Batch) -> Part:
+        """Lend the value to `server` in `batch`'s next frame to it, sent by Batch.flush (holds
+        shard.cond; shard.lendable()): the buffer counts as lent from now on."""
+        assert shard.region is not None
+        ident = (shard.key, shard.start, shard.stop)
+        lends = self._lends.setdefault(ident, {})
+        lend = lends.get(server)
+        if lend is None:
+            lend = lends[server] = Lend()
+        region, b = shard.region, shard.value_buffer
+        metas, parts = batch.frames.setdefault(server, ([], []))
+        metas.append(meta | {"lent": [*self._own_arena(shard), region.offset, region.count, b]})
+        parts.append(part := Part(len(parts)))
+        lend.pending.append((b, part))
+        shard.lent = frozenset(self._lent(shard))
+        return part
 
     def release(self, shard: ShardState) -> None:
         """After the backups answered copies of `shard` (from the confirming thread): the buffers

@@ -28,11 +28,12 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
-from paratrain.kvstore.server.mirror import Borrowed, Mirrors, restored
+from paratrain.kvstore.server.mirror import Batch, Borrowed, Mirrors, restored
 from paratrain.kvstore.server.shard import Clocks, ShardState
 from paratrain.kvstore.shared import same_host
 from paratrain.transport.config import TransportConfig
@@ -69,6 +70,7 @@ class Replicator:
         self._lock = threading.Lock()
         self._connecting = threading.Lock()
         self._sent: queue.SimpleQueue = queue.SimpleQueue()  # (shard, version, [(server, future)])
+        self._local = threading.local()  # a thread's Batch (batch())
         self._confirming: threading.Thread | None = None
         self._mirrors = Mirrors(rank)  # same-host backups: values go through their memory (mirror.py)
         self.borrowed = Borrowed()  # same-host primaries' values this backup holds (mirror.py)
@@ -103,6 +105,7 @@ class Replicator:
             )
         shard.chain = chain
         shard.on_applied = self.forward
+        shard.on_stall = self.flush
 
     def mark_dead(self, ranks: list[int]) -> None:
         """Servers a worker found dead (it sends them with what it sends again after a fail-over)."""
@@ -168,6 +171,10 @@ class Replicator:
         when this returns); `_confirm` moves its durable version once they replied."""
         with self._lock:
             backups = [s for s in shard.chain if s != self.rank and s not in self.dead]
+        batch: Batch | None = getattr(self._local, "batch", None)
+        if batch is not None and backups and shard.lendable() and all(map(self._mirrored, backups)):
+            self._defer(shard, backups, batch)
+            return
         sent = []
         if backups:
             meta, tensors = shard.replica()
@@ -186,11 +193,62 @@ class Replicator:
         if not sent:  # no live backup: this copy is the only one
             shard.replicated(shard.version)
             return
+        self._start_confirming()
+        self._sent.put((shard, shard.version, sent))
+
+    def _defer(self, shard: ShardState, backups: list[int], batch: Batch) -> None:
+        meta, _ = shard.replica()  # no optimizer: the value is all, and it is lent
+        parts = []
+        for server in backups:
+            client = None
+            try:
+                client = self._client(server)
+                parts.append((server, client, self._mirrors.defer(server, shard, meta, batch)))
+            except (TransportError, OSError) as exc:
+                self._lost(server, exc, client)
+        if not parts:
+            shard.replicated(shard.version)
+            return
+        batch.confirms.append((shard, shard.version, parts))
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Within it, this thread's updates of lent slices go to each backup in one frame, sent
+        when it ends (or before this thread waits for a buffer a backup holds: flush)."""
+        if not self.enabled or getattr(self._local, "batch", None) is not None:
+            yield
+            return
+        self._local.batch = Batch()
+        try:
+            yield
+        finally:
+            self.flush()
+            self._local.batch = None
+
+    def flush(self) -> None:
+        """Send this thread's batch (Replicator.batch), then confirm it as single copies are."""
+        batch: Batch | None = getattr(self._local, "batch", None)
+        if batch is None or not batch.confirms:
+            return
+        self._local.batch = Batch()
+        for server, (metas, parts) in batch.frames.items():
+            whole = Future(f"replicate to server {server}", None)
+            try:
+                whole = self._client(server).request("replicate", {"sender": self.rank, "slices": metas}, [])
+            except (TransportError, OSError) as exc:
+                whole._set(None, exc)
+                self._lost(server, exc)
+            for part in parts:
+                part.whole = whole
+        self._start_confirming()
+        for confirm in batch.confirms:
+            self._sent.put(confirm)
+
+    def _start_confirming(self) -> None:
         with self._lock:
             if self._confirming is None:
                 self._confirming = threading.Thread(target=self._confirm, name="replicas", daemon=True)
                 self._confirming.start()
-        self._sent.put((shard, shard.version, sent))
 
     def _mirrored(self, server: int) -> bool:
         """Whether copies to `server` may go through its memory: on this host, same-host path on."""
@@ -321,6 +379,7 @@ def restore(
     request: Request,
     dead: set[int] | frozenset[int] = frozenset(),
     borrowed: Borrowed | None = None,
+    part: dict | None = None,
 ) -> dict:
     """A backup's side of `replicate`: take the primary's state of one slice. Not from a sender
     known `dead`: a frame it sent just before dying may be read after this server took over the
@@ -329,8 +388,11 @@ def restore(
     died before it could acknowledge what that frame carried.
 
     Returns the reply: which of the primary's buffers the value is now (`holds`, mirror.py), so
-    that the primary writes none that this server holds."""
+    that the primary writes none that this server holds. `part`: one slice's meta of a frame
+    {slices: [...]} (Replicator.batch)."""
     meta, tensors = request.meta, request.tensors
+    if part is not None:  # one slice of a frame of several (Replicator.batch)
+        meta = part | {"sender": meta.get("sender")}
     with shard.cond:  # atomic with the pushes applied here (mark_dead comes before them)
         shard.settle()  # before the check: pushes may be applied here while it waits
         if meta.get("sender") in dead:

@@ -132,7 +132,7 @@ class KVServer(Handler):
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
         if header.op == "replicate" and header.at is None:  # a backup's copy: into a pooled buffer
-            if "buffer" in header.meta or "lent" in header.meta:  # its value is in memory (mirror.py)
+            if {"buffer", "lent", "slices"} & header.meta.keys():  # the values are in memory (mirror.py)
                 return None
             try:
                 return [self._shard({k: [header.meta[k[:-1]]] for k in SLICE}, 0).buffer()]
@@ -223,14 +223,18 @@ class KVServer(Handler):
         except (KVError, ValueError, TypeError, KeyError) as exc:
             request.fail(f"server {self.rank}: {exc}")
 
-    def _replicate(self, request: Request) -> dict:
-        """A backup's copy of a slice's new state (replica.py); one it does not hold yet, while it
-        catches up after a restart, is dropped: that slice's install follows, newer (rejoin.py)."""
-        ident = tuple(request.meta[k[:-1]] for k in SLICE)
+    def _replicate(self, request: Request, part: dict | None = None) -> dict:
+        """A backup's copy of a slice's new state (replica.py), or of several lent ones (`slices`);
+        one it does not hold yet, while it catches up after a restart, is dropped: that slice's
+        install follows, newer (rejoin.py)."""
+        if part is None and "slices" in request.meta:
+            return {"holds": [self._replicate(request, p).get("holds") for p in request.meta["slices"]]}
+        meta = request.meta if part is None else part
+        ident = tuple(meta[k[:-1]] for k in SLICE)
         if ident not in self._shards and self.replicator.catching_up:
             return {}
-        shard = self._shard({k: [request.meta[k[:-1]]] for k in SLICE}, 0)
-        return replica.restore(shard, request, self.replicator.dead, self.replicator.borrowed)
+        shard = self._shard({k: [meta[k[:-1]]] for k in SLICE}, 0)
+        return replica.restore(shard, request, self.replicator.dead, self.replicator.borrowed, part)
 
     def _disown(self, server: int) -> None:
         """`server` is dead: values this backup borrowed (from it or another) become its own
@@ -416,10 +420,11 @@ class KVServer(Handler):
                 continue  # sent again after a fail-over; the dead primary's backups had it
             shard.check(push)
             work.append((shard, push))
-        for shard, push in work:
-            behind = push.clock if self.rules.policy.rounds else shard.version
-            self.staleness[max(0, behind - shard.read.get(rank, 0))] += 1
-            shard.push(push)
+        with self.replicator.batch():  # the backups get the slices applied here in one frame
+            for shard, push in work:
+                behind = push.clock if self.rules.policy.rounds else shard.version
+                self.staleness[max(0, behind - shard.read.get(rank, 0))] += 1
+                shard.push(push)
         self._serve_ready_pulls()
 
     def _join(self, rank: int) -> None:

@@ -145,6 +145,9 @@ class ShardState:
     """Replicated servers: called after every update, holding cond: sends the new state to the
     backups; `replicated(version)` once they hold it. Pulls and acknowledgements wait for
     `durable`, not `version`."""
+    on_stall: Callable[[], None] | None = None
+    """Replicated servers: called before waiting for a buffer a backup holds (sends what this
+    thread holds back for the backups: Replicator.flush)."""
     durable: int = 0
     """Replicated servers: the version the backups hold."""
     applied: dict[int, Clocks] = field(default_factory=dict)
@@ -252,9 +255,16 @@ class ShardState:
         try:
             self.on_applied(self)
             while self.value_buffer in self.lent:
-                self.cond.wait()
+                self.stall()
         finally:
             self.lending = True
+
+    def stall(self) -> None:
+        """Wait for a backup to give a buffer back (holds cond); what this thread has yet to send
+        the backups goes first (replica.py, Replicator.flush)."""
+        if self.on_stall is not None:
+            self.on_stall()
+        self.cond.wait()
 
     def disown(self) -> None:
         """On a backup: a value in the primary's memory becomes this server's own (a copy), before
@@ -362,7 +372,7 @@ class ShardState:
                     self.cond.wait()
                     continue
                 if self.version not in self.opened and self.lendable():
-                    self.cond.wait()  # until a backup gives a buffer back (mirror.py, release)
+                    self.stall()  # until a backup gives a buffer back (mirror.py, release)
                     continue
                 del self.rounds[self.version]
                 b = self.opened.pop(self.version, None)
