@@ -17,7 +17,7 @@ from paratrain.kvstore.api import KVError
 from paratrain.kvstore.consistency import Async, Sync
 from paratrain.kvstore.placement import Placement, replicas
 from paratrain.kvstore.server import mirror
-from paratrain.kvstore.server.mirror import Mirrors
+from paratrain.kvstore.server.mirror import Batch, Mirrors
 from paratrain.kvstore.server.rejoin import install, installation
 from paratrain.kvstore.server.replica import Replicator
 from paratrain.kvstore.server.server import KVServer
@@ -362,12 +362,14 @@ def test_a_restarted_server_catches_up_and_the_job_survives_another_death(
     tmp_path: Path, mode: str, servers: int, seed: int
 ) -> None:
     """A server is SIGKILLed and restarted; once it caught up ANOTHER server dies: with r=2 the
-    job survives that only if the restarted one holds every acknowledged update."""
+    job survives that only if the restarted one holds every acknowledged update. In sync the
+    rounds' sums are the values (`sums`: no server optimizer), which same-host backups take in
+    their primary's memory (mirror.py, lending); async runs a server SGD."""
     outcome = run_job(
         JOBS / "replication_count.py",
         workers=2,
         servers=servers,
-        args=[mode, "10", str(seed), str(tmp_path), "rejoin"],
+        args=[mode, "10", str(seed), str(tmp_path), "rejoin", *(["sums"] if mode == "sync" else [])],
         server_losses=1,
         max_restarts=1,
         timeout_s=200,
@@ -513,5 +515,36 @@ def test_a_same_host_backup_holds_the_primarys_own_buffer_which_no_round_writes_
     assert copy.holding() is None and copy.value.eq(5).all()
     copy.push(Push(0, 5, torch.full((3,), 6.0)))
     assert copy.value.eq(6).all() and not any(b.data_ptr() == lent.data_ptr() for b in copy.pool)
+    mirrors.close()
+    backup.replicator.close()
+
+
+def test_the_lent_slices_of_one_push_go_to_a_backup_in_one_frame_answered_per_slice() -> None:
+    primary, backup = KVServer(0), KVServer(1)
+    for server in (primary, backup):
+        server.configure({"mode": "sync", "members": [0], "replication": 2, "servers": [["h", 1]] * 2})
+    pairs = []
+    for key in ("a", "b"):
+        meta = {"key": key, "start": 0, "stop": 4, "numel": 4, "shape": [4], "dtype": "float32"}
+        meta["chain"] = [0, 1]
+        shard = primary.adopt(meta)
+        shard.share(primary.arena().region(4, torch.float32, 3))
+        pairs.append((shard, backup.adopt(meta)))
+    primary.replicator.dead.add(1)  # its own forwards skip server 1: they go through `mirrors` here
+    batch, mirrors = Batch(), Mirrors(0)
+    for i, (shard, _) in enumerate(pairs):
+        shard.push(Push(0, 0, torch.full((4,), i + 1.0)))
+        parts = mirrors.defer(1, shard, shard.replica()[0] | {"sender": 0}, batch)
+        assert shard.lent == {shard.value_buffer} and not parts.done()  # lent before it is sent
+    ((metas, parts_sent),) = batch.frames.values()
+    reply = backup._replicate(frame("replicate", {"sender": 0, "slices": metas}, []))
+    assert len(reply["holds"]) == 2 and [h[2] for h in reply["holds"]] == [1, 1]
+    whole = Future("replicate", None)
+    whole._set(Reply(reply), None)
+    for part in parts_sent:
+        part.whole = whole
+    for i, (shard, copy) in enumerate(pairs):
+        mirrors.release(shard)
+        assert copy.value.eq(i + 1).all() and copy.version == 1 and shard.lent == {1}
     mirrors.close()
     backup.replicator.close()

@@ -1,30 +1,45 @@
-"""Replicated servers on one machine: a primary writes a slice's new value straight into its
-backup's memory (replica.py sends the rest of the copy, and the order, over TCP).
+"""Replicated servers on one machine: a backup takes a slice's new value in memory, without the
+bytes going over TCP (replica.py sends the rest of the copy, and the order, over TCP).
 
 Over TCP a copy moves each byte twice through the kernel (the primary's send, the backup's
 receive) and wakes both sides for every chunk: on one machine, 27 ms per round for 32 MB on a round
-of 23 ms (benchmarks/failures_servers.py). Here the backup owns two buffers per slice in its
-shared-memory arena (shared.py; op `mirror` makes them and says where they are), and the primary
-maps them. To copy a new state it copies the value into the buffer the backup does not hold (one
-memcpy), then sends the usual `replicate` frame with `buffer: b` and without the value (the
-optimizer state and the clocks still ride in the frame). The backup, on that frame, makes buffer b
-its value (no copy) and replies; the primary's acknowledgements still wait for that reply, as over
-TCP.
+of 23 ms (benchmarks/failures_servers.py). Two ways here, both only between servers on one host
+(shared.same_host) with the same-host path on (TransportConfig.shm_ring_bytes > 0):
 
-Why a primary that dies mid-copy never leaves the backup a torn value: the backup's value is the
-buffer of the last frame it took, and the primary writes only into the other one, and only once the
-backup replied to its previous frame (so it no longer holds the buffer written). A primary that dies
-during the memcpy sends no frame: the backup keeps its last whole value. When the previous frame is
-not answered yet (async pushes applied back to back), the copy goes over TCP as before, which never
-touches the buffers. A backup never gives its buffers to its pool of push buffers
-(ShardState.recycle), so a late write of a primary the job lost (fence.py) never lands in a buffer
-the backup uses for something else; frames from such a sender are refused anyway.
+**Lending (no copy at all)**, for a primary's shared slice whose round's sum becomes the value
+(ShardState.lendable: rounds mode, no server optimizer; the update runs on the workers). The round
+is summed in a buffer of the primary's arena (shared.py: the workers add their pushes into it) and
+that buffer becomes the value; the `replicate` frame names it (`lent`: the arena, the region and
+the buffer) and the backup maps it (Borrowed) and makes it its value. It answers which of the
+primary's buffers it holds (`holds`), and the primary counts as lent (`ShardState.lent`) the one
+the backup said it holds and every one named in a frame not answered yet: such a buffer opens for
+no round and is written by no one until the backup answered a later frame (Mirrors.release, from
+the confirming thread). So the primary never writes a buffer the backup holds: a primary that dies
+mid-round leaves the backup its last whole value, and the mapping outlives the primary's process.
+A round that finds every buffer lent waits (ShardState.stall) for one to come back. The slices one
+push frame completes go to each backup in one frame {slices: [...]} (Batch, Replicator.batch).
+A backup never writes a borrowed buffer: it never pools one, an optimizer's parameter never
+borrows one, and once it takes over (its primary died or the job lost it: ShardState.disown) or
+loads a checkpoint, it copies the value into its own memory first. Before a primary writes its
+value in place (an optimizer set later, a checkpoint loaded: ShardState.reclaim) it sends the
+backups a copy and waits until they no longer hold the buffer.
 
-Memory: a backup holds two sets of buffers per slice it backs up (its value is in one of them), where
-it held one value before.
+**Mirroring (one memcpy)**, for the rest (a server optimizer, async). The backup owns two buffers
+per slice in its shared-memory arena (op `mirror` makes them and says where they are), and the
+primary maps them. To copy a new state it copies the value into the buffer the backup does not
+hold (one memcpy), then sends the usual `replicate` frame with `buffer: b` and without the value
+(the optimizer state and the clocks still ride in the frame). The backup, on that frame, makes
+buffer b its value (no copy) and replies. A primary that dies mid-copy never leaves the backup a
+torn value: the backup's value is the buffer of the last frame it took, and the primary writes only
+into the other one, and only once the backup replied to its previous frame. When the previous
+frame is not answered yet (async pushes applied back to back), the copy goes over TCP as before. A
+backup never gives its buffers to its pool of push buffers (ShardState.recycle), so a late write
+of a primary the job lost (fence.py) never lands in a buffer the backup uses for something else;
+frames from such a sender are refused anyway. Memory: a backup holds two sets of buffers per slice
+it mirrors (its value is in one of them), where it held one value before.
 
-Only between servers on one host (shared.same_host), and only with the same-host path on
-(TransportConfig.shm_ring_bytes > 0). A backup that refuses or cannot be mapped gets copies over TCP.
+In both, the primary's acknowledgements wait for the backup's reply, as over TCP. A backup that
+refuses or cannot be mapped gets copies over TCP (mirroring), or is taken as dead (lending).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ primary, then the next servers in rank order). Workers init a slice on all of th
 only at the first live one. Whenever the primary updates a slice (a round applied, an async push
 applied) it sends the backups the result, not the pushes: version, value, optimizer state and the
 async clocks applied (op `replicate`), holding the slice's lock while the bytes go out (to a backup
-on this host, the value and the optimizer state tensors of its size go through that backup's own
-buffers: mirror.py). The
+on this host, the value is lent: the backup maps the primary's buffer; or with a server optimizer
+the value and the optimizer state tensors of its size go through that backup's own buffers:
+mirror.py; the lent slices one push frame completes go in one frame, `batch`). The
 backups' replies are awaited by one thread per server (`_confirm`), in order, which then moves the
 slice's `durable` version and serves what waited for it: pulls wait for `durable`, and so does a
 push's acknowledgement (for its own round). So every update a worker was told about is on every

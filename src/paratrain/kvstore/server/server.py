@@ -19,7 +19,9 @@ Requests (meta lists are parallel; every tensor is one flat slice of one key):
     get_state / set_state                                           for save_state / load_state
     replicate     {key, start, stop, version, applied, state}       a slice's state, from its
                   primary to this backup (replica.py; with replication a push's reply waits until
-                  its round is on the backups)
+                  its round is on the backups); or {slices: [...]} several, each with `lent`, the
+                  primary's buffer that is the value (mirror.py); reply {holds}: the primary's
+                  buffer(s) this backup's value is
     mirror        {key, start, stop}                                from a same-host primary: where
                   this backup's two buffers for the slice are, which `replicate` {buffer} names
                   (mirror.py)
