@@ -15,8 +15,8 @@ Rows (each a function returning table rows; main() only joins them):
   replication=2 against replication=1 (the anchor; target <= 1.3x). Jobs alternate
   (1, 2, 1, 2, ...) on this machine and the medians of each are compared; "tcp" turns the
   same-host path off for both, "default" is what a job on one machine gets (a primary keeps its
-  slices in shared memory, as without replication; the copies to backups go over TCP). `--paths`
-  picks rows.
+  slices in shared memory, as without replication, and lends each round's value to its same-host
+  backup: kvstore/server/mirror.py). `--paths` picks rows.
 
 Every job is this file run again in its --paratrain-role mode by the local launcher.
 """
