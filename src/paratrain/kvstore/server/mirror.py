@@ -250,7 +250,8 @@ class Mirrors:
         """`server` died or was restarted: its buffers are no more (a new process makes new ones),
         and it holds none of ours (given back at the next `release` of each slice)."""
         self._links = {k: v for k, v in self._links.items() if k[0] != server}
-        self._lends = {k: {s: v for s, v in by.items() if s != server} for k, by in self._lends.items()}
+        for by_server in list(self._lends.values()):  # in place: a copy may be lending meanwhile
+            by_server.pop(server, None)
         arena = self._arenas.pop(server, None)
         if arena is not None:
             self._retired.append(arena)  # a copy may be writing into it: closed at the end
