@@ -27,6 +27,7 @@ another 15 us. Also tried: the reader waking the caller only just before it next
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -47,6 +48,7 @@ from paratrain.transport.config import TransportConfig
 from paratrain.transport.connection import Connection, ConnectionClosed, tune
 from paratrain.transport.frame import FrameError, Header, Limits
 from paratrain.transport.shm import Ring
+from paratrain.transport.turns import ReadTurns, supported
 
 logger = logging.getLogger(__name__)
 
@@ -360,9 +362,11 @@ class Future:
     def done(self) -> bool:
         return not self._done.locked()
 
-    def wait(self, timeout_s: float | None = None) -> Reply:
+    def wait(self, timeout_s: float | None = None, _said_s: float | None = None) -> Reply:
+        """`_said_s`: the timeout to name in the error, where part of it was spent already."""
         if not self._done.acquire(timeout=-1 if timeout_s is None else timeout_s):
-            raise TimeoutError(f"no reply to {self.what} within {timeout_s} s")
+            said = timeout_s if _said_s is None else _said_s
+            raise TimeoutError(f"no reply to {self.what} within {said} s")
         self._done.release()
         if self._error is not None:
             raise self._error
@@ -397,7 +401,9 @@ class RpcClient:
         self._pending: dict[int, Future] = {}
         self._error: Exception | None = None
         self._conn = self._connect(host, port, secret)
-        self._reader = threading.Thread(target=self._read_loop, name=f"rpc-{self.name}", daemon=True)
+        self._turns = ReadTurns(self._conn.fileno()) if supported(self._conn.tls) else None
+        loop = self._read_loop if self._turns is None else self._turn_loop
+        self._reader = threading.Thread(target=loop, name=f"rpc-{self.name}", daemon=True)
         self._reader.start()
         self.same_host_path = bool(same_host and self.config.shm_ring_bytes) and self._offer_rings()
 
@@ -497,8 +503,41 @@ class RpcClient:
         out: Sequence[torch.Tensor | None] | None = None,
         timeout_s: float | None = None,
     ) -> Reply:
-        future = self.request(op, meta, tensors, out)
-        return future.wait(self.config.request_timeout_s if timeout_s is None else timeout_s)
+        timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
+        turns = self._turns
+        if turns is None or not turns.lock.acquire(blocking=False):  # someone else reads: wait
+            return self.request(op, meta, tensors, out).wait(timeout_s)
+        try:  # this thread reads its own reply (turns.py)
+            future = self.request(op, meta, tensors, out)
+            # After sending, so that it overlaps with the peer's work. A reply quicker than that wakes
+            # the reader thread, which finds the lock taken and leaves the frame to this thread.
+            turns.disarm()
+            deadline = time.monotonic() + timeout_s
+            self._read_until(future, deadline)
+        finally:
+            turns.arm()
+            turns.lock.release()
+        return future.wait(max(0.0, deadline - time.monotonic()), timeout_s)
+
+    def _read_until(self, future: Future, deadline: float) -> None:
+        """Read frames until `future` has its reply (and no frame is left half read ahead) or the
+        deadline passes; one-way messages and a broken connection go to the reader thread (turns.py)."""
+        conn, turns = self._conn, self._turns
+        assert turns is not None
+        try:
+            while True:
+                # frames read ahead go out before the reader thread's turn
+                if not conn.buffered() and (
+                    future.done() or conn.closed or not turns.readable(deadline - time.monotonic())
+                ):
+                    return
+                header, tensors = conn.read(self._destinations)
+                if header.id:
+                    self._dispatch(header, tensors)
+                else:
+                    turns.hand((header, tensors))
+        except Exception as exc:
+            turns.fail(exc)
 
     def send(self, op: str, meta: dict[str, Any] | None = None, tensors: Sequence[torch.Tensor] = ()) -> None:
         """A one-way message: no reply."""
@@ -511,11 +550,53 @@ class RpcClient:
         return future.out if future is not None else None
 
     def _read_loop(self) -> None:
+        self._reading(self._read_frames)
+
+    def _read_frames(self) -> None:
+        while True:
+            header, tensors = self._conn.read(self._destinations)
+            self._dispatch(header, tensors)
+
+    def _turn_loop(self) -> None:
+        turns = self._turns
+        assert turns is not None
+        try:
+            self._reading(functools.partial(self._take_turns, turns))
+        finally:
+            turns.close()
+
+    def _take_turns(self, turns: ReadTurns) -> None:
+        """The reader thread's part in turns.py: read while no caller does."""
+        conn = self._conn
+        while True:
+            readable = turns.wait()
+            self._run_handed(turns)
+            if turns.error is not None:
+                raise turns.error
+            if conn.closed:
+                raise ConnectionClosed(f"connection to {self.name} closed")
+            if not readable or not turns.lock.acquire(blocking=False):
+                continue  # a caller reads: it arms the wait again when it is done
+            try:
+                self._run_handed(turns)  # handed over before the frames read next
+                if conn.read_ready():
+                    while True:
+                        header, tensors = conn.read(self._destinations)
+                        self._dispatch(header, tensors)
+                        if not conn.buffered():
+                            break
+            finally:
+                turns.arm()
+                turns.lock.release()
+
+    def _run_handed(self, turns: ReadTurns) -> None:
+        for header, tensors in turns.handed():
+            self._dispatch(header, tensors)
+
+    def _reading(self, read: Callable[[], None]) -> None:
         error: Exception | None = None
         try:
-            while True:
-                header, tensors = self._conn.read(self._destinations)
-                self._dispatch(header, tensors)
+            read()
         except ConnectionClosed as exc:
             error = exc
         except TransportError as exc:
@@ -556,5 +637,7 @@ class RpcClient:
 
     def close(self) -> None:
         self._conn.close()
+        if self._turns is not None:
+            self._turns.wake()
         if threading.current_thread() is not self._reader:
             self._reader.join(timeout=5.0)
