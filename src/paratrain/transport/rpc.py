@@ -337,16 +337,23 @@ class Future:
     """The reply to one request. A lock held until the reply arrives is the cheapest wake-up
     CPython has (an Event adds a Condition and a second lock)."""
 
-    __slots__ = ("_done", "_reply", "_error", "out", "_what")
+    __slots__ = ("_done", "_reply", "_error", "out", "_what", "_read")
 
-    def __init__(self, what: str | tuple[str, int, str], out: Sequence[torch.Tensor | None] | None) -> None:
-        """`what`: the request, for errors; or (op, id, peer), formatted only if an error needs it."""
+    def __init__(
+        self,
+        what: str | tuple[str, int, str],
+        out: Sequence[torch.Tensor | None] | None,
+        read: Callable[[Future, float | None], Reply] | None = None,
+    ) -> None:
+        """`what`: the request, for errors; or (op, id, peer), formatted only if an error needs it.
+        `read`: waits by reading the connection itself where nobody else does (turns.py)."""
         self._done = threading.Lock()
         self._done.acquire()
         self._reply: Reply | None = None
         self._error: BaseException | None = None
         self.out = out
         self._what = what
+        self._read = read
 
     @property
     def what(self) -> str:
@@ -362,7 +369,12 @@ class Future:
     def done(self) -> bool:
         return not self._done.locked()
 
-    def wait(self, timeout_s: float | None = None, _said_s: float | None = None) -> Reply:
+    def wait(self, timeout_s: float | None = None) -> Reply:
+        if self._read is not None and self._done.locked():
+            return self._read(self, timeout_s)
+        return self._wait(timeout_s)
+
+    def _wait(self, timeout_s: float | None, _said_s: float | None = None) -> Reply:
         """`_said_s`: the timeout to name in the error, where part of it was spent already."""
         if not self._done.acquire(timeout=-1 if timeout_s is None else timeout_s):
             said = timeout_s if _said_s is None else _said_s
@@ -482,7 +494,7 @@ class RpcClient:
         """Send a request; the returned Future gives the reply. Reply tensors land in `out` where
         their dtype and size match it."""
         id = next(self._ids)
-        future = Future((op, id, self.name), out)
+        future = Future((op, id, self.name), out, None if self._turns is None else self._read_reply)
         with self._lock:
             if self._error is not None:
                 raise TransportError(f"connection to {self.name} is down: {self._error}")
@@ -504,22 +516,27 @@ class RpcClient:
         timeout_s: float | None = None,
     ) -> Reply:
         timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
+        return self.request(op, meta, tensors, out).wait(timeout_s)
+
+    def _read_reply(self, future: Future, timeout_s: float | None) -> Reply:
+        """Future.wait where this client's reader thread waits in epoll: this thread reads the
+        reply itself unless another thread reads already (turns.py)."""
         turns = self._turns
-        if turns is None or not turns.lock.acquire(blocking=False):  # someone else reads: wait
-            return self.request(op, meta, tensors, out).wait(timeout_s)
-        try:  # this thread reads its own reply (turns.py)
-            future = self.request(op, meta, tensors, out)
-            # After sending, so that it overlaps with the peer's work. A reply quicker than that wakes
-            # the reader thread, which finds the lock taken and leaves the frame to this thread.
+        assert turns is not None
+        if not turns.lock.acquire(blocking=False):  # someone else reads: wait
+            return future._wait(timeout_s)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            # After sending, so that it overlaps with the peer's work. A reply quicker than that woke
+            # the reader thread, which found the lock taken and left the frame to this thread.
             turns.disarm()
-            deadline = time.monotonic() + timeout_s
             self._read_until(future, deadline)
         finally:
             turns.arm()
             turns.lock.release()
-        return future.wait(max(0.0, deadline - time.monotonic()), timeout_s)
+        return future._wait(None if deadline is None else max(0.0, deadline - time.monotonic()), timeout_s)
 
-    def _read_until(self, future: Future, deadline: float) -> None:
+    def _read_until(self, future: Future, deadline: float | None) -> None:
         """Read frames until `future` has its reply (and no frame is left half read ahead) or the
         deadline passes; one-way messages and a broken connection go to the reader thread (turns.py)."""
         conn, turns = self._conn, self._turns
@@ -528,7 +545,9 @@ class RpcClient:
             while True:
                 # frames read ahead go out before the reader thread's turn
                 if not conn.buffered() and (
-                    future.done() or conn.closed or not turns.readable(deadline - time.monotonic())
+                    future.done()
+                    or conn.closed
+                    or not turns.readable(None if deadline is None else deadline - time.monotonic())
                 ):
                     return
                 header, tensors = conn.read(self._destinations)
