@@ -516,7 +516,17 @@ class RpcClient:
         timeout_s: float | None = None,
     ) -> Reply:
         timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
-        return self.request(op, meta, tensors, out).wait(timeout_s)
+        turns = self._turns
+        if turns is None or not turns.lock.acquire(blocking=False):  # someone else reads
+            return self.request(op, meta, tensors, out).wait(timeout_s)
+        try:
+            turns.disarm()  # before sending: the reply must not wake the reader thread
+            future = self.request(op, meta, tensors, out)
+        except BaseException:
+            turns.arm()
+            turns.lock.release()
+            raise
+        return self._read_turn(future, timeout_s)
 
     def _read_reply(self, future: Future, timeout_s: float | None) -> Reply:
         """Future.wait where this client's reader thread waits in epoll: this thread reads the
@@ -525,11 +535,17 @@ class RpcClient:
         assert turns is not None
         if not turns.lock.acquire(blocking=False):  # someone else reads: wait
             return future._wait(timeout_s)
+        # A reply that came before this wakes the reader thread, which finds the lock taken and
+        # leaves the frame to this thread.
+        turns.disarm()
+        return self._read_turn(future, timeout_s)
+
+    def _read_turn(self, future: Future, timeout_s: float | None) -> Reply:
+        """With the read lock taken and the reader thread's wait disarmed: read until the reply."""
+        turns = self._turns
+        assert turns is not None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
-            # After sending, so that it overlaps with the peer's work. A reply quicker than that woke
-            # the reader thread, which found the lock taken and left the frame to this thread.
-            turns.disarm()
             self._read_until(future, deadline)
         finally:
             turns.arm()
