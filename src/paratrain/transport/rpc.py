@@ -11,17 +11,17 @@ recv_into/sendmsg keeps payload bytes in tensor memory (no copies) and costs the
 per frame; an event loop adds a task switch per message, and ZeroMQ copies into its own messages
 (0.6-0.8 GB/s against about 2 GB/s for plain TCP). See benchmarks/transport.py.
 
-Why a reader thread even for a caller that waits on its reply at once: a `call` that read its own
-reply (the reader thread parked in epoll, EPOLLONESHOT) used the same CPU per 1 KiB round trip
-(171 against 175 us, client and server together) but ran at 0.4-0.7x the rate on the loaded
-2-core machine, measured twice, interleaved, by two engineers; with the work split over two
-threads each thread sleeps more, and the scheduler wakes it sooner. The hand-off itself is cheap:
-with plain sockets, a reader thread waking the caller through a lock cost the client 16.6 against
-9.5 us of CPU per 1 KiB round trip, at the same rate (one loaded run). What costs is the Python per
-frame, which the lean header (frame.py) cut to about 0.75x: 120-140 us per round trip, client and
-server together, against 27 us for plain TCP; cached byte views (tensors.ViewCache) cut it by about
-another 15 us. Also tried: the reader waking the caller only just before it next blocks on the socket
-(so the woken caller finds the GIL free): paired against main 0.96, 1.04, 0.95x, CPU not lower.
+A caller reads its own reply (turns.py): `call` and `Future.wait` take the connection's read turn
+where no other thread holds it, and the reader thread, parked in epoll, reads only while no caller
+does (one-way messages, replies nobody waits on yet, the connection's end; a TLS connection keeps
+its reader thread for everything). A 1 KiB round trip then costs the client one context switch
+instead of about four (the reader's wake-up, then the caller's, then the GIL going back and forth).
+Earlier tries of this (the reader thread parked in epoll, EPOLLONESHOT) measured 0.4-0.7x the rate on
+a loaded machine, but each run there compared separate processes minutes apart; interleaved in one
+process (benchmarks/transport.py's turns), it measured faster in every turn (see turns.py). Also tried
+and lost: the reader waking the caller only just before it next blocks on the socket (0.96, 1.04,
+0.95x); cached byte views (tensors.ViewCache) and the lean header (frame.py) are what cut the Python
+per frame.
 """
 
 from __future__ import annotations
