@@ -2,8 +2,8 @@
 
 `RpcServer` accepts connections and gives each its own thread, which reads frames and calls the
 handler; a handler replies at once or later (a deferred reply, e.g. when a barrier completes), from
-any thread. `RpcClient` holds one connection; `request` returns a `Future` at once and a reader
-thread fills it when the reply with the same id arrives, straight into the caller's `out` tensors.
+any thread. `RpcClient` holds one connection; `request` returns a `Future` at once, filled when the
+reply with the same id arrives, straight into the caller's `out` tensors.
 Frames with id 0 are one-way messages (a heartbeat, a notice from the scheduler).
 
 Why threads and blocking sockets rather than asyncio or ZeroMQ: measured on loopback here, blocking
@@ -16,12 +16,10 @@ where no other thread holds it, and the reader thread, parked in epoll, reads on
 does (one-way messages, replies nobody waits on yet, the connection's end; a TLS connection keeps
 its reader thread for everything). A 1 KiB round trip then costs the client one context switch
 instead of about four (the reader's wake-up, then the caller's, then the GIL going back and forth).
-Earlier tries of this (the reader thread parked in epoll, EPOLLONESHOT) measured 0.4-0.7x the rate on
-a loaded machine, but each run there compared separate processes minutes apart; interleaved in one
-process (benchmarks/transport.py's turns), it measured faster in every turn (see turns.py). Also tried
+Earlier tries (stops 14 and 15) ran at 0.3-0.7x the rate on a loaded machine; this one disarms the
+reader thread before sending, so a reply never wakes two threads (figures in turns.py). Also tried
 and lost: the reader waking the caller only just before it next blocks on the socket (0.96, 1.04,
-0.95x); cached byte views (tensors.ViewCache) and the lean header (frame.py) are what cut the Python
-per frame.
+0.95x). Cached byte views (tensors.ViewCache) and the lean header (frame.py) cut the Python per frame.
 """
 
 from __future__ import annotations
