@@ -521,8 +521,8 @@ class RpcClient:
             turns.disarm()  # before sending: the reply must not wake the reader thread
             future = self.request(op, meta, tensors, out)
         except BaseException:
-            turns.arm()
             turns.lock.release()
+            turns.arm()  # after the release: see turns.py
             raise
         return self._read_turn(future, timeout_s)
 
@@ -546,8 +546,8 @@ class RpcClient:
         try:
             self._read_until(future, deadline)
         finally:
-            turns.arm()
             turns.lock.release()
+            turns.arm()  # after the release: see turns.py
         return future._wait(None if deadline is None else max(0.0, deadline - time.monotonic()), timeout_s)
 
     def _read_until(self, future: Future, deadline: float | None) -> None:
@@ -619,8 +619,8 @@ class RpcClient:
                         if not conn.buffered():
                             break
             finally:
-                turns.arm()
                 turns.lock.release()
+                turns.arm()  # after the release: see turns.py
 
     def _run_handed(self, turns: ReadTurns) -> None:
         for header, tensors in turns.handed():

@@ -11,9 +11,12 @@ The protocol: whoever reads holds `lock`. The reader thread waits in epoll with 
 only while no caller reads, so a reply a caller reads never wakes it; a caller disarms it before it
 sends and arms it again when it is done, and a frame that came in meanwhile then wakes it at once
 (the epoll check is level-triggered). The reader thread never waits for the lock: if a caller holds
-it, that caller arms it when done. One-way messages a caller reads are handed to the reader thread
-(`hand`), which runs the callbacks in wire order, as it does for its own; a broken connection a caller
-finds is handed over too (`fail`), so closing and failing the other requests stay on that thread.
+it, that caller arms it when done. Whoever reads arms the wait only after releasing the lock, so a
+reader thread woken meanwhile that found the lock taken always gets another wake-up (arming first,
+then releasing, lost a reply now and then: the wake-up came between the two). One-way messages a
+caller reads are handed to the reader thread (`hand`), which runs the callbacks in wire order, as it
+does for its own; a broken connection a caller finds is handed over too (`fail`), so closing and
+failing the other requests stay on that thread.
 """
 
 from __future__ import annotations
