@@ -29,6 +29,7 @@ from typing import Any
 
 _ARMED = select.EPOLLIN | select.EPOLLONESHOT if hasattr(select, "epoll") else 0
 _DISARMED = select.EPOLLONESHOT if hasattr(select, "epoll") else 0
+_MAX_POLL_S = 86400.0 * 24  # poll takes a C int of milliseconds: longer waits have no limit
 
 
 def supported(tls: bool) -> bool:
@@ -86,7 +87,7 @@ class ReadTurns:
 
     def readable(self, timeout_s: float | None) -> bool:
         """Whether the socket has bytes to read within timeout_s (None: no limit)."""
-        ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000) + 1)
+        ms = -1 if timeout_s is None or timeout_s > _MAX_POLL_S else max(0, int(timeout_s * 1000) + 1)
         return bool(self._poll.poll(ms))
 
     def hand(self, item: Any) -> None:
