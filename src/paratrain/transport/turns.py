@@ -3,9 +3,10 @@
 A caller that reads its own reply saves the hand-off from the reader thread (a wake-up of the
 caller, then the GIL going back and forth between the two): a 1 KiB round trip then costs the
 client one context switch instead of about four, as with a plain socket. Measured interleaved in one
-process (turns of 1000 round trips against the same server, load 4-7 on 2 cores): client CPU per
-round trip 47.7 against 58.1 us and 53.4 against 59.7 us; rate paired 1.22, 1.03 and 1.02x (the
-rate is mostly the machine's scheduling under load; the CPU and the switches are what it saves).
+process (turns of 1000 round trips against the same server, load 4-11 on 2 cores): client CPU per
+round trip 46.6 against 60.9, 47.7 against 58.1 and 53.4 against 59.7 us; rate paired 1.35, 1.02
+and 1.03x (the rate is mostly the machine's scheduling under load; the CPU and the switches are what
+it saves). 64 KiB and 1 MiB echoes: paired 1.06 and 1.06x.
 
 The protocol: whoever reads holds `lock`. The reader thread waits in epoll with EPOLLONESHOT, armed
 only while no caller reads, so a reply a caller reads never wakes it; a caller disarms it before it
