@@ -249,6 +249,34 @@ class Connection:
                 raise TransportError(f"{self.peer} closed the connection inside a payload")
             got += k
 
+    @property
+    def tls(self) -> bool:
+        return self._tls
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def buffered(self) -> int:
+        """Bytes read ahead and not yet part of a frame read."""
+        return self._end - self._start
+
+    def read_ready(self) -> bool:
+        """Whether a frame has begun to arrive: bytes read ahead, or bytes one recv that does not
+        wait finds (raises ConnectionClosed where the peer closed the connection between frames)."""
+        if self._end > self._start:
+            return True
+        self._start = self._end = 0
+        try:
+            k = self._sock.recv_into(self._view, 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise TransportError(f"reading from {self.peer} failed: {exc}") from exc
+        if k == 0:
+            raise ConnectionClosed(f"{self.peer} closed the connection")
+        self._end = k
+        return True
+
     def _fill(self, n: int, between_frames: bool = False) -> None:
         if self._end - self._start >= n:
             return

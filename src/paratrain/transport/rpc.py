@@ -2,8 +2,8 @@
 
 `RpcServer` accepts connections and gives each its own thread, which reads frames and calls the
 handler; a handler replies at once or later (a deferred reply, e.g. when a barrier completes), from
-any thread. `RpcClient` holds one connection; `request` returns a `Future` at once and a reader
-thread fills it when the reply with the same id arrives, straight into the caller's `out` tensors.
+any thread. `RpcClient` holds one connection; `request` returns a `Future` at once, filled when the
+reply with the same id arrives, straight into the caller's `out` tensors.
 Frames with id 0 are one-way messages (a heartbeat, a notice from the scheduler).
 
 Why threads and blocking sockets rather than asyncio or ZeroMQ: measured on loopback here, blocking
@@ -11,22 +11,21 @@ recv_into/sendmsg keeps payload bytes in tensor memory (no copies) and costs the
 per frame; an event loop adds a task switch per message, and ZeroMQ copies into its own messages
 (0.6-0.8 GB/s against about 2 GB/s for plain TCP). See benchmarks/transport.py.
 
-Why a reader thread even for a caller that waits on its reply at once: a `call` that read its own
-reply (the reader thread parked in epoll, EPOLLONESHOT) used the same CPU per 1 KiB round trip
-(171 against 175 us, client and server together) but ran at 0.4-0.7x the rate on the loaded
-2-core machine, measured twice, interleaved, by two engineers; with the work split over two
-threads each thread sleeps more, and the scheduler wakes it sooner. The hand-off itself is cheap:
-with plain sockets, a reader thread waking the caller through a lock cost the client 16.6 against
-9.5 us of CPU per 1 KiB round trip, at the same rate (one loaded run). What costs is the Python per
-frame, which the lean header (frame.py) cut to about 0.75x: 120-140 us per round trip, client and
-server together, against 27 us for plain TCP; cached byte views (tensors.ViewCache) cut it by about
-another 15 us. Also tried: the reader waking the caller only just before it next blocks on the socket
-(so the woken caller finds the GIL free): paired against main 0.96, 1.04, 0.95x, CPU not lower.
+A caller reads its own reply (turns.py): `call` and `Future.wait` take the connection's read turn
+where no other thread holds it, and the reader thread, parked in epoll, reads only while no caller
+does (one-way messages, replies nobody waits on yet, the connection's end; a TLS connection keeps
+its reader thread for everything). A 1 KiB round trip then costs the client one context switch
+instead of about four (the reader's wake-up, then the caller's, then the GIL going back and forth).
+Earlier tries (stops 14 and 15) ran at 0.3-0.7x the rate on a loaded machine; this one disarms the
+reader thread before sending, so a reply never wakes two threads (figures in turns.py). Also tried
+and lost: the reader waking the caller only just before it next blocks on the socket (0.96, 1.04,
+0.95x). Cached byte views (tensors.ViewCache) and the lean header (frame.py) cut the Python per frame.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -47,6 +46,7 @@ from paratrain.transport.config import TransportConfig
 from paratrain.transport.connection import Connection, ConnectionClosed, tune
 from paratrain.transport.frame import FrameError, Header, Limits
 from paratrain.transport.shm import Ring
+from paratrain.transport.turns import ReadTurns, supported
 
 logger = logging.getLogger(__name__)
 
@@ -335,16 +335,23 @@ class Future:
     """The reply to one request. A lock held until the reply arrives is the cheapest wake-up
     CPython has (an Event adds a Condition and a second lock)."""
 
-    __slots__ = ("_done", "_reply", "_error", "out", "_what")
+    __slots__ = ("_done", "_reply", "_error", "out", "_what", "_read")
 
-    def __init__(self, what: str | tuple[str, int, str], out: Sequence[torch.Tensor | None] | None) -> None:
-        """`what`: the request, for errors; or (op, id, peer), formatted only if an error needs it."""
+    def __init__(
+        self,
+        what: str | tuple[str, int, str],
+        out: Sequence[torch.Tensor | None] | None,
+        read: Callable[[Future, float | None], Reply] | None = None,
+    ) -> None:
+        """`what`: the request, for errors; or (op, id, peer), formatted only if an error needs it.
+        `read`: waits by reading the connection itself where nobody else does (turns.py)."""
         self._done = threading.Lock()
         self._done.acquire()
         self._reply: Reply | None = None
         self._error: BaseException | None = None
         self.out = out
         self._what = what
+        self._read = read
 
     @property
     def what(self) -> str:
@@ -361,8 +368,15 @@ class Future:
         return not self._done.locked()
 
     def wait(self, timeout_s: float | None = None) -> Reply:
+        if self._read is not None and self._done.locked():
+            return self._read(self, timeout_s)
+        return self._wait(timeout_s)
+
+    def _wait(self, timeout_s: float | None, _said_s: float | None = None) -> Reply:
+        """`_said_s`: the timeout to name in the error, where part of it was spent already."""
         if not self._done.acquire(timeout=-1 if timeout_s is None else timeout_s):
-            raise TimeoutError(f"no reply to {self.what} within {timeout_s} s")
+            said = timeout_s if _said_s is None else _said_s
+            raise TimeoutError(f"no reply to {self.what} within {said} s")
         self._done.release()
         if self._error is not None:
             raise self._error
@@ -397,7 +411,9 @@ class RpcClient:
         self._pending: dict[int, Future] = {}
         self._error: Exception | None = None
         self._conn = self._connect(host, port, secret)
-        self._reader = threading.Thread(target=self._read_loop, name=f"rpc-{self.name}", daemon=True)
+        self._turns = ReadTurns(self._conn.fileno()) if supported(self._conn.tls) else None
+        loop = self._read_loop if self._turns is None else self._turn_loop
+        self._reader = threading.Thread(target=loop, name=f"rpc-{self.name}", daemon=True)
         self._reader.start()
         self.same_host_path = bool(same_host and self.config.shm_ring_bytes) and self._offer_rings()
 
@@ -476,7 +492,7 @@ class RpcClient:
         """Send a request; the returned Future gives the reply. Reply tensors land in `out` where
         their dtype and size match it."""
         id = next(self._ids)
-        future = Future((op, id, self.name), out)
+        future = Future((op, id, self.name), out, None if self._turns is None else self._read_reply)
         with self._lock:
             if self._error is not None:
                 raise TransportError(f"connection to {self.name} is down: {self._error}")
@@ -497,8 +513,64 @@ class RpcClient:
         out: Sequence[torch.Tensor | None] | None = None,
         timeout_s: float | None = None,
     ) -> Reply:
-        future = self.request(op, meta, tensors, out)
-        return future.wait(self.config.request_timeout_s if timeout_s is None else timeout_s)
+        timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
+        turns = self._turns
+        if turns is None or not turns.lock.acquire(blocking=False):  # someone else reads
+            return self.request(op, meta, tensors, out).wait(timeout_s)
+        try:
+            turns.disarm()  # before sending: the reply must not wake the reader thread
+            future = self.request(op, meta, tensors, out)
+        except BaseException:
+            turns.lock.release()
+            turns.arm()  # after the release: see turns.py
+            raise
+        return self._read_turn(future, timeout_s)
+
+    def _read_reply(self, future: Future, timeout_s: float | None) -> Reply:
+        """Future.wait where this client's reader thread waits in epoll: this thread reads the
+        reply itself unless another thread reads already (turns.py)."""
+        turns = self._turns
+        assert turns is not None
+        if not turns.lock.acquire(blocking=False):  # someone else reads: wait
+            return future._wait(timeout_s)
+        # A reply that came before this wakes the reader thread, which finds the lock taken and
+        # leaves the frame to this thread.
+        turns.disarm()
+        return self._read_turn(future, timeout_s)
+
+    def _read_turn(self, future: Future, timeout_s: float | None) -> Reply:
+        """With the read lock taken and the reader thread's wait disarmed: read until the reply."""
+        turns = self._turns
+        assert turns is not None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            self._read_until(future, deadline)
+        finally:
+            turns.lock.release()
+            turns.arm()  # after the release: see turns.py
+        return future._wait(None if deadline is None else max(0.0, deadline - time.monotonic()), timeout_s)
+
+    def _read_until(self, future: Future, deadline: float | None) -> None:
+        """Read frames until `future` has its reply (and no frame is left half read ahead) or the
+        deadline passes; one-way messages and a broken connection go to the reader thread (turns.py)."""
+        conn, turns = self._conn, self._turns
+        assert turns is not None
+        try:
+            while True:
+                # frames read ahead go out before the reader thread's turn
+                if not conn.buffered() and (
+                    future.done()
+                    or conn.closed
+                    or not turns.readable(None if deadline is None else deadline - time.monotonic())
+                ):
+                    return
+                header, tensors = conn.read(self._destinations)
+                if header.id:
+                    self._dispatch(header, tensors)
+                else:
+                    turns.hand((header, tensors))
+        except Exception as exc:
+            turns.fail(exc)
 
     def send(self, op: str, meta: dict[str, Any] | None = None, tensors: Sequence[torch.Tensor] = ()) -> None:
         """A one-way message: no reply."""
@@ -511,11 +583,53 @@ class RpcClient:
         return future.out if future is not None else None
 
     def _read_loop(self) -> None:
+        self._reading(self._read_frames)
+
+    def _read_frames(self) -> None:
+        while True:
+            header, tensors = self._conn.read(self._destinations)
+            self._dispatch(header, tensors)
+
+    def _turn_loop(self) -> None:
+        turns = self._turns
+        assert turns is not None
+        try:
+            self._reading(functools.partial(self._take_turns, turns))
+        finally:
+            turns.close()
+
+    def _take_turns(self, turns: ReadTurns) -> None:
+        """The reader thread's part in turns.py: read while no caller does."""
+        conn = self._conn
+        while True:
+            readable = turns.wait()
+            self._run_handed(turns)
+            if turns.error is not None:
+                raise turns.error
+            if conn.closed:
+                raise ConnectionClosed(f"connection to {self.name} closed")
+            if not readable or not turns.lock.acquire(blocking=False):
+                continue  # a caller reads: it arms the wait again when it is done
+            try:
+                self._run_handed(turns)  # handed over before the frames read next
+                if conn.read_ready():
+                    while True:
+                        header, tensors = conn.read(self._destinations)
+                        self._dispatch(header, tensors)
+                        if not conn.buffered():
+                            break
+            finally:
+                turns.lock.release()
+                turns.arm()  # after the release: see turns.py
+
+    def _run_handed(self, turns: ReadTurns) -> None:
+        for header, tensors in turns.handed():
+            self._dispatch(header, tensors)
+
+    def _reading(self, read: Callable[[], None]) -> None:
         error: Exception | None = None
         try:
-            while True:
-                header, tensors = self._conn.read(self._destinations)
-                self._dispatch(header, tensors)
+            read()
         except ConnectionClosed as exc:
             error = exc
         except TransportError as exc:
@@ -556,5 +670,7 @@ class RpcClient:
 
     def close(self) -> None:
         self._conn.close()
+        if self._turns is not None:
+            self._turns.wake()
         if threading.current_thread() is not self._reader:
             self._reader.join(timeout=5.0)

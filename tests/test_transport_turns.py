@@ -1,0 +1,100 @@
+"""A caller reads its own reply (transport/turns.py): what it reads for others still reaches them.
+
+One RPC server in this process; no other processes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from paratrain.errors import TransportError
+from paratrain.transport.config import TransportConfig
+from paratrain.transport.frame import Header
+from paratrain.transport.rpc import Handler, Request, RpcClient, RpcServer
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = bytes(range(32))
+WAIT_S = 10.0
+CONFIG = TransportConfig(connect_timeout_s=5.0, handshake_timeout_s=5.0, request_timeout_s=WAIT_S)
+
+
+class NoticeHandler(Handler):
+    """notify: n one-way notices on the caller's connection, then the reply; drop: close it."""
+
+    def handle(self, request: Request) -> None:
+        if request.op == "notify":
+            for i in range(request.meta["n"]):
+                request.conn.send("notice", 0, {"i": i}, [torch.tensor([i])])
+            request.reply({"sent": request.meta["n"]})
+        elif request.op == "drop":
+            request.conn.close()
+
+
+@pytest.fixture
+def server() -> Iterator[RpcServer]:
+    srv = RpcServer(SECRET, NoticeHandler(), host="127.0.0.1", port=0).start()
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+def test_notices_a_caller_reads_run_on_the_reader_thread_in_order(server: RpcServer) -> None:
+    seen: list[tuple[int, str]] = []
+    done = threading.Event()
+
+    def on_message(header: Header, tensors: list[torch.Tensor]) -> None:
+        assert tensors[0].item() == header.meta["i"]
+        seen.append((header.meta["i"], threading.current_thread().name))
+        if len(seen) == 60:
+            done.set()
+
+    client = RpcClient(server.host, server.port, SECRET, config=CONFIG, on_message=on_message)
+    try:
+        assert client._turns is not None, "this platform has epoll: the caller reads"
+        for _ in range(3):
+            assert client.call("notify", {"n": 20}).meta == {"sent": 20}
+        assert done.wait(WAIT_S)
+        assert [i for i, _ in seen] == list(range(20)) * 3
+        assert {name for _, name in seen} == {client._reader.name}  # never the caller's thread
+        assert client.call("notify", {"n": 0}).meta == {"sent": 0}  # the caller reads on
+    finally:
+        client.close()
+
+
+def test_a_connection_that_breaks_under_a_reading_caller_is_closed_once_by_the_reader(
+    server: RpcServer,
+) -> None:
+    closes: list[tuple[Exception | None, str]] = []
+    client = RpcClient(
+        server.host,
+        server.port,
+        SECRET,
+        config=CONFIG,
+        on_close=lambda error: closes.append((error, threading.current_thread().name)),
+    )
+    try:
+        with pytest.raises(TransportError, match="lost"):
+            client.call("drop")
+        client._reader.join(WAIT_S)
+        assert not client._reader.is_alive()
+        assert len(closes) == 1 and closes[0][1] == client._reader.name
+        with pytest.raises(TransportError, match="down"):
+            client.call("notify", {"n": 1})
+    finally:
+        client.close()
+
+
+def test_a_caller_reads_the_replies_of_other_threads_requests(server: RpcServer) -> None:
+    client = RpcClient(server.host, server.port, SECRET, config=CONFIG)
+    try:
+        futures = [client.request("notify", {"n": 0}) for _ in range(50)]  # replies race the call
+        assert client.call("notify", {"n": 1}).meta == {"sent": 1}
+        assert [f.wait(WAIT_S).meta for f in futures] == [{"sent": 0}] * 50
+    finally:
+        client.close()
