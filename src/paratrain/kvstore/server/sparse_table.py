@@ -15,7 +15,8 @@ Without an optimizer a round's sum replaces the rows (rounds mode), or a push ad
 for dense keys.
 
 Rounds: in rounds modes a worker's n-th push joins round n, applied once every member pushed (pushes
-summed per id in rank order, then one update); in async mode a push applies on arrival.
+summed per id in rank order, then one update); in async mode a push applies on arrival. A round's
+pushes are added to its sum as they arrive (sparse_fold.py), so its end has only the last one left.
 """
 
 from __future__ import annotations
