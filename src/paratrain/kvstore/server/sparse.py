@@ -265,7 +265,7 @@ class SparseTables:
             if table.visible < pull.min_version:
                 if request.header.at is not None:  # a view of the shared-memory ring: keep a copy
                     pull.ids = ids.copy()
-                pull.hint = table.find(pull.ids)  # while the round's pushes come in (SparseTable.find)
+                pull.hint = table.find(ids)  # while the round's pushes come in (SparseTable.find)
                 table.pending.append(pull)
                 rows = None
             else:
