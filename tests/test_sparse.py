@@ -19,6 +19,7 @@ from paratrain.kvstore.consistency import Bounded
 from paratrain.kvstore.server.rowstore import IdIndex, initial_rows, shard_of
 from paratrain.kvstore.server.shard import Rules
 from paratrain.kvstore.server.sparse import SparseTables
+from paratrain.kvstore.server.sparse_fold import fold_order_holds, may_fold
 from paratrain.kvstore.server.sparse_optim import build_optimizer
 from paratrain.kvstore.server.sparse_table import SparseTable
 from paratrain.kvstore.worker.embedding import DistributedEmbedding, ServingEmbedding
@@ -183,6 +184,91 @@ def test_a_push_uses_the_slots_of_its_pull_only_while_they_still_hold_its_rows()
     values = t.read(np.arange(1, 7), 3, False).flatten().tolist()
     assert values == [0.0, 0.0, -1.0, -1.0, 0.0, 0.0]
     assert t.stats()["dropped"] == 2 and t.stats()["evicted_cap"] == 2
+
+
+def test_fold_order_keeps_the_rank_order_sum():
+    order = [0, 2, 5, 7]
+    assert may_fold(2, [], order) and may_fold(0, [2], order) and not may_fold(5, [2], order)
+    assert may_fold(5, [2, 0], order) and not may_fold(7, [0, 2], order)
+    assert fold_order_holds([2, 0, 5], order) and fold_order_holds([2], order) and fold_order_holds([], order)
+    assert not fold_order_holds([5], order) and not fold_order_holds([0, 5], order)
+    assert not fold_order_holds([2, 0, 7], order)
+
+
+def rounds_tables(seed: int, workers: int, rows: int = 64) -> tuple[list, list[SparseTable]]:
+    """Pushes of `workers` ranks over 3 rounds to overlapping rows of float32 gradients of mixed
+    magnitudes (the order of a sum shows in its bits), and two tables holding those rows."""
+    g = torch.Generator().manual_seed(seed)
+    pushes = []
+    for _ in range(3):
+        pushes.append({})
+        for rank in range(workers):
+            ids = torch.randperm(rows, generator=g)[: rows // 2].numpy()
+            scale = 10.0 ** torch.randint(-4, 4, (len(ids), 1), generator=g).float()
+            pushes[-1][rank] = (ids, torch.randn(len(ids), 3, generator=g) * scale)
+    made = []
+    for _ in range(2):
+        t = table(dim=3, optimizer=build_optimizer("torch.optim.Adagrad", {"lr": 0.1}))
+        t.read(np.arange(rows), 0, True)
+        made.append(t)
+    return pushes, made
+
+
+@pytest.mark.parametrize("arrival", [[0, 1, 2, 3], [1, 0, 3, 2], [3, 2, 1, 0], [2, 3, 0, 1], [1, 0]])
+def test_a_round_folded_push_by_push_equals_the_rank_order_sum(arrival):
+    """Sync pushes are added to their round's sum as they arrive (sparse_fold.py); the update must
+    be the same, to the bit, as summing the round's pushes in rank order when the round completes."""
+    workers = len(arrival)
+    members = frozenset(range(workers))
+    pushes, (folded, reference) = rounds_tables(7, workers)
+    for round_, pushed in enumerate(pushes):
+        for n, rank in enumerate(arrival):
+            ids, grads = pushed[rank]
+            folded.push(rank, round_, ids, grads, "sync", members, apply=False)
+            folded.apply_complete_rounds(members)  # as the server does after each push
+            if n < workers - 1:  # held back only while ranks below it are missing
+                assert len(folded.folding.ranks) == len(sorted_prefix(arrival[: n + 1]))
+        reference.apply([(*pushed[rank], None) for rank in range(workers)], round_, add=False)
+    assert folded.version == reference.version == 3
+    for name, column in reference.rows.columns.items():
+        assert torch.equal(folded.rows.columns[name], column), name
+    if arrival[2:] != list(range(2, workers)):  # the test can fail: summed in arrival order,
+        dense = [torch.zeros(64, 3).index_add_(0, torch.from_numpy(i), g) for i, g in pushes[0].values()]
+        assert not torch.equal(sum_in(dense, arrival), sum_in(dense, range(workers)))  # bits differ
+
+
+def sorted_prefix(arrived: list[int]) -> list[int]:
+    """The ranks a fold can hold once `arrived` came: 0 and 1 at once, each later one after all below."""
+    held = [r for r in (0, 1) if r in arrived]
+    while len(held) >= 2 and len(held) in arrived:
+        held.append(len(held))
+    return held
+
+
+def sum_in(terms: list[torch.Tensor], order) -> torch.Tensor:
+    total = torch.zeros_like(terms[0])
+    for i in order:
+        total = total + terms[i]
+    return total
+
+
+def test_a_folded_round_whose_rows_were_evicted_meanwhile_is_summed_again_from_its_pushes():
+    members = frozenset(range(3))
+    pushes, (folded, reference) = rounds_tables(3, 3)
+    pushed = pushes[0]
+    for rank in (1, 0):
+        folded.push(rank, 0, *pushed[rank], "sync", members, apply=False)
+        folded.apply_complete_rounds(members)
+    assert folded.folding.ranks == [1, 0]
+    gone = np.array([int(pushed[0][0][0]), int(pushed[1][0][0])])
+    for t in (folded, reference):  # an eviction between the folds and the round's end
+        t._evict(t.index.lookup(gone), "evicted_age")
+    folded.push(2, 0, *pushed[2], "sync", members, apply=False)
+    folded.apply_complete_rounds(members)
+    reference.apply([(*pushed[rank], None) for rank in range(3)], 0, add=False)
+    assert folded.version == 1 and folded.stats()["dropped"] == reference.stats()["dropped"] > 0
+    for name, column in reference.rows.columns.items():
+        assert torch.equal(folded.rows.columns[name], column), name
 
 
 def test_a_round_that_fails_to_apply_fails_every_later_pull_instead_of_hanging(monkeypatch):

@@ -265,6 +265,7 @@ class SparseTables:
             if table.visible < pull.min_version:
                 if request.header.at is not None:  # a view of the shared-memory ring: keep a copy
                     pull.ids = ids.copy()
+                pull.hint = table.find(ids)  # while the round's pushes come in (SparseTable.find)
                 table.pending.append(pull)
                 rows = None
             else:
@@ -283,14 +284,15 @@ class SparseTables:
             )
         rules = self.server.rules
         members, rounds = rules.members, rules.policy.rounds
-        if request.header.at is not None and rounds:  # kept past this call
-            ids, grads = ids.copy(), grads.clone()
+        borrowed = request.header.at is not None and rounds  # views of the ring until this call returns
         with table.lock:
             rank, clock = int(meta["rank"]), int(meta["clock"])
             copy = table.replica
             repeat = copy is not None and copy.repeat(table, rank, clock, rounds)  # after a fail-over
             if copy is not None and copy.promoted and not repeat:  # rows the dead primary made
                 adopt(table, ids, clock)
+            if borrowed and not repeat and not table.completes(rank, clock, members):
+                ids, grads = ids.copy(), grads.clone()  # kept past this call (the round's last is not)
             if not repeat:
                 table.push(rank, clock, ids, grads, rules.policy, members, apply=not rounds)
             if copy is not None:  # acknowledged once its update is on the backups (sparse_replica.py)
@@ -355,7 +357,7 @@ class SparseTables:
                 ready.append((pull.request, None, table.version))
                 continue
             try:
-                rows = table.read(pull.ids, pull.clock, pull.train, pull.rank)
+                rows = table.read(pull.ids, pull.clock, pull.train, pull.rank, pull.hint)
                 ready.append((pull.request, rows, table.version))
             except Exception as exc:  # that pull fails, not this push
                 ready.append((pull.request, None, f"server: {exc!r}"))

@@ -15,7 +15,8 @@ Without an optimizer a round's sum replaces the rows (rounds mode), or a push ad
 for dense keys.
 
 Rounds: in rounds modes a worker's n-th push joins round n, applied once every member pushed (pushes
-summed per id in rank order, then one update); in async mode a push applies on arrival.
+summed per id in rank order, then one update); in async mode a push applies on arrival. A round's
+pushes are added to its sum as they arrive (sparse_fold.py), so its end has only the last one left.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from paratrain.kvstore.server.rowstore import (
     initial_rows,
     unit_hash,
 )
+from paratrain.kvstore.server.sparse_fold import RoundSum, fold_order_holds, may_fold
 from paratrain.kvstore.server.sparse_optim import SparseOptimizer, add_rows
 from paratrain.kvstore.server.sparse_replica import TableCopy
 
@@ -47,6 +49,14 @@ __all__ = ["PendingPull", "SparseTable"]
 
 COUNTS = ("pulls", "pushes", "rows_pulled", "rows_pushed", "created", "not_admitted", "dropped")
 COUNTS += ("evicted_age", "evicted_cap")
+
+
+# Slots found for some ids earlier, with the table's eviction count then: checked again where rows
+# were evicted since, and looked up again where absent then (SparseTable._slots).
+Hint = tuple[np.ndarray, int]
+# A push waiting for its round: unique ids, their gradients, and the slots its worker's last pull
+# found for the same ids (None: look them up when the round is applied).
+Push = tuple[np.ndarray, torch.Tensor, Hint | None]
 
 
 @dataclass
@@ -58,13 +68,9 @@ class PendingPull:
     min_version: int
     train: bool
     rank: int | None = None
-
-
-# A push waiting for its round: unique ids, their gradients, and the slots its worker's last pull
-# found for the same ids with the table's eviction count then (None: look them up); the slots are
-# checked again when the round is applied if rows were evicted since.
-Hint = tuple[np.ndarray, int]
-Push = tuple[np.ndarray, torch.Tensor, Hint | None]
+    hint: Hint | None = None
+    """The ids' slots, looked up while the pull waits (SparseTable.find): once its round is
+    applied, only the rows are left to read."""
 
 
 class SparseTable:
@@ -88,6 +94,7 @@ class SparseTable:
         self.evictions = 0  # rows evicted so far: a pull's slots stay valid while this is unchanged
         self.broken: str | None = None  # why a round failed to apply: every pull fails with it
         self._combining = kernels.combine_buffers(0, dim)  # kept from round to round (kernels.combine)
+        self.folding = RoundSum(dim)  # the next round's sum, push by push as they come (sparse_fold.py)
         self.replica: TableCopy | None = None  # replicated servers: copies and deltas (sparse_replica.py)
 
     @property
@@ -115,12 +122,20 @@ class SparseTable:
             optimizer.init_rows(self.rows.columns, torch.from_numpy(self.rows.live_slots()))
 
     # -- pull -------------------------------------------------------------------------------------
-    def read(self, ids: np.ndarray, clock: int, train: bool, rank: int | None = None) -> torch.Tensor:
+    def find(self, ids: np.ndarray) -> Hint:
+        """The slots of `ids` now, for a read later (`read`'s hint): a pull that waits for its round
+        looks its rows up while the round's pushes come in, not after the round's update."""
+        return self.index.lookup(ids), self.evictions
+
+    def read(
+        self, ids: np.ndarray, clock: int, train: bool, rank: int | None = None, hint: Hint | None = None
+    ) -> torch.Tensor:
         """The rows of `ids` (zeros where absent). A training read admits absent ids and marks the
         rows seen at `clock`; it keeps the slots it found for worker `rank`'s push of the same ids
-        (a worker pushes the rows it pulled: that push then needs no lookup)."""
+        (a worker pushes the rows it pulled: that push then needs no lookup). `hint`: the ids' slots
+        from `find`, checked here."""
         self.step = max(self.step, clock)
-        slots = self.index.lookup(ids)
+        slots = self._slots(ids, hint)
         if train:
             missing = np.flatnonzero(slots < 0)
             if len(missing):  # unique first: a request with repeated ids must not make two rows
@@ -222,11 +237,58 @@ class SparseTable:
         if apply:
             self.apply_complete_rounds(members)
 
+    def completes(self, rank: int, clock: int, members: frozenset) -> bool:
+        """Whether `rank`'s push for round `clock` would complete the next round to apply: then it
+        is applied before its pusher's request is done (SparseTables._push)."""
+        return clock == self.version and members.issubset({rank, *self.rounds.get(clock, ())})
+
     def apply_complete_rounds(self, members: frozenset) -> None:
-        """Apply, in order, the rounds every member has pushed to."""
+        """Fold the next round's new pushes into its sum (sparse_fold.py), then apply, in order, the
+        rounds every member has pushed to."""
+        self._fold(members)
         while (pushed := self.rounds.get(self.version)) is not None and members.issubset(pushed):
             del self.rounds[self.version]
-            self.apply([pushed[rank] for rank in sorted(pushed)], self.version, add=False)
+            order, folding = sorted(pushed), self.folding
+            stamp = (self.evictions, self.counts["created"])
+            if (
+                folding.round == self.version
+                and fold_order_holds(folding.ranks, order)
+                and folding.valid(stamp)
+            ):
+                for rank in order:
+                    if rank not in folding.ranks:
+                        self._fold_in(rank, pushed[rank])
+                self.counts["dropped"] += folding.dropped
+                self._update(*folding.take(), self.version, add=False)
+            else:  # summed again from the stored pushes
+                folding.drop()
+                self.apply([pushed[rank] for rank in order], self.version, add=False)
+            self._fold(members)
+
+    def _fold(self, members: frozenset) -> None:
+        """Add the pushes of the next round that may go in now (sparse_fold.may_fold) to its sum.
+        A round that is complete before its first fold is summed at once instead (`_combine`)."""
+        pushed = self.rounds.get(self.version)
+        folding = self.folding
+        if pushed is None or (folding.round != self.version and members.issubset(pushed)):
+            return
+        order = sorted(members.union(pushed))
+        if len(order) < 2:
+            return
+        if folding.round != self.version:
+            rows = max(len(p[0]) for p in pushed.values()) * len(order)
+            folding.start(self.version, rows, (self.evictions, self.counts["created"]))
+        added = True
+        while added:  # a push held for a lower rank may go in once that rank's did
+            added = False
+            for rank in order:
+                if rank in pushed and rank not in folding.ranks and may_fold(rank, folding.ranks, order):
+                    self._fold_in(rank, pushed[rank])
+                    added = True
+
+    def _fold_in(self, rank: int, push: Push) -> None:
+        ids, grads, hint = push
+        self.folding.add(rank, self._slots(ids, hint), grads)
 
     def _slots(self, ids: np.ndarray, hint: Hint | None) -> np.ndarray:
         """The slot of each id now (-1: absent): the hint where it still holds that id."""
@@ -264,8 +326,11 @@ class SparseTable:
 
     def apply(self, pushes: list[Push], clock: int, add: bool) -> None:
         """One update of the rows of the pushes' ids (a round's, or one async push)."""
+        self._update(*self._combine(pushes), clock, add)
+
+    def _update(self, slots: np.ndarray, grads: torch.Tensor, clock: int, add: bool) -> None:
+        """One update of the rows at unique `slots`, one gradient row each."""
         self.step = max(self.step, clock)
-        slots, grads = self._combine(pushes)
         self.rows.last_seen[slots] = clock
         values = self.rows.columns["value"]
         if self.optimizer is not None:
@@ -368,6 +433,7 @@ class SparseTable:
         self.seen_index, self.seen = IdIndex(64), RowStore({"count": ((), torch.int64)}, 64)
         self.version = self.step = self.next_sweep = 0
         self.rounds, self.pending, self.pulled = {}, [], {}
+        self.folding.drop()
         if self.replica is not None:
             self.replica.reset()
         slots = self.rows.allocate(len(ids))
