@@ -357,19 +357,22 @@ def test_rejoined_servers_come_last_and_an_older_list_of_the_dead_does_not_kill_
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode,servers,seed", [("sync", 2, 5), ("async", 3, 2)])
+@pytest.mark.parametrize(
+    "mode,servers,seed,sums", [("sync", 2, 5, True), ("sync", 2, 3, False), ("async", 3, 2, False)]
+)
 def test_a_restarted_server_catches_up_and_the_job_survives_another_death(
-    tmp_path: Path, mode: str, servers: int, seed: int
+    tmp_path: Path, mode: str, servers: int, seed: int, sums: bool
 ) -> None:
     """A server is SIGKILLed and restarted; once it caught up ANOTHER server dies: with r=2 the
-    job survives that only if the restarted one holds every acknowledged update. In sync the
-    rounds' sums are the values (`sums`: no server optimizer), which same-host backups take in
-    their primary's memory (mirror.py, lending); async runs a server SGD."""
+    job survives that only if the restarted one holds every acknowledged update. With `sums` the
+    rounds' sums are the values (no server optimizer), which same-host backups take in their
+    primary's memory (mirror.py, lending); otherwise a server SGD runs, whose value and state go
+    through the backup's own buffers."""
     outcome = run_job(
         JOBS / "replication_count.py",
         workers=2,
         servers=servers,
-        args=[mode, "10", str(seed), str(tmp_path), "rejoin", *(["sums"] if mode == "sync" else [])],
+        args=[mode, "10", str(seed), str(tmp_path), "rejoin", *(["sums"] if sums else [])],
         server_losses=1,
         max_restarts=1,
         timeout_s=200,
