@@ -50,8 +50,8 @@ def primary(port: int, name: str, sizes: list[int], same_host: bool):
     """A primary KVServer whose slices `name`-0.. are backed up on the server at `port`."""
     from paratrain.kvstore.server.replica import Replicator
     from paratrain.kvstore.server.server import KVServer
+    from paratrain.transport.client import RpcClient
     from paratrain.transport.config import TransportConfig
-    from paratrain.transport.rpc import RpcClient
 
     servers = [["127.0.0.1", 1], ["127.0.0.1", port]]
     config = {"mode": "sync", "members": [0], "replication": 2, "servers": servers}

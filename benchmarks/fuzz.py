@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import _plot  # noqa: E402
 from transport_fuzz import PingHandler, fuzz_server  # noqa: E402
 
-from paratrain.transport.rpc import RpcClient, RpcServer  # noqa: E402
+from paratrain.transport.client import RpcClient  # noqa: E402
+from paratrain.transport.rpc import RpcServer  # noqa: E402
 
 SECRET = bytes(range(32))
 

@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import _plot  # noqa: E402
 
-from paratrain.transport.rpc import Handler, Request, RpcClient, RpcServer  # noqa: E402
+from paratrain.transport.client import RpcClient  # noqa: E402
+from paratrain.transport.rpc import Handler, Request, RpcServer  # noqa: E402
 
 SECRET = bytes(range(32))  # the spawned server imports this module again: no random here
 LENGTH = struct.Struct("!Q")

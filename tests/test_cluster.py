@@ -152,7 +152,7 @@ def test_a_wrong_secret_is_refused_and_the_job_goes_on():
         """
         import paratrain
         from paratrain.errors import AuthenticationError
-        from paratrain.transport.rpc import RpcClient
+        from paratrain.transport.client import RpcClient
         import torch
         ctx = paratrain.init()
         host, port = ctx.servers[0]

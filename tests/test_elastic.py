@@ -25,7 +25,7 @@ from paratrain.kvstore.consistency import Sync
 from paratrain.kvstore.server.server import KVServer
 from paratrain.kvstore.server.shard import Push, Rules, ShardState
 from paratrain.testing import free_port, run_job
-from paratrain.transport.rpc import RpcClient
+from paratrain.transport.client import RpcClient
 
 SECRET = b"elastic-test-secret-0123456789ab"
 JOB = Path(__file__).parent / "jobs" / "elastic_digits.py"

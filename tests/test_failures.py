@@ -181,7 +181,7 @@ def test_a_refused_node_with_the_secret_does_not_abort_a_running_job():
         f"""
         import paratrain
         from paratrain.errors import RemoteError
-        from paratrain.transport.rpc import RpcClient
+        from paratrain.transport.client import RpcClient
         ctx = paratrain.init({FAST})
         ctx.barrier(name="running")
         if ctx.rank == 0:
@@ -241,7 +241,7 @@ def test_the_start_timeout_names_who_is_missing_and_what_was_refused():
         import os, time, paratrain
         from paratrain.cluster.spec import spec_from_env
         from paratrain.errors import AuthenticationError
-        from paratrain.transport.rpc import RpcClient
+        from paratrain.transport.client import RpcClient
         spec = spec_from_env()
         if spec.role == "worker" and spec.rank == 1:
             try:

@@ -26,8 +26,9 @@ from transport_fuzz import PingHandler
 from paratrain.errors import RemoteError
 from paratrain.testing import run_job
 from paratrain.transport import handshake
+from paratrain.transport.client import RpcClient
 from paratrain.transport.config import TransportConfig
-from paratrain.transport.rpc import RpcClient, RpcServer
+from paratrain.transport.rpc import RpcServer
 
 SECRET = b"f" * 32
 HELLO = len(handshake.MAGIC) + handshake.NONCE_BYTES

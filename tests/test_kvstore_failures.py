@@ -264,7 +264,7 @@ def test_the_host_store_checks_every_argument_before_the_hosts_collectives():
 def test_a_long_wait_warns_and_then_fails_with_a_kvstore_error_naming_the_cause(caplog):
     from paratrain.errors import KVStoreError
     from paratrain.kvstore.api import Handle
-    from paratrain.transport.rpc import Future
+    from paratrain.transport.client import Future
 
     never = Future("'pull' (id 1) from server 0 (127.0.0.1:1)", None)  # its reply never comes
     asked = []

@@ -24,9 +24,10 @@ from paratrain.kvstore.server.server import KVServer
 from paratrain.kvstore.server.shard import Clocks, Push, Rules, ShardState
 from paratrain.kvstore.worker.failover import Payload, Servers
 from paratrain.testing import run_job
+from paratrain.transport.client import Future, Reply
 from paratrain.transport.config import TransportConfig
 from paratrain.transport.frame import Header
-from paratrain.transport.rpc import Future, Reply, Request
+from paratrain.transport.rpc import Request
 
 JOBS = Path(__file__).parent / "jobs"
 

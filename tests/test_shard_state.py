@@ -139,7 +139,7 @@ def test_every_store_implements_the_kvstore_protocol() -> None:
 def test_a_wait_that_runs_out_raises_the_kvstores_error_not_the_builtin() -> None:
     from paratrain.errors import KVStoreError, ParatrainError
     from paratrain.kvstore.api import Handle, KVStoreTimeoutError, TableError
-    from paratrain.transport.rpc import Future
+    from paratrain.transport.client import Future
 
     never = Future("'pull' (id 1) from server 0 (127.0.0.1:1)", None)  # its reply never comes
     with pytest.raises(

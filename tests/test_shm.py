@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 
+from paratrain.transport.client import RpcClient
 from paratrain.transport.config import TransportConfig
 from paratrain.transport.frame import FrameError
-from paratrain.transport.rpc import Handler, Request, RpcClient, RpcServer
+from paratrain.transport.rpc import Handler, Request, RpcServer
 from paratrain.transport.shm import Ring
 
 SECRET = bytes(range(32))

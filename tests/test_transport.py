@@ -31,10 +31,11 @@ from transport_fuzz import PingHandler, Session, fuzz_server, receive, refused, 
 from paratrain.errors import AuthenticationError, RemoteError, TransportError
 from paratrain.testing import JobOutcome, run_job
 from paratrain.transport import frame, handshake
+from paratrain.transport.client import RpcClient
 from paratrain.transport.config import TLSConfig, TransportConfig
 from paratrain.transport.connection import Connection, ConnectionClosed
 from paratrain.transport.frame import FrameError, Header, Limits
-from paratrain.transport.rpc import Handler, Request, RpcClient, RpcServer
+from paratrain.transport.rpc import Handler, Request, RpcServer
 from paratrain.transport.tensors import DTYPES, MAX_DIMS, ViewCache, byte_view, nbytes
 
 pytestmark = pytest.mark.timeout(60)
@@ -870,7 +871,7 @@ import torch
 import paratrain
 
 ctx = paratrain.init()
-from paratrain.transport.rpc import RpcClient
+from paratrain.transport.client import RpcClient
 from transport_fuzz import fuzz_server
 
 host, port = ctx.servers[0]

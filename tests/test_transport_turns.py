@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from paratrain.errors import TransportError
+from paratrain.transport.client import RpcClient
 from paratrain.transport.config import TransportConfig
 from paratrain.transport.frame import Header
-from paratrain.transport.rpc import Handler, Request, RpcClient, RpcServer
+from paratrain.transport.rpc import Handler, Request, RpcServer
 
 pytestmark = pytest.mark.timeout(60)
 

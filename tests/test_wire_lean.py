@@ -17,8 +17,9 @@ from transport_fuzz import Session, lean_header, receive, signed
 
 from paratrain.errors import TransportError
 from paratrain.transport import frame, handshake
+from paratrain.transport.client import RpcClient
 from paratrain.transport.frame import FrameError
-from paratrain.transport.rpc import Handler, Request, RpcClient, RpcServer
+from paratrain.transport.rpc import Handler, Request, RpcServer
 from paratrain.transport.tensors import BY_CODE, DTYPES, MAX_DIMS
 
 pytestmark = pytest.mark.timeout(60)

@@ -24,8 +24,8 @@ from paratrain.cluster.config import JobConfig
 from paratrain.cluster.fencing import dropped_notice
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec
 from paratrain.errors import RemoteError, RendezvousError, TransportError
+from paratrain.transport.client import RpcClient
 from paratrain.transport.frame import Header
-from paratrain.transport.rpc import RpcClient
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from paratrain.kvstore.shared import Region
-    from paratrain.transport.rpc import Future
+    from paratrain.transport.client import Future
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from paratrain.kvstore.api import KVStoreConfig, SparseAPI, TableConfig, check_k
 from paratrain.kvstore.worker.embedding import Route as IdRoute
 from paratrain.kvstore.worker.embedding import TableClient, TableInfo
 from paratrain.serve.api import BadRequest, ServeError
-from paratrain.transport.rpc import RpcClient
+from paratrain.transport.client import RpcClient
 
 logger = logging.getLogger(__name__)
 

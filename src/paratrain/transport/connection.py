@@ -13,7 +13,7 @@ import ssl
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from paratrain.transport import frame
 from paratrain.transport.frame import Header, Limits
 from paratrain.transport.shm import Ring
 from paratrain.transport.tensors import ViewCache, byte_view, copy_bytes
+
+if TYPE_CHECKING:
+    from paratrain.transport.config import TransportConfig
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,23 @@ def tune(sock: socket.socket, congestion_control: str | None = None) -> None:
 
 
 _REFUSED: set[str] = set()
+
+
+def limits(config: TransportConfig) -> Limits:
+    """The frame limits a connection reads with."""
+    return Limits(config.max_header_bytes, config.max_payload_bytes)
+
+
+def tls_context(config: TransportConfig, server: bool) -> ssl.SSLContext | None:
+    """TLS for one side of a connection where TransportConfig.tls asks for it (else None)."""
+    if config.tls is None:
+        return None
+    purpose = ssl.Purpose.CLIENT_AUTH if server else ssl.Purpose.SERVER_AUTH
+    ctx = ssl.create_default_context(purpose, cafile=config.tls.cafile)
+    ctx.load_cert_chain(config.tls.certfile, config.tls.keyfile)
+    ctx.check_hostname = False  # peers are named by the cluster spec, authenticated by the CA
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
 
 
 class Connection:

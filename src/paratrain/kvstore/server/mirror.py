@@ -56,7 +56,7 @@ import torch
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.shared import TOKEN_BYTES, ArenaMap, Region
-from paratrain.transport.rpc import Future, Reply, RpcClient
+from paratrain.transport.client import Future, Reply, RpcClient
 from paratrain.transport.tensors import DTYPES
 
 if TYPE_CHECKING:

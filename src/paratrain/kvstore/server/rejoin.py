@@ -39,7 +39,8 @@ from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.server import replica, sparse_replica
 from paratrain.kvstore.server.shard import ShardState
-from paratrain.transport.rpc import Future, Request
+from paratrain.transport.client import Future
+from paratrain.transport.rpc import Request
 
 if TYPE_CHECKING:
     from paratrain.kvstore.server.server import KVServer

@@ -37,8 +37,9 @@ from paratrain.kvstore.api import KVError
 from paratrain.kvstore.server.mirror import Batch, Borrowed, Mirrors, restored
 from paratrain.kvstore.server.shard import Clocks, ShardState
 from paratrain.kvstore.shared import same_host
+from paratrain.transport.client import Future, RpcClient
 from paratrain.transport.config import TransportConfig
-from paratrain.transport.rpc import Future, Request, RpcClient
+from paratrain.transport.rpc import Request
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from paratrain.kvstore.worker.checks import (
 )
 from paratrain.kvstore.worker.failover import Payload, Servers
 from paratrain.kvstore.worker.state import Entry, read_state, read_tables, write_state
-from paratrain.transport.rpc import Future, RpcClient
+from paratrain.transport.client import Future, RpcClient
 from paratrain.transport.tensors import dtype_name
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ import torch
 
 from paratrain.errors import KVStoreError, TransportError
 from paratrain.kvstore.placement import replicas
-from paratrain.transport.rpc import Future, Reply, RpcClient
+from paratrain.transport.client import Future, Reply, RpcClient
 
 logger = logging.getLogger(__name__)
 
