@@ -190,7 +190,7 @@ def test_folding_prints_the_cause_once_and_drops_the_knock_on_lines():
         ),
     ]
     lines += [("worker 1", line) for line in TRACEBACK]  # the same bad line, run by every worker
-    lines += [("worker 2", line) for line in TRACEBACK[:2]]  # cut short by its end: still printed
+    lines += [("worker 2", line) for line in TRACEBACK[:2]]  # cut short by its end (aborted)
     lines += [("worker 1", "paratrain: worker stopping: lost the connection to the scheduler: closed")]
 
     shown = _shown(lines)
@@ -198,7 +198,7 @@ def test_folding_prints_the_cause_once_and_drops_the_knock_on_lines():
     assert shown[:5] == ["[worker 0] train step 1 loss 2.3", *(f"[worker 0] {line}" for line in TRACEBACK)]
     assert shown[5] == f"[worker 1] (the same traceback as worker 0, ending: {TRACEBACK[-1]})"
     assert shown[6] == "[worker 1] paratrain: worker stopping: lost the connection to the scheduler: closed"
-    assert shown[7:] == [f"[worker 2] {line}" for line in TRACEBACK[:2]]
+    assert shown[7:] == ["[worker 2] (the same traceback as worker 0, cut short)"]
     assert not any("aborted the job" in line or "aborting" in line for line in shown)
 
 
@@ -209,6 +209,29 @@ def test_a_traceback_written_after_an_abort_notice_on_the_same_line_is_still_fol
     lines += [("worker 1", notice + TRACEBACK[0]), *(("worker 1", line) for line in TRACEBACK[1:])]
     shown = _shown(lines)
     assert shown == [
+        *(f"[worker 0] {line}" for line in TRACEBACK),
+        f"[worker 1] (the same traceback as worker 0, ending: {TRACEBACK[-1]})",
+    ]
+
+
+def test_a_traceback_cut_short_is_printed_as_far_as_it_came_unless_another_child_printed_it():
+    other = [TRACEBACK[0], '  File "other.py", line 1, in <module>']
+    assert _shown([("worker 1", line) for line in other]) == [f"[worker 1] {line}" for line in other]
+    lines = [("worker 0", line) for line in TRACEBACK] + [("worker 1", TRACEBACK[0])]
+    assert _shown(lines)[-1] == "[worker 1] (the same traceback as worker 0, cut short)"
+
+
+@pytest.mark.parametrize("where", ["a line of its own", "the end of a line"])
+def test_an_abort_notice_written_inside_a_traceback_is_left_out_of_it(where):
+    # The abort notice of another thread of the child lands between the lines of its traceback, or
+    # (written without the traceback's newline yet) at the end of one, with an empty line after it.
+    notice = "paratrain: worker stopping: the scheduler aborted the job: worker 0 lost its connection"
+    if where == "a line of its own":
+        inside = [TRACEBACK[0], TRACEBACK[1], notice, *TRACEBACK[2:]]
+    else:
+        inside = [TRACEBACK[0], TRACEBACK[1] + notice, "", *TRACEBACK[2:]]
+    lines = [("worker 0", line) for line in TRACEBACK] + [("worker 1", line) for line in inside]
+    assert _shown(lines) == [
         *(f"[worker 0] {line}" for line in TRACEBACK),
         f"[worker 1] (the same traceback as worker 0, ending: {TRACEBACK[-1]})",
     ]

@@ -35,6 +35,13 @@ class Fold:
             first = self._printed.setdefault(traceback, label)
         return None if first == label else first
 
+    def begun(self, held: list[str], label: str) -> str | None:
+        """Who (other than `label`) printed a traceback that begins with the lines `held`, if any."""
+        start = "\n".join(held)
+        with self._lock:
+            printed = list(self._printed.items())
+        return next((who for text, who in printed if who != label and text.startswith(start)), None)
+
     def lines(self, label: str) -> ChildLines:
         """The filter for one stream of the child called `label` (e.g. "worker 1")."""
         return ChildLines(label, self)
@@ -52,9 +59,7 @@ class ChildLines:
 
     def feed(self, line: str) -> list[str]:
         if self._held:
-            self._held.append(line)
-            ended = not line.startswith((" ", "\t")) or len(self._held) >= MAX_TRACEBACK_LINES
-            return self._release() if ended else []
+            return self._hold(line)
         at = line.find(TRACEBACK)
         if at >= 0:  # after other text where two threads of the child wrote at once
             before = self.feed(line[:at]) if at else []
@@ -64,10 +69,26 @@ class ChildLines:
             return []
         return [line]
 
+    def _hold(self, line: str) -> list[str]:
+        # A child's abort notice, written by another of its threads while the traceback is being
+        # printed, may land between its lines or at the end of one; it is left out as anywhere else,
+        # and so is the empty line it leaves behind.
+        notice = ABORT_NOTICE.search(line)
+        if notice:
+            line = line[: notice.start()]
+        if not line:
+            return []
+        self._held.append(line)
+        ended = not line.startswith((" ", "\t")) or len(self._held) >= MAX_TRACEBACK_LINES
+        return self._release() if ended else []
+
     def close(self) -> list[str]:
-        """What is still held when the stream ends (a traceback cut short)."""
+        """What is still held when the stream ends: a traceback cut short (its process stopped, as
+        the job was aborted, while printing it). One line if another child printed a traceback that
+        begins the same way, else printed as far as it came."""
         held, self._held = self._held, []
-        return held
+        first = self.fold.begun(held, self.label) if held else None
+        return held if first is None else [f"(the same traceback as {first}, cut short)"]
 
     def _release(self) -> list[str]:
         held, self._held = self._held, []
