@@ -599,3 +599,16 @@ def test_a_push_in_several_frames_sends_its_lent_slices_to_a_backup_together() -
     assert [s.durable for s in shards.values()] == [2, 1, 1]
     primary.replicator.close()
     backup.replicator.close()
+
+
+def test_a_worker_that_leaves_or_dies_part_way_through_a_push_holds_no_slice_back() -> None:
+    server = KVServer(0)
+    server.configure({"mode": "sync", "members": [0, 1, 2], "replication": 2, "servers": [["h", 1]] * 2})
+    for rank in (0, 1, 2):
+        server.arrivals.pushed(rank, more=True)
+    server.arrivals.pushed(2, more=False)  # its last frame came
+    server._leave(0)
+    assert server.arrivals.more()  # worker 1 is still part way through its push
+    server.set_members([0, 2], [])  # worker 1 died
+    assert not server.arrivals.more()
+    server.replicator.close()

@@ -105,5 +105,9 @@ class Arrivals:
         else:
             self._partway.discard(rank)
 
+    def forget(self, ranks: set[int] | frozenset[int]) -> None:
+        """Workers that left or died: none of their frames comes any more."""
+        self._partway -= set(ranks)
+
     def more(self) -> bool:
         return bool(self._partway)

@@ -273,6 +273,7 @@ class KVServer(Handler):
             self.rules.members = (self.rules.members & self._live) - self.rules.joiners
             shards = list(self._shards.values())
         self.fence.drop(gone)
+        self.arrivals.forget(gone)
         for shard in shards:
             for rank in gone:
                 shard.forget(rank)
@@ -448,6 +449,7 @@ class KVServer(Handler):
             self.rules.members = self.rules.members - {rank}
             self.rules.joiners = self.rules.joiners - {rank}
             shards = list(self._shards.values())
+        self.arrivals.forget({rank})
         for shard in shards:
             shard.forget(rank)
             shard.apply_complete_rounds()
