@@ -8,7 +8,7 @@ servers system calls and wake-ups (a loopback send runs the receiver's side too)
 each of its push frames but its last to a server `more` (worker/client.py), and the slices
 completed while some worker is part way through its push (Arrivals) wait here, up to MAX_WAITING:
 a 64 MB round sends 4-6 frames to each backup instead of about 20, and the two servers' CPU per
-round fell from 26-30 ms to 19-21 ms (12-17 ms unreplicated; repl4's notes, in turns).
+round fell from 26-30 ms to 19-23 ms (12-17 ms unreplicated; repl4's notes, in turns).
 
 What waits for a slice's copy (pulls, acknowledgements) waits for the worker's last frame anyway;
 the buffers a waiting slice lends count as lent from the moment it waits (Mirrors.defer), so no
