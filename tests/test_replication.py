@@ -409,6 +409,9 @@ class Loopback:
             future._set(Reply(reply), None)
         self.unanswered = []
 
+    def close(self) -> None:
+        pass
+
 
 def test_a_same_host_backup_takes_values_through_its_buffers_and_never_holds_the_one_written() -> None:
     """mirror.py: the value goes into the buffer the backup does not hold, the frame carries no
@@ -552,3 +555,60 @@ def test_the_lent_slices_of_one_push_go_to_a_backup_in_one_frame_answered_per_sl
         assert copy.value.eq(i + 1).all() and copy.version == 1 and shard.lent == {1}
     mirrors.close()
     backup.replicator.close()
+
+
+def test_a_push_in_several_frames_sends_its_lent_slices_to_a_backup_together() -> None:
+    """outbox.py: a push frame that says more of its push follows holds back the slices it
+    completed (lent already, not durable); the push's last frame sends them all in one frame; a
+    slice held for a worker that never sends its last frame goes after HOLD_S."""
+    primary, backup = KVServer(0), KVServer(1)
+    for server in (primary, backup):
+        server.configure({"mode": "sync", "members": [0], "replication": 2, "servers": [["h", 1]] * 2})
+    link = Loopback(backup)
+    primary.replicator._clients[1] = link  # type: ignore[assignment]
+    shards = {}
+    for key in ("a", "b", "c"):
+        meta = {"key": key, "start": 0, "stop": 4, "numel": 4, "shape": [4], "dtype": "float32"}
+        meta["chain"] = [0, 1]
+        shards[key] = primary.adopt(meta)
+        shards[key].share(primary.arena().region(4, torch.float32, 3))
+        backup.adopt(meta)
+
+    def push(key: str, clock: int, more: bool) -> None:
+        meta = {"rank": 0, "keys": [key], "starts": [0], "stops": [4], "clocks": [clock]}
+        primary._push(frame("push", meta | ({"more": True} if more else {}), [torch.ones(4)]))
+
+    def answered(count: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(link.sent) < count and time.monotonic() < deadline:
+            time.sleep(0.001)
+        link.answer()
+
+    push("a", 0, more=True)
+    push("b", 0, more=True)
+    assert link.sent == [] and shards["a"].version == 1 and shards["a"].lent == {1}
+    push("c", 0, more=False)
+    assert [[part["key"] for part in meta["slices"]] for meta, _ in link.sent] == [["a", "b", "c"]]
+    answered(1)
+    push("a", 1, more=True)  # the worker dies before its next frame
+    answered(2)
+    assert [part["key"] for part in link.sent[1][0]["slices"]] == ["a"]
+    deadline = time.monotonic() + 10
+    while shards["a"].durable < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert [s.durable for s in shards.values()] == [2, 1, 1]
+    primary.replicator.close()
+    backup.replicator.close()
+
+
+def test_a_worker_that_leaves_or_dies_part_way_through_a_push_holds_no_slice_back() -> None:
+    server = KVServer(0)
+    server.configure({"mode": "sync", "members": [0, 1, 2], "replication": 2, "servers": [["h", 1]] * 2})
+    for rank in (0, 1, 2):
+        server.arrivals.pushed(rank, more=True)
+    server.arrivals.pushed(2, more=False)  # its last frame came
+    server._leave(0)
+    assert server.arrivals.more()  # worker 1 is still part way through its push
+    server.set_members([0, 2], [])  # worker 1 died
+    assert not server.arrivals.more()
+    server.replicator.close()

@@ -31,7 +31,9 @@ from paratrain.kvstore import KVStoreConfig, create
 sums = "sums" in sys.argv[1:]
 deaths = ServerDeaths([a for a in sys.argv[1:] if a != "sums"])
 ctx = paratrain.init(JobConfig(replication=2))
-kv = create(KVStoreConfig(consistency=deaths.mode, slice_elements=64), ctx)
+# Frames of one slice each: a push comes to each server in several frames, as a big model's does,
+# whose completed slices same-host backups get together (outbox.py).
+kv = create(KVStoreConfig(consistency=deaths.mode, slice_elements=64, frame_bytes=256), ctx)
 sizes = {"a": 8, "b": 3, "big": 200}  # "big" is sliced over the servers
 kv.init(list(sizes), [torch.zeros(n) for n in sizes.values()])
 if not sums:

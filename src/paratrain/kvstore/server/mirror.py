@@ -17,7 +17,8 @@ no round and is written by no one until the backup answered a later frame (Mirro
 the confirming thread). So the primary never writes a buffer the backup holds: a primary that dies
 mid-round leaves the backup its last whole value, and the mapping outlives the primary's process.
 A round that finds every buffer lent waits (ShardState.stall) for one to come back. The slices one
-push frame completes go to each backup in one frame {slices: [...]} (Batch, Replicator.batch).
+push frame completes go to each backup in one frame {slices: [...]} (Batch, Replicator.batch),
+together with those of the push frames before it while more of their round is coming (outbox.py).
 A backup never writes a borrowed buffer: it never pools one, an optimizer's parameter never
 borrows one, and once it takes over (its primary died or the job lost it: ShardState.disown) or
 loads a checkpoint, it copies the value into its own memory first. Before a primary writes its
@@ -60,6 +61,7 @@ from paratrain.transport.client import Future, Reply, RpcClient
 from paratrain.transport.tensors import DTYPES
 
 if TYPE_CHECKING:
+    from paratrain.kvstore.server.outbox import Outbox
     from paratrain.kvstore.server.server import KVServer
     from paratrain.kvstore.server.shard import ShardState
 
@@ -95,16 +97,19 @@ class Part:
     """One slice's share of a `replicate` frame that lends several slices (Batch): its reply is
     that frame's, with this slice's `holds`."""
 
-    __slots__ = ("index", "whole")
+    __slots__ = ("index", "whole", "outbox")
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.whole: Future | None = None  # set when the frame is sent (Batch.flush)
+        self.whole: Future | None = None  # set when the frame is sent (outbox.py)
+        self.outbox: Outbox | None = None  # where it waits to be sent
 
     def done(self) -> bool:
         return self.whole is not None and self.whole.done()
 
     def wait(self, timeout_s: float | None = None) -> Reply:
+        if self.whole is None and self.outbox is not None:
+            self.outbox.wait_sent(self)  # it waits for more of its round: not long (outbox.py)
         assert self.whole is not None, "a batch's copies are confirmed only once it is sent"
         holds = self.whole.wait(timeout_s).meta.get("holds")
         return Reply({"holds": holds[self.index] if isinstance(holds, list) else None})

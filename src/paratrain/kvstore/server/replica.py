@@ -7,7 +7,8 @@ applied) it sends the backups the result, not the pushes: version, value, optimi
 async clocks applied (op `replicate`), holding the slice's lock while the bytes go out (to a backup
 on this host, the value is lent: the backup maps the primary's buffer; or with a server optimizer
 the value and the optimizer state tensors of its size go through that backup's own buffers:
-mirror.py; the lent slices one push frame completes go in one frame, `batch`). The
+mirror.py; the lent slices one push frame completes go in one frame, `batch`, with those of the
+push frames before it while more of their round is coming: outbox.py). The
 backups' replies are awaited by one thread per server (`_confirm`), in order, which then moves the
 slice's `durable` version and serves what waited for it: pulls wait for `durable`, and so does a
 push's acknowledgement (for its own round). So every update a worker was told about is on every
@@ -35,6 +36,7 @@ from contextlib import contextmanager
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.server.mirror import Batch, Borrowed, Mirrors, restored
+from paratrain.kvstore.server.outbox import Outbox
 from paratrain.kvstore.server.shard import Clocks, ShardState
 from paratrain.kvstore.shared import same_host
 from paratrain.transport.client import Future, RpcClient
@@ -75,6 +77,7 @@ class Replicator:
         self._local = threading.local()  # a thread's Batch (batch())
         self._confirming: threading.Thread | None = None
         self._mirrors = Mirrors(rank)  # same-host backups: values go through their memory (mirror.py)
+        self._outboxes: dict[int, Outbox] = {}  # per backup: lent slices waiting (outbox.py)
         self.borrowed = Borrowed()  # same-host primaries' values this backup holds (mirror.py)
         self.on_dead: Callable[[int], None] = lambda rank: None
         """Called (outside the lock) for a server newly taken as dead: a value borrowed from it
@@ -107,7 +110,7 @@ class Replicator:
             )
         shard.chain = chain
         shard.on_applied = self.forward
-        shard.on_stall = self.flush
+        shard.on_stall = self.send_all
 
     def mark_dead(self, ranks: list[int]) -> None:
         """Servers a worker found dead (it sends them with what it sends again after a fail-over)."""
@@ -151,6 +154,9 @@ class Replicator:
             self.dead.discard(server)
             self.back.add(server)
             self._mirrors.forget(server)
+            outbox = self._outboxes.pop(server, None)
+        if outbox is not None:  # lends to its earlier process: its install carries the state
+            outbox.fail(TransportError(f"server {server} restarted"))
         if old is not None:
             try:
                 old.close()
@@ -178,6 +184,8 @@ class Replicator:
             self._defer(shard, backups, batch)
             return
         sent = []
+        if backups and self._outboxes:  # after the lent slices waiting (a reclaim's copy: same version)
+            self.send_all()
         if backups:
             meta, tensors = shard.replica()
             meta["sender"] = self.rank  # backups refuse copies from a server the job lost (fence.py)
@@ -214,9 +222,10 @@ class Replicator:
         batch.confirms.append((shard, shard.version, parts))
 
     @contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self, more: Callable[[], bool] = lambda: False) -> Iterator[None]:
         """Within it, this thread's updates of lent slices go to each backup in one frame, sent
-        when it ends (or before this thread waits for a buffer a backup holds: flush)."""
+        when it ends (or before this thread waits for a buffer a backup holds: send_all), or
+        later with the next ones where `more()` says more of their round is coming (outbox.py)."""
         if not self.enabled or getattr(self._local, "batch", None) is not None:
             yield
             return
@@ -224,27 +233,53 @@ class Replicator:
         try:
             yield
         finally:
-            self.flush()
+            self.flush(more)
             self._local.batch = None
 
-    def flush(self) -> None:
-        """Send this thread's batch (Replicator.batch), then confirm it as single copies are."""
+    def flush(self, more: Callable[[], bool] = lambda: False) -> None:
+        """Post this thread's batch (Replicator.batch) to each backup's outbox (outbox.py); it is
+        confirmed as single copies are."""
         batch: Batch | None = getattr(self._local, "batch", None)
         if batch is None or not batch.confirms:
             return
         self._local.batch = Batch()
+        coming = more()
         for server, (metas, parts) in batch.frames.items():
-            whole = Future(f"replicate to server {server}", None)
-            try:
-                whole = self._client(server).request("replicate", {"sender": self.rank, "slices": metas}, [])
-            except (TransportError, OSError) as exc:
-                whole._set(None, exc)
-                self._lost(server, exc)
-            for part in parts:
-                part.whole = whole
+            self._outbox(server).post(metas, parts, coming)
         self._start_confirming()
         for confirm in batch.confirms:
             self._sent.put(confirm)
+
+    def send_all(self) -> None:
+        """Send every lent slice that waits (this thread's batch and the outboxes): before a
+        thread waits for a buffer a backup holds, and before a copy that must follow them."""
+        self.flush()
+        with self._lock:
+            outboxes = list(self._outboxes.values())
+        for outbox in outboxes:
+            outbox.drain()
+
+    def _outbox(self, server: int) -> Outbox:
+        with self._lock:
+            outbox = self._outboxes.get(server)
+            if outbox is None:
+                outbox = self._outboxes[server] = Outbox(lambda metas: self._send_lent(server, metas))
+            return outbox
+
+    def _send_lent(self, server: int, metas: list[dict]) -> Future:
+        """One `replicate` frame of lent slices (outbox.py); a failed reply where `server` is gone."""
+        whole = Future(f"replicate to server {server}", None)
+        with self._lock:
+            dead = server in self.dead
+        if dead:
+            whole._set(None, TransportError(f"server {server} is dead"))
+            return whole
+        try:
+            return self._client(server).request("replicate", {"sender": self.rank, "slices": metas}, [])
+        except (TransportError, OSError) as exc:
+            whole._set(None, exc)
+            self._lost(server, exc)
+            return whole
 
     def _start_confirming(self) -> None:
         with self._lock:
@@ -353,6 +388,9 @@ class Replicator:
             self.back.discard(server)
             self._clients.pop(server, None)
             self._mirrors.forget(server)
+            outbox = self._outboxes.pop(server, None)
+        if outbox is not None:
+            outbox.fail(error or TransportError(f"server {server} is gone"))
         logger.warning(
             "server %d: backup server %d is gone (%s); going on without it", self.rank, server, error
         )
@@ -363,6 +401,9 @@ class Replicator:
             clients, self._clients = list(self._clients.values()), {}
             self.dead.update(range(len(self._addresses)))  # closing is not a loss to report
             self.dead.discard(self.rank)
+            outboxes, self._outboxes = list(self._outboxes.values()), {}
+        for outbox in outboxes:
+            outbox.fail(TransportError(f"server {self.rank} is closing"))
         for client in clients:
             try:
                 client.close()

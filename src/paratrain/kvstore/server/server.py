@@ -6,7 +6,8 @@ Requests (meta lists are parallel; every tensor is one flat slice of one key):
     configure     {mode, staleness, members, average}    from worker 0, before any init: the
                   consistency model by name (consistency.py), who pushes, sum or mean rounds
     init          {keys, starts, stops, shapes, dtypes, numels}     values, or none: check only
-    push          {keys, starts, stops, clocks, [added], [weight]}  gradients; reply once added
+    push          {keys, starts, stops, clocks, [added], [weight], [more]}  gradients; reply once
+                  added; `more`: more frames of this push follow (outbox.py)
     pull          {keys, starts, stops, min_versions, [read]}       reply carries the values
     pushpull      push and pull of the same slices in one frame
     set_optimizer {path, hyper}                                     from worker 0
@@ -65,7 +66,7 @@ from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.compressed import ServerCompression
 from paratrain.kvstore.consistency import policy
-from paratrain.kvstore.server import mirror, rejoin, replica
+from paratrain.kvstore.server import mirror, outbox, rejoin, replica
 from paratrain.kvstore.server.fence import Fence
 from paratrain.kvstore.server.replies import ReplySenders
 from paratrain.kvstore.server.shard import Push, Rules, ShardState
@@ -130,6 +131,7 @@ class KVServer(Handler):
         self.configuration: dict = {}  # what worker 0's configure said (a rejoining server's too)
         self._live: frozenset[int] | None = None  # elastic: the scheduler's live workers
         self.fence = Fence(rank)  # dropped workers' pushes and lost servers' copies (fence.py)
+        self.arrivals = outbox.Arrivals()  # who is part way through a round's push (outbox.py)
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
@@ -271,6 +273,7 @@ class KVServer(Handler):
             self.rules.members = (self.rules.members & self._live) - self.rules.joiners
             shards = list(self._shards.values())
         self.fence.drop(gone)
+        self.arrivals.forget(gone)
         for shard in shards:
             for rank in gone:
                 shard.forget(rank)
@@ -422,7 +425,8 @@ class KVServer(Handler):
                 continue  # sent again after a fail-over; the dead primary's backups had it
             shard.check(push)
             work.append((shard, push))
-        with self.replicator.batch():  # the backups get the slices applied here in one frame
+        self.arrivals.pushed(rank, bool(meta.get("more")))
+        with self.replicator.batch(self.arrivals.more):  # the backups get these slices in one frame
             for shard, push in work:
                 behind = push.clock if self.rules.policy.rounds else shard.version
                 self.staleness[max(0, behind - shard.read.get(rank, 0))] += 1
@@ -445,6 +449,7 @@ class KVServer(Handler):
             self.rules.members = self.rules.members - {rank}
             self.rules.joiners = self.rules.joiners - {rank}
             shards = list(self._shards.values())
+        self.arrivals.forget({rank})
         for shard in shards:
             shard.forget(rank)
             shard.apply_complete_rounds()

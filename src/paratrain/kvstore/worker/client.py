@@ -400,6 +400,10 @@ class DistKVStore(SparseAPI):
             lambda key, info, piece: {"clocks": clocks[key], "min_versions": self._min_version(info)},
             self._frame_bytes,
         )
+        last = {s: meta for s, meta in frames}
+        for s, meta in frames:
+            if meta is not last[s]:  # more of this push follows to that server (server/outbox.py)
+                meta["more"] = True
         futures, reads = [], []
         if self._weight != 1:
             for _, meta in frames:
