@@ -385,8 +385,8 @@ def test_a_restarted_server_catches_up_and_the_job_survives_another_death(
 
 
 class Loopback:
-    """A same-host backup's connection, answered in this process: `mirror` at once, `replicate`
-    frames taken by the backup at once and acknowledged by hand."""
+    """A same-host backup's connection, answered in this process: `mirror` and `borrow` at once,
+    `replicate` frames taken by the backup at once and acknowledged by hand."""
 
     config = TransportConfig()
 
@@ -394,6 +394,8 @@ class Loopback:
         self.backup, self.sent, self.unanswered = backup, [], []
 
     def call(self, op: str, meta: dict, timeout_s: float | None = None) -> Reply:
+        if op == "borrow":
+            return Reply(self.backup.replicator.borrowed.check(meta["arena"]))
         assert op == "mirror"
         return Reply(mirror.offer(self.backup, meta))
 
@@ -524,6 +526,36 @@ def test_a_same_host_backup_holds_the_primarys_own_buffer_which_no_round_writes_
     assert copy.value.eq(6).all() and not any(b.data_ptr() == lent.data_ptr() for b in copy.pool)
     mirrors.close()
     backup.replicator.close()
+
+
+def test_a_backup_that_cannot_map_the_primarys_memory_gets_copies_instead_of_loans(monkeypatch) -> None:
+    """mirror.py: a same-host backup that cannot map its primary's arena (another PID or IPC
+    namespace) is lent nothing; it takes the values through its own buffers, as with a server
+    optimizer, and goes on as a live backup."""
+    primary, backup = KVServer(0), KVServer(1)
+    for server in (primary, backup):
+        server.configure({"mode": "sync", "members": [0], "replication": 2, "servers": [["h", 1]] * 2})
+    meta = {"key": "w", "start": 0, "stop": 3, "numel": 3, "shape": [3], "dtype": "float32", "chain": [0, 1]}
+    shard, copy = primary.adopt(meta), backup.adopt(meta)
+    shard.share(primary.arena().region(3, torch.float32, 3))
+    hidden, opens = primary.arena().describe(), mirror.ArenaMap.open
+
+    def open_unless_hidden(described: list) -> mirror.ArenaMap:
+        if list(described) == list(hidden):
+            raise OSError(f"no process {hidden[0]} here")
+        return opens(described)
+
+    monkeypatch.setattr(mirror.ArenaMap, "open", staticmethod(open_unless_hidden))
+    mirrors, link = Mirrors(0), Loopback(backup)
+    shard.on_applied = lambda s: mirrors.send(1, link, s, s.replica()[0] | {"sender": 0}, s.replica()[1])
+    for clock in range(3):
+        shard.push(Push(0, clock, torch.full((3,), clock + 1.0)))
+        assert "lent" not in link.sent[-1][0] and copy.value.eq(clock + 1).all()
+        assert copy.holding() is None and shard.lent == frozenset()
+        link.answer()
+    assert mirrors._borrowers == {1: False} and "buffer" in link.sent[0][0]  # through its buffers
+    assert 1 not in primary.replicator.dead
+    mirrors.close()
 
 
 def test_the_lent_slices_of_one_push_go_to_a_backup_in_one_frame_answered_per_slice() -> None:

@@ -40,7 +40,9 @@ frames from such a sender are refused anyway. Memory: a backup holds two sets of
 it mirrors (its value is in one of them), where it held one value before.
 
 In both, the primary's acknowledgements wait for the backup's reply, as over TCP. A backup that
-refuses or cannot be mapped gets copies over TCP (mirroring), or is taken as dead (lending).
+refuses or cannot be mapped gets copies over TCP (mirroring). Before its first loan a backup is
+asked whether it maps the primary's memory (op `borrow`); one that cannot (another PID or IPC
+namespace on the same host) is lent nothing and gets its copies as with mirroring.
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ class Mirrors:
         self._links: dict[tuple[int, Any, int, int], Link] = {}
         self._lends: dict[tuple[Any, int, int], dict[int, Lend]] = {}  # by slice, then backup
         self._tokens: dict[int, bytes] = {}  # this server's arena's token, by its descriptor
+        self._borrowers: dict[int, bool] = {}  # by backup: whether it maps this server's arena
         self._retired: list[ArenaMap] = []
         self._lock = threading.Lock()  # one `mirror` call and map per backup and slice
 
@@ -160,7 +163,7 @@ class Mirrors:
         the value through the backup's buffer where one is free, else in the frame."""
         lends = self._lends.get((shard.key, shard.start, shard.stop), {})
         lend = lends.get(server)
-        if shard.lendable():
+        if shard.lendable() and self.lends_to(server, client, shard):
             assert shard.region is not None
             if lend is None:
                 lend = lends[server] = Lend()
@@ -174,6 +177,31 @@ class Mirrors:
             lend.pending.append((b, future))
             shard.lent = frozenset(self._lent(shard))
         return future
+
+    def lends_to(self, server: int, client: RpcClient, shard: ShardState) -> bool:
+        """Whether `server` maps this server's memory, asked once (op `borrow`, holding the
+        slice's lock, as `mirror` is): a backup that cannot (another PID or IPC namespace on the
+        same host) gets its copies through its own buffers or over TCP instead of being lent."""
+        known = self._borrowers.get(server)
+        if known is not None:
+            return known
+        try:
+            reply = client.call("borrow", {"arena": self._own_arena(shard)}, timeout_s=MIRROR_TIMEOUT_S)
+        except (RemoteError, TransportError, TimeoutError) as exc:  # asked again at the next copy
+            logger.info(
+                "server %d: server %d did not say whether it maps this server: %s", self.rank, server, exc
+            )
+            return False
+        maps = self._borrowers[server] = reply.meta.get("maps") is True
+        if not maps:
+            why = reply.meta.get("why")
+            logger.warning(
+                "server %d: server %d cannot map this server's memory (%s): no lending",
+                self.rank,
+                server,
+                why,
+            )
+        return maps
 
     def defer(self, server: int, shard: ShardState, meta: dict, batch: Batch) -> Part:
         """Lend the value to `server` in `batch`'s next frame to it, sent by Batch.flush (holds
@@ -255,6 +283,7 @@ class Mirrors:
         """`server` died or was restarted: its buffers are no more (a new process makes new ones),
         and it holds none of ours (given back at the next `release` of each slice)."""
         self._links = {k: v for k, v in self._links.items() if k[0] != server}
+        self._borrowers.pop(server, None)
         for by_server in list(self._lends.values()):  # in place: a copy may be lending meanwhile
             by_server.pop(server, None)
         arena = self._arenas.pop(server, None)
@@ -344,6 +373,18 @@ class Borrowed:
             shard.disown()
             shard.borrowed = region
         return region.buffers[b]
+
+    def check(self, arena: list) -> dict:
+        """A backup's side of `borrow`: whether it maps the primary's arena [pid, fd, token] (it
+        keeps the map for the lends to come)."""
+        pid, fd, token = int(arena[0]), int(arena[1]), bytes(arena[2])
+        with self._lock:
+            if (pid, fd, token) not in self._arenas:
+                try:
+                    self._arenas[(pid, fd, token)] = ArenaMap.open([pid, fd, token])
+                except (OSError, ValueError) as exc:
+                    return {"maps": False, "why": str(exc)}
+        return {"maps": True}
 
     def holds(self, shard: ShardState) -> list[int] | None:
         """What a backup answers a `replicate`: the primary's buffer its value is, if any."""

@@ -180,7 +180,12 @@ class Replicator:
         with self._lock:
             backups = [s for s in shard.chain if s != self.rank and s not in self.dead]
         batch: Batch | None = getattr(self._local, "batch", None)
-        if batch is not None and backups and shard.lendable() and all(map(self._mirrored, backups)):
+        if (
+            batch is not None
+            and backups
+            and shard.lendable()
+            and all(self._lends_to(s, shard) for s in backups)
+        ):
             self._defer(shard, backups, batch)
             return
         sent = []
@@ -286,6 +291,13 @@ class Replicator:
             if self._confirming is None:
                 self._confirming = threading.Thread(target=self._confirm, name="replicas", daemon=True)
                 self._confirming.start()
+
+    def _lends_to(self, server: int, shard: ShardState) -> bool:
+        """Whether `server` may borrow `shard`'s value (mirror.py): on this host, and it maps ours."""
+        try:
+            return self._mirrored(server) and self._mirrors.lends_to(server, self._client(server), shard)
+        except (TransportError, OSError):  # not reached: forward's copy finds it lost
+            return False
 
     def _mirrored(self, server: int) -> bool:
         """Whether copies to `server` may go through its memory: on this host, same-host path on."""

@@ -189,6 +189,8 @@ class KVServer(Handler):
                 request.reply(self._replicate(request))
             elif op == "mirror":
                 request.reply(mirror.offer(self, request.meta))
+            elif op == "borrow":
+                request.reply(self.replicator.borrowed.check(request.meta["arena"]))
             elif op == "rejoin":  # a restarted server catches up (rejoin.py)
                 rejoin.send_state(self, request, self.replicator.timeout_s)
             elif op == "install":
