@@ -5,13 +5,18 @@ totals of pushes, pulls and bytes, the pulls queued for a round (queue depth), o
 staleness histogram, the rows of each sparse table, and the hottest keys by bytes moved, each with
 its counts and version. Per key, `pushes` and `pulls` are the largest count of the key's slices here
 and bytes are their sum, as `DistKVStore.stats()` combines slices, so the two can be compared.
+
+Also the answers to a worker's `stats` (per shard) and `waiting` (what holds its pull back) requests.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from paratrain.metrics.telemetry import process_figures
+
+logger = logging.getLogger(__name__)
 
 TOP_KEYS = 20
 NAME_CHARS = 120
@@ -22,7 +27,7 @@ COUNTS = ("pushes", "pulls", "bytes_in", "bytes_out")
 def server_report(server: Any, top: int = TOP_KEYS) -> dict[str, Any]:
     with server._lock:
         shards = list(server._shards.values())
-        waiting = len(server._pending)
+    waiting = len(server.pulls.waiting())
     keys: dict[Any, dict[str, Any]] = {}
     for shard in shards:
         counts = dict(shard.counts)  # a copy: the serving threads keep counting
@@ -51,3 +56,34 @@ def _tables(server: Any) -> list[dict[str, Any]]:
     tables = dict(server.tables.tables)
     rows = [{"key": str(key)[:NAME_CHARS], "rows": int(table.rows.count)} for key, table in tables.items()]
     return sorted(rows, key=lambda t: t["rows"], reverse=True)[:TOP_KEYS]
+
+
+def waits(server: Any, meta: dict) -> list[dict]:
+    """`waiting`: the rounds that hold back a waiting worker's pulls: per slice below its min_version,
+    the round applied next and the members that have not pushed it."""
+    rank = int(meta["rank"])
+    shards = [server._shard(meta, i) for i in range(len(meta["keys"]))]
+    needs = [s.pull_version(rank, int(need)) for s, need in zip(shards, meta["min_versions"], strict=True)]
+    behind = [s.waiting(need) for s, need in zip(shards, needs, strict=True)]
+    behind = [w for w in behind if w is not None]
+    if behind:
+        logger.warning(
+            "server %d: worker %d waits for %s",
+            server.rank,
+            rank,
+            "; ".join(
+                f"round {w['round']} of key {w['key']!r} [{w['start']}, {w['stop']}), which worker(s) "
+                f"{', '.join(map(str, w['missing'])) or 'none (being applied)'} have not pushed"
+                for w in behind[:8]
+            )
+            + (f"; and {len(behind) - 8} more slices" if len(behind) > 8 else ""),
+        )
+    return behind
+
+
+def stats(server: Any) -> dict:
+    """`stats`: per shard, its counts, version, open rounds and the pulls waiting on it (queue depth)."""
+    with server._lock:
+        shards = list(server._shards.values())
+    waiting = [s for pull in server.pulls.waiting() for s in pull.shards]
+    return {"shards": [s.stats(sum(1 for w in waiting if w is s)) for s in shards]}

@@ -26,6 +26,8 @@ Requests (meta lists are parallel; every tensor is one flat slice of one key):
     mirror        {key, start, stop}                                from a same-host primary: where
                   this backup's two buffers for the slice are, which `replicate` {buffer} names
                   (mirror.py)
+    borrow        {arena}                                           from a same-host primary:
+                  whether this backup maps its memory, before it lends values (mirror.py)
     rejoin        {rank, address, dead}                             from a restarted server: it
                   is a backup again; reply once it has an `install` of each slice it backs up that
                   this server serves (rejoin.py), with the configuration worker 0 sent
@@ -34,7 +36,7 @@ Requests (meta lists are parallel; every tensor is one flat slice of one key):
     sparse_*                                                        sparse tables (sparse.py)
 
 Consistency is the policy's (consistency.py) and a shard's state changes only through its methods
-(shard.py): a push joins its round or is applied at once; a pull waits here (PendingPull) until the
+(shard.py): a push joins its round or is applied at once; a pull waits (pulls.py) until the
 shard's version reaches the `min_version` the worker sent.
 
 Zero copies on the hot path: a push is received straight into a pooled buffer of its shard (or, from
@@ -56,7 +58,6 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,9 +67,9 @@ from paratrain.kvstore import optim
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.compressed import ServerCompression
 from paratrain.kvstore.consistency import policy
-from paratrain.kvstore.server import mirror, outbox, rejoin, replica
+from paratrain.kvstore.server import mirror, outbox, rejoin, replica, report
 from paratrain.kvstore.server.fence import Fence
-from paratrain.kvstore.server.replies import ReplySenders
+from paratrain.kvstore.server.pulls import PendingPull, Pulls
 from paratrain.kvstore.server.shard import Push, Rules, ShardState
 from paratrain.kvstore.server.sparse import SparseTables
 from paratrain.kvstore.shared import Arena, Region
@@ -84,20 +85,6 @@ logger = logging.getLogger(__name__)
 ROUND_BUFFERS = 2
 SLICE = ("keys", "starts", "stops")  # a slice's meta fields; one slice's: the same without the "s"
 Shard = ShardState  # the name other modules knew
-
-
-@dataclass
-class PendingPull:
-    request: Request
-    shards: list[Shard]
-    min_versions: list[int]
-    read: list[bool]
-    """Per shard: the worker copies it out of shared memory itself (no tensor in the reply)."""
-    ack_only: bool = False
-    """A replicated push's acknowledgement: no values, sent once its rounds are on the backups."""
-
-    def ready(self) -> bool:
-        return all(s.ready(v) for s, v in zip(self.shards, self.min_versions, strict=True))
 
 
 class KVServer(Handler):
@@ -117,15 +104,14 @@ class KVServer(Handler):
         self.optimizer_spec: tuple[str, dict] | None = None
         self._shards: dict[tuple[Any, int, int], Shard] = {}
         self._lock = threading.Lock()
-        self._pending: list[PendingPull] = []
         self._arena: Arena | None = None  # shared shards, made on the first same-host init
         self.tables = SparseTables(self)  # sparse tables: ops sparse_* (sparse.py)
         self.staleness: Counter[int] = Counter()
         """Pushed slices by how many updates their key took since the pusher's pull (report.py)."""
         self.compression = ServerCompression()  # compressed pushes and pulls (compressed.py)
-        self._senders = ReplySenders(f"server {rank}")  # pull replies go out from these (replies.py)
+        self.pulls = Pulls(rank, self.compression, self._refuse)  # waiting pulls, replies (pulls.py)
         self.replicator = replicator or replica.Replicator(rank, b"")  # backups (replica.py)
-        self.replicator.on_durable = self._serve_ready_pulls
+        self.replicator.on_durable = self.pulls.serve_ready
         self.replicator.on_dead = self._disown
         self._configured: frozenset[int] = frozenset()  # the members worker 0 configured
         self.configuration: dict = {}  # what worker 0's configure said (a rejoining server's too)
@@ -217,9 +203,9 @@ class KVServer(Handler):
             elif op == "ping":
                 request.reply(request.meta, request.tensors)
             elif op == "stats":
-                request.reply(self._stats())
+                request.reply(report.stats(self))
             elif op == "waiting":
-                request.reply({"waits": self._waiting(request.meta)})
+                request.reply({"waits": report.waits(self, request.meta)})
             elif op in SparseTables.OPS:
                 if op == "sparse_push":  # a dropped worker's late push is refused here too
                     self.fence.check_push(request.conn, int(request.meta["rank"]))
@@ -280,7 +266,7 @@ class KVServer(Handler):
             for rank in gone:
                 shard.forget(rank)
             shard.apply_complete_rounds()
-        self._serve_ready_pulls()
+        self.pulls.serve_ready()
         self.tables.members_changed()
 
     @property
@@ -433,7 +419,7 @@ class KVServer(Handler):
                 behind = push.clock if self.rules.policy.rounds else shard.version
                 self.staleness[max(0, behind - shard.read.get(rank, 0))] += 1
                 shard.push(push)
-        self._serve_ready_pulls()
+        self.pulls.serve_ready()
 
     def _join(self, rank: int) -> None:
         """A worker that joined the running job (elastic), while the others wait at a barrier: every
@@ -455,7 +441,7 @@ class KVServer(Handler):
         for shard in shards:
             shard.forget(rank)
             shard.apply_complete_rounds()
-        self._serve_ready_pulls()
+        self.pulls.serve_ready()
         self.tables.members_changed()
 
     def _acknowledge(self, request: Request) -> None:
@@ -466,9 +452,7 @@ class KVServer(Handler):
         meta = request.meta
         shards = [self._shard(meta, i) for i in range(len(meta["keys"]))]
         needs = self._acknowledged_at(meta, [0] * len(shards))
-        with self._lock:
-            self._pending.append(PendingPull(request, shards, needs, [True] * len(shards), ack_only=True))
-        self._serve_ready_pulls()
+        self.pulls.wait(PendingPull(request, shards, needs, [True] * len(shards), ack_only=True))
 
     def _acknowledged_at(self, meta: dict, min_versions: list[int]) -> list[int]:
         """With replication, a push is acknowledged (or its pushpull answered) only once its
@@ -491,48 +475,7 @@ class KVServer(Handler):
                 raise KVError(f"{shard.describe()} is not in shared memory: it cannot be read there")
         rank = int(meta.get("rank", -1))
         needs = [s.pull_version(rank, int(v)) for s, v in zip(shards, min_versions, strict=True)]
-        pending = PendingPull(request, shards, needs, read)
-        with self._lock:
-            self._pending.append(pending)
-        self._serve_ready_pulls()
-
-    def _serve_ready_pulls(self) -> None:
-        ready: list[PendingPull] = []
-        with self._lock:
-            waiting = []
-            for pull in self._pending:
-                (ready if pull.ready() else waiting).append(pull)
-            self._pending = waiting
-        for pull in ready:
-            self._send_values(pull)
-
-    def _send_values(self, pull: PendingPull) -> None:
-        """Pin the values now (no round changes them until sent) and send them from the pulling
-        worker's reply sender (replies.py), never from this thread."""
-        if pull.ack_only:
-            pull.request.reply({})
-            return
-        sent = [shard for shard, reads in zip(pull.shards, pull.read, strict=True) if not reads]
-        values = [shard.begin_read() for shard in sent]
-        self._senders.send(pull.request.conn, lambda: self._reply_values(pull, sent, values))
-
-    def _reply_values(self, pull: PendingPull, sent: list[Shard], values: list[torch.Tensor]) -> None:
-        request = pull.request
-        try:
-            extra, values = self.compression.encode_pull(request.meta, sent, values)
-            request.reply({"versions": [s.version for s in sent], **extra}, values)  # readers see theirs
-            rank = request.meta.get("rank", -1)
-            for shard in pull.shards:
-                shard.read[rank] = shard.version
-                shard.counts["pulls"] += 1
-                shard.counts["bytes_out"] += shard.value.numel() * shard.value.element_size()
-        except (KVError, ValueError, TypeError, KeyError) as exc:
-            self._refuse(request, f"server {self.rank}: {exc}")
-        except TransportError as exc:  # the worker is gone: its connection's end reports it
-            logger.debug("server %d: a pull reply to %s was not sent: %s", self.rank, request.conn.peer, exc)
-        finally:
-            for shard in sent:
-                shard.end_read()
+        self.pulls.wait(PendingPull(request, shards, needs, read))
 
     def _refuse(self, request: Request, message: str) -> None:
         try:
@@ -543,42 +486,11 @@ class KVServer(Handler):
     def close(self) -> None:
         """The job ended (after the RpcServer closed): the threads that send replies end before the
         process exits (replies.py, ReplySenders.close_all)."""
-        self._senders.close_all()
+        self.pulls.close()
         self.tables.close()
 
     def disconnected(self, conn: Connection, error: Exception | None) -> None:
-        self._senders.close(conn)
-
-    def _waiting(self, meta: dict) -> list[dict]:
-        """The rounds that hold back a waiting worker's pulls: per slice below its min_version,
-        the round applied next and the members that have not pushed it."""
-        rank = int(meta["rank"])
-        shards = [self._shard(meta, i) for i in range(len(meta["keys"]))]
-        needs = [
-            s.pull_version(rank, int(need)) for s, need in zip(shards, meta["min_versions"], strict=True)
-        ]
-        waits = [s.waiting(need) for s, need in zip(shards, needs, strict=True)]
-        waits = [w for w in waits if w is not None]
-        if waits:
-            logger.warning(
-                "server %d: worker %d waits for %s",
-                self.rank,
-                rank,
-                "; ".join(
-                    f"round {w['round']} of key {w['key']!r} [{w['start']}, {w['stop']}), which worker(s) "
-                    f"{', '.join(map(str, w['missing'])) or 'none (being applied)'} have not pushed"
-                    for w in waits[:8]
-                )
-                + (f"; and {len(waits) - 8} more slices" if len(waits) > 8 else ""),
-            )
-        return waits
-
-    def _stats(self) -> dict:
-        """Per shard: its counts, version, open rounds and the pulls waiting on it (queue depth)."""
-        with self._lock:
-            shards = list(self._shards.values())
-            waiting = [s for pull in self._pending for s in pull.shards]
-        return {"shards": [s.stats(sum(1 for w in waiting if w is s)) for s in shards]}
+        self.pulls.disconnected(conn)
 
     # -- optimizer --------------------------------------------------------------------------------
     def set_optimizer(self, path: str, hyper: dict) -> None:
