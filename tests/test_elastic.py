@@ -22,8 +22,9 @@ from paratrain.cluster.scheduler import Scheduler
 from paratrain.cluster.spec import ClusterSpec
 from paratrain.errors import RegistrationError, RemoteError
 from paratrain.kvstore.consistency import Sync
+from paratrain.kvstore.server.rules import Push, Rules
 from paratrain.kvstore.server.server import KVServer
-from paratrain.kvstore.server.shard import Push, Rules, ShardState
+from paratrain.kvstore.server.shard import ShardState
 from paratrain.testing import free_port, run_job
 from paratrain.transport.client import RpcClient
 

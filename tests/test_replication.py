@@ -20,8 +20,9 @@ from paratrain.kvstore.server import mirror
 from paratrain.kvstore.server.mirror import Batch, Mirrors
 from paratrain.kvstore.server.rejoin import install, installation
 from paratrain.kvstore.server.replica import Replicator
+from paratrain.kvstore.server.rules import Clocks, Push, Rules
 from paratrain.kvstore.server.server import KVServer
-from paratrain.kvstore.server.shard import Clocks, Push, Rules, ShardState
+from paratrain.kvstore.server.shard import ShardState
 from paratrain.kvstore.worker.failover import Payload, Servers
 from paratrain.testing import run_job
 from paratrain.transport.client import Future, Reply

@@ -17,7 +17,7 @@ import torch
 from paratrain.kvstore.api import TableConfig, TableError
 from paratrain.kvstore.consistency import Async, Sync
 from paratrain.kvstore.server.rowstore import initial_rows
-from paratrain.kvstore.server.shard import Rules
+from paratrain.kvstore.server.rules import Rules
 from paratrain.kvstore.server.sparse import SparseTables
 from paratrain.kvstore.server.sparse_optim import build_optimizer
 from paratrain.kvstore.server.sparse_replica import TableCopy, apply_delta, delta, send_tables

@@ -9,7 +9,8 @@ import torch
 from paratrain.kvstore import KVStore, KVStoreConfig
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.consistency import Async, Bounded, Sync, policy
-from paratrain.kvstore.server.shard import Push, Rules, ShardState
+from paratrain.kvstore.server.rules import Push, Rules
+from paratrain.kvstore.server.shard import ShardState
 
 
 def shard(rules: Rules, value: list[float] | None = None) -> ShardState:

@@ -17,7 +17,7 @@ from paratrain.errors import KVStoreError
 from paratrain.kvstore import TableConfig, create, kernels
 from paratrain.kvstore.consistency import Bounded
 from paratrain.kvstore.server.rowstore import IdIndex, initial_rows, shard_of
-from paratrain.kvstore.server.shard import Rules
+from paratrain.kvstore.server.rules import Rules
 from paratrain.kvstore.server.sparse import SparseTables
 from paratrain.kvstore.server.sparse_fold import fold_order_holds, may_fold
 from paratrain.kvstore.server.sparse_optim import build_optimizer

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 if TYPE_CHECKING:
-    from paratrain.kvstore.server.shard import Push, ShardState
+    from paratrain.kvstore.server.rules import Push
+    from paratrain.kvstore.server.shard import ShardState
 
 
 class Policy(Protocol):

@@ -37,7 +37,8 @@ from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.server.mirror import Batch, Borrowed, Mirrors, restored
 from paratrain.kvstore.server.outbox import Outbox
-from paratrain.kvstore.server.shard import Clocks, ShardState
+from paratrain.kvstore.server.rules import Clocks
+from paratrain.kvstore.server.shard import ShardState
 from paratrain.kvstore.shared import same_host
 from paratrain.transport.client import Future, RpcClient
 from paratrain.transport.config import TransportConfig

@@ -70,7 +70,8 @@ from paratrain.kvstore.consistency import policy
 from paratrain.kvstore.server import mirror, outbox, rejoin, replica, report
 from paratrain.kvstore.server.fence import Fence
 from paratrain.kvstore.server.pulls import PendingPull, Pulls
-from paratrain.kvstore.server.shard import Push, Rules, ShardState
+from paratrain.kvstore.server.rules import Push, Rules
+from paratrain.kvstore.server.shard import ShardState
 from paratrain.kvstore.server.sparse import SparseTables
 from paratrain.kvstore.shared import Arena, Region
 from paratrain.transport.connection import Connection

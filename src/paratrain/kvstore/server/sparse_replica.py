@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from paratrain.kvstore.api import TableError
-from paratrain.kvstore.server.shard import Clocks
+from paratrain.kvstore.server.rules import Clocks
 
 if TYPE_CHECKING:
     from paratrain.kvstore.server.sparse_table import SparseTable

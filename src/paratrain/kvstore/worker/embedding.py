@@ -39,7 +39,7 @@ from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import kernels, optim
 from paratrain.kvstore.api import Handle, KVStoreConfig, SparseAPI, TableConfig, check_key, resolve_kind
 from paratrain.kvstore.server.rowstore import SHARD_SALT, shard_of
-from paratrain.kvstore.server.shard import Rules
+from paratrain.kvstore.server.rules import Rules
 from paratrain.kvstore.server.sparse import SparseTables
 from paratrain.kvstore.worker.checks import check_finite, explain_wait
 from paratrain.kvstore.worker.failover import Servers
