@@ -99,3 +99,25 @@ def test_a_caller_reads_the_replies_of_other_threads_requests(server: RpcServer)
         assert [f.wait(WAIT_S).meta for f in futures] == [{"sent": 0}] * 50
     finally:
         client.close()
+
+
+def test_a_caller_alone_on_its_connection_reads_its_own_replies(server: RpcServer) -> None:
+    """The point of the read turns: no reply of a lone caller's `call` goes through the reader thread
+    (with the turns off, as where `supported()` is false, the reader thread reads every one).
+    Replies to `request()` then `wait()` are not counted: one may come before the `wait` and be read
+    by the reader thread, by design."""
+    client = RpcClient(server.host, server.port, SECRET, config=CONFIG)
+    readers: list[str] = []
+    dispatch = client._dispatch
+
+    def counting(header: Header, tensors: list[torch.Tensor]) -> None:
+        readers.append(threading.current_thread().name)
+        dispatch(header, tensors)
+
+    client._dispatch = counting  # type: ignore[method-assign]
+    try:
+        for _ in range(40):
+            assert client.call("notify", {"n": 0}).meta == {"sent": 0}
+        assert readers == [threading.current_thread().name] * 40
+    finally:
+        client.close()
