@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 READ_AHEAD_BYTES = 256 * 1024
 _PREFIX_BYTES = frame.PREFIX.size
+_TIMEVAL = struct.Struct("@ll")  # struct timeval (seconds, microseconds)
 IOV_MAX = 512
 
 # Called with a parsed header; returns the tensors to receive the payload into (None: allocate).
@@ -264,7 +266,10 @@ class Connection:
             self._start += buffered
         got = buffered
         while got < n:
-            k = self._sock.recv_into(view[got:], n - got, self._waitall)
+            try:
+                k = self._sock.recv_into(view[got:], n - got, self._waitall)
+            except BlockingIOError:  # a read tick passed (set_read_tick): wait on
+                continue
             if k == 0:
                 raise TransportError(f"{self.peer} closed the connection inside a payload")
             got += k
@@ -280,14 +285,16 @@ class Connection:
         """Bytes read ahead and not yet part of a frame read."""
         return self._end - self._start
 
-    def read_ready(self) -> bool:
-        """Whether a frame has begun to arrive: bytes read ahead, or bytes one recv that does not
-        wait finds (raises ConnectionClosed where the peer closed the connection between frames)."""
+    def read_ready(self, wait: bool = False) -> bool:
+        """Whether a frame has begun to arrive: bytes read ahead, or bytes one recv finds, at once
+        or, with `wait`, within the read tick (raises ConnectionClosed where the peer closed the
+        connection between frames). Waiting in the recv itself saves a poll: a system call costs
+        about 2 us here, a tenth of a small round trip's client CPU."""
         if self._end > self._start:
             return True
         self._start = self._end = 0
         try:
-            k = self._sock.recv_into(self._view, 0, socket.MSG_DONTWAIT)
+            k = self._sock.recv_into(self._view, 0, 0 if wait else socket.MSG_DONTWAIT)
         except BlockingIOError:
             return False
         except OSError as exc:
@@ -297,6 +304,14 @@ class Connection:
         self._end = k
         return True
 
+    def set_read_tick(self, tick_s: float) -> None:
+        """A recv that waits returns after tick_s without bytes (SO_RCVTIMEO): `read_ready(wait=True)`
+        then says False, and a wait inside a frame goes on."""
+        seconds = int(tick_s)
+        self._sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_RCVTIMEO, _TIMEVAL.pack(seconds, int((tick_s - seconds) * 1e6))
+        )
+
     def _fill(self, n: int, between_frames: bool = False) -> None:
         if self._end - self._start >= n:
             return
@@ -305,7 +320,10 @@ class Connection:
             self._view[:size] = self._view[self._start : self._end]
             self._start, self._end = 0, size
         while self._end - self._start < n:
-            k = self._sock.recv_into(self._view[self._end :])
+            try:
+                k = self._sock.recv_into(self._view[self._end :])
+            except BlockingIOError:  # a read tick passed (set_read_tick): wait on
+                continue
             if k == 0:
                 if between_frames and self._end == self._start:
                     raise ConnectionClosed(f"{self.peer} closed the connection")

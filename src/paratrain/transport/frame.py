@@ -41,7 +41,7 @@ import msgpack
 import torch
 
 from paratrain.errors import TransportError
-from paratrain.transport.tensors import BY_CODE, CODES, DTYPES, MAX_DIMS, dtype_name, nbytes
+from paratrain.transport.tensors import BY_CODE, CODES, DTYPES, ITEMSIZE, MAX_DIMS, dtype_name, nbytes
 
 PREFIX = struct.Struct("!IQ16s")
 MAC_INPUT = struct.Struct("!QIQ")
@@ -224,10 +224,9 @@ def _decode_lean(header: bytes | memoryview, payload_len: int) -> Header:
             raise FrameError(f"lean tensor spec (dtype code {code}, {ndim} dims) is not valid")
         shape = _DIMS[ndim].unpack_from(header, at + 2)
         at += 2 + 8 * ndim
-        _check_shape(shape)
         dtype = BY_CODE[code]
         specs.append((dtype, shape))
-        total += nbytes(dtype, shape)
+        total += _checked_bytes(dtype, shape)
     meta: Any = {}
     if at < end:
         try:
@@ -241,11 +240,12 @@ def _decode_lean(header: bytes | memoryview, payload_len: int) -> Header:
     return Header(op, id, meta, specs, None, total)
 
 
-def _check_shape(shape: tuple[int, ...]) -> None:
+def _checked_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """The bytes of a tensor of this shape, once its dims are checked (one call per tensor)."""
     if len(shape) == 1:  # the common case: a flat tensor
         if shape[0] >= MAX_DIM:
             raise FrameError(f"tensor shape {list(shape)} has a bad dimension")
-        return
+        return ITEMSIZE[dtype] * shape[0]
     extent = 1  # the product of the dims counting 0 as 1: bounds strides of empty tensors too
     for d in shape:
         if d >= MAX_DIM:
@@ -253,6 +253,7 @@ def _check_shape(shape: tuple[int, ...]) -> None:
         extent *= max(d, 1)
     if extent >= 1 << 62:
         raise FrameError(f"tensor shape {list(shape)} is too large")
+    return nbytes(dtype, shape)
 
 
 def _parse_specs(specs: Any) -> list[tuple[torch.dtype, tuple[int, ...]]]:

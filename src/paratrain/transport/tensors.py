@@ -83,7 +83,18 @@ class ViewCache:
         """tensors.byte_view(tensor), from the cache where it can be."""
         if not tensor.is_cpu or not tensor.is_contiguous():
             return byte_view(tensor)  # raises the error that says why
-        size = tensor.nbytes
+        return self._view(tensor, tensor.nbytes)
+
+    def fitting_view(self, dest: torch.Tensor, dtype: torch.dtype, size: int) -> memoryview | None:
+        """tensors.fitting_view(dest, dtype, size), from the cache where it can be."""
+        if dest.dtype is not dtype or dest.nbytes != size:
+            return None
+        if not dest.is_cpu or not dest.is_contiguous():
+            return None
+        return self._view(dest, size)
+
+    def _view(self, tensor: torch.Tensor, size: int) -> memoryview:
+        """The view of a contiguous CPU tensor of `size` bytes (checked by the caller, once)."""
         if not size or size > self.max_bytes:
             return byte_view(tensor)
         key = (tensor.data_ptr(), size)
@@ -93,14 +104,6 @@ class ViewCache:
                 self._views.clear()
             view = self._views[key] = byte_view(tensor)
         return view
-
-    def fitting_view(self, dest: torch.Tensor, dtype: torch.dtype, size: int) -> memoryview | None:
-        """tensors.fitting_view(dest, dtype, size), from the cache where it can be."""
-        if dest.dtype is not dtype or dest.nbytes != size:
-            return None
-        if not dest.is_cpu or not dest.is_contiguous():
-            return None
-        return self.byte_view(dest)
 
     def clear(self) -> None:
         self._views.clear()
