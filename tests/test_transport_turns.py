@@ -73,6 +73,29 @@ def test_notices_a_caller_reads_run_on_the_reader_thread_in_order(server: RpcSer
         client.close()
 
 
+def test_a_reply_is_seen_only_after_the_notices_sent_before_it_have_run(server: RpcServer) -> None:
+    # The scheduler sends its abort notice before failing a waiting call: the notice must have run
+    # (the node exits as aborted) before the call's caller sees the failed reply.
+    ran: list[int] = []
+
+    def on_message(header: Header, tensors: list[torch.Tensor]) -> None:
+        time.sleep(0.2)  # a callback that takes a while: the reply is read long before it ends
+        ran.append(header.meta["i"])
+
+    client = RpcClient(server.host, server.port, SECRET, config=CONFIG, on_message=on_message)
+    try:
+        assert client._turns is not None, "this platform has epoll: the caller reads"
+        for n in (1, 3):
+            ran.clear()
+            assert client.call("notify", {"n": n}).meta == {"sent": n}
+            assert ran == list(range(n))
+        ran.clear()
+        assert client.request("notify", {"n": 2}).wait(WAIT_S).meta == {"sent": 2}
+        assert ran == [0, 1]
+    finally:
+        client.close()
+
+
 def test_a_connection_that_breaks_under_a_reading_caller_is_closed_once_by_the_reader(
     server: RpcServer,
 ) -> None:

@@ -282,20 +282,26 @@ class RpcClient:
 
     def _read_until(self, future: Future, deadline: float | None) -> None:
         """Read frames until `future` has its reply (and no frame is left half read ahead) or the
-        deadline passes; one-way messages and a broken connection go to the reader thread (turns.py)."""
+        deadline passes; one-way messages and a broken connection go to the reader thread (turns.py).
+
+        Once a one-way message was handed over (and not yet run), every frame after it goes the
+        same way, replies too, and the turn ends at the next frame boundary: a reply is never
+        seen before a notice sent ahead of it has run. The scheduler relies on it: its abort
+        notice goes before the failed reply to a waiting call, so the node exits as aborted (a
+        consequence) rather than raising (a cause)."""
         conn, turns = self._conn, self._turns
         assert turns is not None
         try:
             while True:
                 if not conn.buffered():  # frames read ahead go out before the reader thread's turn
-                    if future.done() or conn.closed:
+                    if future.done() or conn.closed or turns.holds_handed():
                         return
                     if not self._frame_begun(deadline):
                         if deadline is not None and time.monotonic() >= deadline:
                             return
                         continue
                 header, tensors = conn.read(self._destinations)
-                if header.id:
+                if header.id and not turns.holds_handed():
                     self._dispatch(header, tensors)
                 else:
                     turns.hand((header, tensors))
@@ -363,8 +369,10 @@ class RpcClient:
                 turns.arm()  # after the release: see turns.py
 
     def _run_handed(self, turns: ReadTurns) -> None:
-        for header, tensors in turns.handed():
+        handed = turns.handed()
+        for header, tensors in handed:
             self._dispatch(header, tensors)
+        turns.done(len(handed))
 
     def _reading(self, read: Callable[[], None]) -> None:
         error: Exception | None = None

@@ -16,8 +16,9 @@ it, that caller arms it when done. Whoever reads arms the wait only after releas
 reader thread woken meanwhile that found the lock taken always gets another wake-up (arming first,
 then releasing, lost a reply now and then: the wake-up came between the two). One-way messages a
 caller reads are handed to the reader thread (`hand`), which runs the callbacks in wire order, as it
-does for its own; a broken connection a caller finds is handed over too (`fail`), so closing and
-failing the other requests stay on that thread.
+does for its own; while any has not run, every frame a caller reads after it is handed over too,
+replies included, so no reply overtakes a notice sent before it. A broken connection a caller finds
+is handed over too (`fail`), so closing and failing the other requests stay on that thread.
 """
 
 from __future__ import annotations
@@ -73,11 +74,15 @@ class ReadTurns:
         return readable
 
     def handed(self) -> list[Any]:
-        """What callers handed over since the last call, in the order they read it."""
-        items = []
-        while self._handed:
-            items.append(self._handed.popleft())
-        return items
+        """What callers handed over since the last call, in the order they read it. Each item
+        leaves the queue only once it has run (`done`), so a caller that sees the queue empty knows
+        that everything handed before has run."""
+        return list(self._handed)
+
+    def done(self, count: int) -> None:
+        """The first `count` items of `handed` have run."""
+        for _ in range(count):
+            self._handed.popleft()
 
     # -- callers ---------------------------------------------------------------------------------------
     def disarm(self) -> None:
@@ -94,6 +99,10 @@ class ReadTurns:
     def hand(self, item: Any) -> None:
         self._handed.append(item)
         self.wake()
+
+    def holds_handed(self) -> bool:
+        """Whether items handed over have not run yet (what a caller reads next must follow them)."""
+        return bool(self._handed)
 
     def fail(self, error: BaseException) -> None:
         self.error = error
