@@ -360,10 +360,8 @@ class Borrowed:
         with self._lock:
             region = self._regions.get((pid, fd, token, offset))
             if region is None:
-                arena = self._arenas.get((pid, fd, token))
                 try:
-                    if arena is None:
-                        arena = self._arenas[(pid, fd, token)] = ArenaMap.open([pid, fd, token])
+                    arena = self._arena(pid, fd, token)
                     region = arena.region(offset, shard.value.numel(), shard.value.dtype, count)
                 except (OSError, ValueError) as exc:
                     raise KVError(f"cannot map server process {pid}'s buffers of {shard.describe()}: {exc}")
@@ -377,14 +375,19 @@ class Borrowed:
     def check(self, arena: list) -> dict:
         """A backup's side of `borrow`: whether it maps the primary's arena [pid, fd, token] (it
         keeps the map for the lends to come)."""
-        pid, fd, token = int(arena[0]), int(arena[1]), bytes(arena[2])
-        with self._lock:
-            if (pid, fd, token) not in self._arenas:
-                try:
-                    self._arenas[(pid, fd, token)] = ArenaMap.open([pid, fd, token])
-                except (OSError, ValueError) as exc:
-                    return {"maps": False, "why": str(exc)}
+        try:
+            with self._lock:
+                self._arena(int(arena[0]), int(arena[1]), bytes(arena[2]))
+        except (OSError, ValueError) as exc:
+            return {"maps": False, "why": str(exc)}
         return {"maps": True}
+
+    def _arena(self, pid: int, fd: int, token: bytes) -> ArenaMap:
+        """The primary's arena, mapped on first use (holds self._lock)."""
+        arena = self._arenas.get((pid, fd, token))
+        if arena is None:
+            arena = self._arenas[(pid, fd, token)] = ArenaMap.open([pid, fd, token])
+        return arena
 
     def holds(self, shard: ShardState) -> list[int] | None:
         """What a backup answers a `replicate`: the primary's buffer its value is, if any."""

@@ -297,7 +297,7 @@ class Replicator:
         """Whether `server` may borrow `shard`'s value (mirror.py): on this host, and it maps ours."""
         try:
             return self._mirrored(server) and self._mirrors.lends_to(server, self._client(server), shard)
-        except (TransportError, OSError):  # not reached: forward's copy finds it lost
+        except (TransportError, OSError):  # unreachable: forward's copy below finds it lost
             return False
 
     def _mirrored(self, server: int) -> bool:
