@@ -16,8 +16,8 @@ stops the job itself below min_workers); with restarts left the launcher starts 
 its place, which joins the running job with the dead worker's rank. With replicated servers
 (`server_losses`), a dead server is restarted too while restarts last: it rejoins with its rank
 as a backup and catches up. A dead scheduler, or a server beyond `server_losses`, ends the job.
-How the outcome is described (the result and record types, exit reasons, the report text) lives
-in report.py.
+Each child (its process, its output threads, its exit) is a `children.Child`. How the outcome is
+described (the result and record types, exit reasons, the report text) lives in report.py.
 """
 
 from __future__ import annotations
@@ -29,20 +29,18 @@ import queue
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec, spec_to_env
 from paratrain.launch.api import IDENTITY_VARS, LaunchConfig, describe_threads, host_cores, thread_env
+from paratrain.launch.children import Child, Exit, Interrupt
 from paratrain.launch.report import (
     ChildFailure,
-    ChildRecord,
     JobResult,
     Printer,
     _exit_reason,
@@ -50,7 +48,6 @@ from paratrain.launch.report import (
     _first_failure,
     _interrupted_report,
     _named_by_scheduler,
-    _signal_name,
     interrupted_exit_code,
     write_outcome,
 )
@@ -59,10 +56,8 @@ from paratrain.metrics.dashboard import DashboardConfig
 
 logger = logging.getLogger(__name__)
 
-STDERR_TAIL_LINES = 30
 _POLL_S = 0.5
 _KILL_WAIT_S = 30.0
-_OUTPUT_JOIN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -168,125 +163,6 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
 
 
-@dataclass(frozen=True)
-class _Exit:
-    child: _Child
-    returncode: int
-    time: float
-
-
-@dataclass(frozen=True)
-class _Interrupt:
-    signum: int
-
-
-class _Child:
-    """One process of the job: its Popen, its output threads and its exit."""
-
-    def __init__(self, role: str, rank: int, host: str) -> None:
-        self.role = role
-        self.rank = rank
-        self.host = host
-        self.label = f"{role} {rank}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
-        self.returncode: int | None = None
-        self.exit_time: float | None = None
-        self.failure_reason: str | None = None
-        self.replacement = False
-        """Started in place of a dead worker (elastic jobs): it may not have joined yet."""
-        self._pumps: list[threading.Thread] = []
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    @property
-    def running(self) -> bool:
-        """Running as far as the main loop knows: its exit has not been processed yet."""
-        return self.returncode is None
-
-    def start(
-        self,
-        cmd: list[str],
-        env: dict[str, str],
-        pass_fds: Sequence[int],
-        printer: Printer,
-        events: queue.SimpleQueue[Any],
-    ) -> None:
-        self.proc = subprocess.Popen(
-            cmd,
-            env=env,
-            pass_fds=tuple(pass_fds),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group: our signals reach its children too
-        )
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        self._pumps = [
-            _thread(_pump, self.proc.stdout, self.label, printer.out, printer, None),
-            _thread(_pump, self.proc.stderr, self.label, printer.err, printer, self.stderr_tail),
-        ]
-        _thread(self._wait, events)
-
-    def _wait(self, events: queue.SimpleQueue[Any]) -> None:
-        assert self.proc is not None
-        returncode = self.proc.wait()
-        events.put(_Exit(self, returncode, time.monotonic()))
-
-    def signal(self, signum: int) -> None:
-        if self.proc is None or not self.running:
-            return
-        try:
-            os.killpg(self.proc.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass  # already gone; its exit is on its way through the queue
-
-    def join_output(self) -> None:
-        """Waits for its pipes to close; kills its process group if a descendant holds them."""
-        if not _join_all(self._pumps, _OUTPUT_JOIN_S) and self.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            _join_all(self._pumps, _OUTPUT_JOIN_S)
-
-    def record(self) -> ChildRecord:
-        return ChildRecord(self.role, self.rank, self.pid, self.returncode)
-
-    def failure(self, reason: str) -> ChildFailure:
-        rc = self.returncode
-        signame = _signal_name(-rc) if rc is not None and rc < 0 else None
-        tail = list(self.stderr_tail)
-        return ChildFailure(self.role, self.rank, self.pid, self.host, rc, signame, reason, tail)
-
-
-def _thread(target: Any, *args: Any) -> threading.Thread:
-    thread = threading.Thread(target=target, args=args, daemon=True)
-    thread.start()
-    return thread
-
-
-def _join_all(threads: list[threading.Thread], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return not any(thread.is_alive() for thread in threads)
-
-
-def _pump(pipe: IO[bytes], label: str, stream: IO[str], printer: Printer, tail: deque[str] | None) -> None:
-    shown = printer.fold.lines(label) if printer.fold is not None else None
-    with pipe:
-        for raw in iter(pipe.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\r\n")
-            if tail is not None:
-                tail.append(line)
-            for text in [line] if shown is None else shown.feed(line):
-                printer.write(stream, f"[{label}] {text}\n")
-        for text in [] if shown is None else shown.close():
-            printer.write(stream, f"[{label}] {text}\n")
-
-
 def _earliest(*deadlines: float | None) -> float | None:
     return min((d for d in deadlines if d is not None), default=None)
 
@@ -298,14 +174,14 @@ class _Job:
         self.config = config
         self.printer = printer
         self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.children: list[_Child] = []
-        self.failed: list[_Child] = []
+        self.children: list[Child] = []
+        self.failed: list[Child] = []
         """Children whose exit (before we began stopping) failed the job."""
-        self.early: list[_Child] = []
+        self.early: list[Child] = []
         """Schedulers and servers that exited 0 while workers were still running."""
-        self.still_running: list[_Child] = []
+        self.still_running: list[Child] = []
         """Children that had to be stopped."""
-        self.lost: list[_Child] = []
+        self.lost: list[Child] = []
         """Servers that died without failing the job (LocalJobConfig.server_losses)."""
         self.scheduler_address = ""
         self.started = time.monotonic()
@@ -381,7 +257,7 @@ class _Job:
             launcher_pid=os.getpid(),
             scheduler_fd=None if listener is None else listener.fileno(),
         )
-        child = _Child(role, rank, where.host)
+        child = Child(role, rank, where.host)
         pass_fds = tuple(sock.fileno() for sock in (listener, board) if sock is not None)
         cmd = [*where.prefix, cfg.python, "-u", cfg.script, *cfg.args]
         env = {**self.threads, **_child_env(cfg, spec)}
@@ -404,7 +280,7 @@ class _Job:
                     self.failed.extend(self.early)
                     return "failed"
                 return "timeout"
-            if isinstance(event, _Interrupt):
+            if isinstance(event, Interrupt):
                 return "interrupted"
             if not self._record(event):
                 return self._after_failure()
@@ -429,7 +305,7 @@ class _Job:
             event = self._next_event(deadline)
             if event is None:
                 return "grace" if deadline == grace_end else "timeout"
-            if isinstance(event, _Interrupt):
+            if isinstance(event, Interrupt):
                 return "interrupted"
             if not self._record(event):
                 return self._after_failure()
@@ -445,12 +321,12 @@ class _Job:
             event = self._next_event(end)
             if event is None:
                 break
-            if isinstance(event, _Interrupt):
+            if isinstance(event, Interrupt):
                 return "interrupted"
             self._record(event)
         return "failed"
 
-    def _next_event(self, deadline: float | None) -> _Exit | _Interrupt | None:
+    def _next_event(self, deadline: float | None) -> Exit | Interrupt | None:
         """The next exit or interrupt; None once the deadline has passed."""
         while True:
             wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
@@ -460,11 +336,11 @@ class _Job:
                 event = self.events.get(timeout=wait)
             except queue.Empty:
                 continue
-            if isinstance(event, _Interrupt):
+            if isinstance(event, Interrupt):
                 self.interrupt = event.signum
             return event
 
-    def _record(self, event: _Exit, stopping: bool = False) -> bool:
+    def _record(self, event: Exit, stopping: bool = False) -> bool:
         """Notes one exit; returns False if it fails the job."""
         child = event.child
         child.returncode, child.exit_time = event.returncode, event.time
@@ -509,7 +385,7 @@ class _Job:
         self.ending = True
         self.early.clear()
 
-    def _lost(self, child: _Child) -> None:
+    def _lost(self, child: Child) -> None:
         """A worker of an elastic job died: the scheduler drops it; restart it while restarts last."""
         reason = _exit_reason(child.returncode or 0)
         again, line = self.restarts.take(f"{child.label} (pid {child.pid}) {reason}")
@@ -518,7 +394,7 @@ class _Job:
             self._spawn("worker", child.rank, self._secret, self._port)
             self.children[-1].replacement = True
 
-    def _server_lost(self, child: _Child) -> None:
+    def _server_lost(self, child: Child) -> None:
         """A replicated server died and the job goes on; restart it while restarts last: the new
         process rejoins with its rank and catches up (kvstore/server/rejoin.py). It takes the dead
         one's place in `lost`: whether the job survives it dying again, or another server dying
@@ -558,7 +434,7 @@ class _Job:
         deadline = time.monotonic() + linger + self.config.stop_grace_s
         while scheduler.running:
             event = self._next_event(deadline)
-            if event is None or isinstance(event, _Interrupt):
+            if event is None or isinstance(event, Interrupt):
                 return
             self._record(event, stopping=True)
 
@@ -569,7 +445,7 @@ class _Job:
             event = self._next_event(deadline)
             if event is None:
                 return False
-            if isinstance(event, _Interrupt):
+            if isinstance(event, Interrupt):
                 if interruptible:
                     return False
                 continue
@@ -646,7 +522,7 @@ def _interrupt_handlers(events: queue.SimpleQueue[Any]) -> Iterator[None]:
     signums = (signal.SIGINT, signal.SIGTERM)
     previous = {signum: signal.getsignal(signum) for signum in signums}
     for signum in signums:
-        signal.signal(signum, lambda signum, frame: events.put(_Interrupt(signum)))
+        signal.signal(signum, lambda signum, frame: events.put(Interrupt(signum)))
     try:
         yield
     finally:

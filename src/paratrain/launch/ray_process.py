@@ -34,11 +34,12 @@ import time
 from collections import deque
 from typing import IO, Any
 
+from paratrain.launch.children import OUTPUT_JOIN_S, join_all
+
 # Lines kept for the driver between two polls; beyond that the oldest are dropped (and counted),
 # so a child that floods its output cannot fill the actor's memory while the driver is away.
 MAX_BUFFERED_LINES = 10_000
 MAX_LINES_PER_POLL = 2_000
-_OUTPUT_JOIN_S = 5.0
 
 # Runs in the child before the script: dies with the starting thread, then becomes the script.
 _WRAPPER = (
@@ -159,10 +160,10 @@ class RoleProcess:
             pump.start()
         returncode = proc.wait()
         exited_at = time.time()
-        if not _join_all(pumps, _OUTPUT_JOIN_S):  # a descendant still holds the pipes
+        if not join_all(pumps, OUTPUT_JOIN_S):  # a descendant still holds the pipes
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            _join_all(pumps, _OUTPUT_JOIN_S)
+            join_all(pumps, OUTPUT_JOIN_S)
         with self._lock:
             self._returncode, self._exited_at = returncode, exited_at
             self._finished = True
@@ -215,10 +216,3 @@ class RoleProcess:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-
-
-def _join_all(threads: list[threading.Thread], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return not any(thread.is_alive() for thread in threads)

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from paratrain.cluster.spec import EXIT_ABORTED
+from paratrain.launch.children import STDERR_TAIL_LINES
 from paratrain.launch.lines import ChildLines
 from paratrain.launch.ray_placement import NodeInfo
 from paratrain.launch.report import (
@@ -38,7 +39,6 @@ from paratrain.launch.report import (
 )
 from paratrain.launch.restarts import Restarts
 
-STDERR_TAIL_LINES = 30
 POLL_S = 0.5
 """How long one ray.wait (and one actor poll) lasts: the driver notices an interrupt this fast."""
 _KILL_WAIT_S = 30.0
