@@ -1,19 +1,26 @@
 """The kvstore's state file: every key's whole value and optimizer state, independent of how many
 servers held it. Tensors and plain data only, so loading runs no code (`weights_only=True`); written
 as every checkpoint file is (checkpoint.save_file): to a hidden temporary file, fsynced, renamed, so
-a reader never sees half a file and a kill mid-write leaves only debris that `commit` removes."""
+a reader never sees half a file and a kill mid-write leaves only debris that `commit` removes.
+
+With it, the two moves between the file's per-key entries and the servers' slices: `gather_state`
+(the servers' `get_state` replies to entries) and `scatter_state` (entries to `set_state` frames
+for the current placement)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from paratrain.checkpoint import save_file
 from paratrain.errors import KVStoreError
 from paratrain.transport.tensors import dtype_name
+
+if TYPE_CHECKING:
+    from paratrain.kvstore.worker.client import KeyInfo
 
 STATE_FORMAT = "paratrain.kvstore/1"
 
@@ -63,3 +70,60 @@ def write_tables(path: str | os.PathLike[str], tables: Sequence[TableEntry]) -> 
     state = torch.load(path, weights_only=True)
     state["tables"] = list(tables)
     _write(path, state)
+
+
+def gather_state(replies: list) -> list[Entry]:
+    """Per-server shard lists -> one entry per key: whole value, whole optimizer state tensors."""
+    pieces: dict[Any, list] = {}
+    shapes: dict[Any, list[int]] = {}
+    newest: dict[tuple, int] = {}  # with replication a slice comes from each copy: keep the newest
+    for reply in replies:
+        for entry in reply.meta["shards"]:
+            where = (entry["key"], entry["start"])
+            newest[where] = max(newest.get(where, -1), entry["version"])
+    for reply in replies:
+        i = 0
+        for entry in reply.meta["shards"]:
+            tensors = reply.tensors[i : i + 1 + len(entry["state"])]
+            i += len(tensors)
+            where = (entry["key"], entry["start"])
+            if newest.pop(where, None) != entry["version"]:
+                continue
+            state = dict(zip(entry["state"], tensors[1:], strict=True))
+            pieces.setdefault(entry["key"], []).append((entry["start"], tensors[0], state))
+            shapes[entry["key"]] = entry["shape"]
+    entries = []
+    for key, parts in pieces.items():
+        parts.sort(key=lambda p: p[0])
+        value = torch.cat([p[1] for p in parts]).reshape(shapes[key])
+        state = {  # per-element state is cut like the value; scalars (Adam's step) are shared
+            name: torch.cat([p[2][name].reshape(-1) for p in parts])
+            if parts[0][2][name].numel() == parts[0][1].numel()
+            else parts[0][2][name]
+            for name in parts[0][2]
+        }
+        entries.append((key, value, state))
+    return entries
+
+
+def scatter_state(entries: list[Entry], keys: dict[Any, KeyInfo]) -> dict[int, tuple[list, list]]:
+    """One file's per-key state -> per-server set_state frames for the current placement."""
+    per_server: dict[int, tuple[list, list]] = {}
+    for key, value, key_state in entries:
+        info = keys.get(key)
+        if info is None:
+            raise KVStoreError(f"the state file has key {key!r}, which this job never initialized")
+        value = value.reshape(-1)
+        if value.numel() != info.numel:
+            raise KVStoreError(f"key {key!r} has {value.numel()} elements in the file but {info.numel} here")
+        for piece in info.slices:
+            meta, tensors = per_server.setdefault(piece.server, ([], []))
+            sliced = {
+                name: t.reshape(-1)[piece.start : piece.stop] if t.numel() == info.numel else t
+                for name, t in key_state.items()
+            }
+            meta.append({"key": key, "start": piece.start, "stop": piece.stop, "state": list(sliced)})
+            tensors += [value[piece.start : piece.stop].contiguous()] + [
+                t.contiguous() for t in sliced.values()
+            ]
+    return per_server
