@@ -1,7 +1,7 @@
 """What failures cost: a job's pause when a process is SIGKILLed, and what replication costs.
 
-    python benchmarks/failures_servers.py [--rows server-death,replication] [--paths tcp,default]
-                                          [--mb 64] [--iters 8] [--pairs 2]
+    python benchmarks/failures_servers.py [--rows server-death,replication] [--paths tcp,default,hosts]
+                                          [--mb 64] [--iters 8] [--pairs 2] [--rate 1gbit] [--timeline S]
 
 Rows (each a function returning table rows; main() only joins them):
 
@@ -16,7 +16,13 @@ Rows (each a function returning table rows; main() only joins them):
   (1, 2, 1, 2, ...) on this machine and the medians of each are compared; "tcp" turns the
   same-host path off for both, "default" is what a job on one machine gets (a primary keeps its
   slices in shared memory, as without replication, and lends each round's value to its same-host
-  backup: kvstore/server/mirror.py). `--paths` picks rows.
+  backup: kvstore/server/mirror.py). "hosts" is what a job across hosts gets: the same jobs with
+  each process on a simulated host of its own (network namespaces on one bridge, links shaped to
+  --rate each way, as benchmarks/hosts.py; needs root), so a backup's copies cross its links.
+  There replication=2 puts 1.5x the bytes through each server's link in each direction (64 MB of
+  pushes in and pulls out, and 32 MB of replicas out and in), which the anchor's links already
+  carry at their rate: the links alone allow about 1.5x. `--timeline S` prints that row's link
+  rates over each job's last S seconds. `--paths` picks rows.
 
 Every job is this file run again in its --paratrain-role mode by the local launcher.
 """
@@ -24,6 +30,7 @@ Every job is this file run again in its --paratrain-role mode by the local launc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import statistics
@@ -39,12 +46,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import _anchors  # noqa: E402
 import _jobs  # noqa: E402
 import _plot  # noqa: E402
+from hosts import LinkSampler  # noqa: E402
 from kvstore import model_sizes  # noqa: E402
 
 PUSHPULL = re.compile(r"FAILBENCH rank=(\d+) per_iter_s=([0-9.eE+-]+) ok=(\d)")
 DEATH = re.compile(r"FAILBENCH rank=(\d+) rounds=(\S+)")
 KILL_AFTER_ROUND = 20
 HEARTBEAT_TIMEOUT_S = 5.0  # JobConfig's default
+PATHS = {"tcp": False, "default": True, "hosts": True}  # replication rows: the same-host path on?
+TIMELINE_BIN_S = 0.05  # --timeline: link samples (every 5-60 ms) merged into steps of this length
 
 
 # ------------------------------------------------------------------------------- job roles
@@ -108,27 +118,73 @@ def role_death(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------- rows
-def pushpull_job(replication: int, same_host: bool, args: argparse.Namespace) -> float | None:
+def pushpull_job(
+    replication: int, same_host: bool, args: argparse.Namespace, places: dict | None = None
+) -> float | None:
     role = ["--paratrain-role", "pushpull", "--replication", str(replication), "--mb", str(args.mb)]
     role += ["--iters", str(args.iters)] + (["--same-host"] if same_host else [])
-    found = _jobs.run_role_job(__file__, role, 2, 2, args.timeout, PUSHPULL)
+    found = _jobs.run_role_job(__file__, role, 2, 2, args.timeout, PUSHPULL, places)
     if found is None or not all(ok == "1" for _, _, ok in found):
         return None
     return max(float(s) for _, s, _ in found)
 
 
+def pushpull_turns(
+    same_host: bool, args: argparse.Namespace, places: dict | None = None, bridge: str | None = None
+) -> dict[int, list[float]]:
+    """Seconds per pushpull of each job, replication=1 and =2 in turns. `bridge`: the simulated
+    hosts' bridge, whose ports --timeline samples (hosts.py's LinkSampler)."""
+    times: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(args.pairs):
+        for replication in (1, 2):
+            sampler = LinkSampler(bridge, 4) if bridge and args.timeline else None
+            with sampler or contextlib.nullcontext():
+                took = pushpull_job(replication, same_host, args, places)
+            if took is not None:
+                times[replication].append(took)
+            if sampler is not None:
+                print(f"replication={replication}, workers on hosts 0-1, servers on 2-3, ", end="")
+                print(f"the job's last traffic in {TIMELINE_BIN_S * 1e3:.0f} ms steps: ", end="")
+                print(sampler.report(args.timeline, float("inf"), TIMELINE_BIN_S))
+    return times
+
+
+def hosts_turns(args: argparse.Namespace) -> dict[int, list[float]]:
+    """pushpull_turns with every process on a simulated host of its own (the scheduler beside
+    worker 0), links shaped to --rate each way."""
+    from paratrain.launch.local import Placement
+    from paratrain.testing_hosts import LinkShape, SimulatedHosts
+
+    shape = LinkShape(args.rate)
+    print(
+        f"replication hosts: 2 workers (hosts 0-1), 2 servers (hosts 2-3), network namespaces on one "
+        f"bridge, links {args.rate} each way (tbf burst {shape.burst_bytes >> 10} KiB, limit "
+        f"{shape.limit_bytes >> 20} MiB), every setting at its default; bound: each server's link "
+        f"carries 1.5x the bytes with replication=2 (its pushes and pulls, and 1/2 of the model as "
+        f"replicas out and in)",
+        flush=True,
+    )
+    with SimulatedHosts(4, shape=shape) as hosts:
+
+        def placed(indices: list[int]) -> list[Placement]:
+            return [Placement(hosts.address(i), tuple(hosts.prefix(i)), hosts.env(i)) for i in indices]
+
+        places = {"scheduler": placed([0]), "worker": placed([0, 1]), "server": placed([2, 3])}
+        return pushpull_turns(True, args, places, hosts.bridge)
+
+
 def replication_rows(args: argparse.Namespace) -> list[list[str]]:
     """Cost of replication=2 on pushpull time, against replication=1 measured alternately."""
+    from paratrain.testing_hosts import hosts_unavailable
+
     rows = []
-    for path, same_host in (("tcp", False), ("default", True)):
+    for path, same_host in PATHS.items():
         if path not in args.paths.split(","):
             continue
-        times: dict[int, list[float]] = {1: [], 2: []}
-        for _ in range(args.pairs):
-            for replication in (1, 2):
-                took = pushpull_job(replication, same_host, args)
-                if took is not None:
-                    times[replication].append(took)
+        if path == "hosts" and (why := hosts_unavailable()):
+            rows.append([f"replication {path}", "skipped", "-", "-", why])
+            continue
+        times = hosts_turns(args) if path == "hosts" else pushpull_turns(same_host, args)
         if not times[1] or not times[2]:
             rows.append([f"replication {path}", "failed", "-", "-", "<= 1.3x"])
             continue
@@ -187,7 +243,11 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=64, help="the replication rows' model size")
     parser.add_argument("--iters", type=int, default=8, help="timed pushpulls per replication job")
     parser.add_argument("--pairs", type=int, default=2, help="jobs of each replication per row")
-    parser.add_argument("--paths", default="tcp,default", help="the replication rows: tcp, default")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"the replication rows: {', '.join(PATHS)}")
+    parser.add_argument("--rate", default="1gbit", help="the hosts row's links, each way (tc syntax)")
+    parser.add_argument(
+        "--timeline", type=float, metavar="S", help="the hosts row: each link's rate over a job's last S s"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="limit per job (s)")
     parser.add_argument("--paratrain-role", choices=["pushpull", "death"], help=argparse.SUPPRESS)
     parser.add_argument("--replication", type=int, default=1, help=argparse.SUPPRESS)

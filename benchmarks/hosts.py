@@ -146,8 +146,9 @@ class LinkSampler:
             ports = {p["ifname"]: p["stats64"] for p in json.loads(out or "[]") if "stats64" in p}
             self.samples.append(((before + time.monotonic()) / 2, ports))
 
-    def report(self, seconds: float, until: float) -> str:
-        """Gbit/s per host and direction, sample by sample, over the `seconds` before `until`."""
+    def report(self, seconds: float, until: float, step_s: float = 0.0) -> str:
+        """Gbit/s per host and direction, sample by sample (or over steps of at least `step_s`),
+        over the `seconds` before `until`."""
         cols = [(f"h{i}", key) for i in range(self.count) for key in ("rx", "tx")]
 
         def moved(a: int, b: int) -> int:
@@ -162,10 +163,14 @@ class LinkSampler:
         names = [f"{i}{'up' if k == 'rx' else 'dn'}" for i in range(self.count) for k in ("rx", "tx")]
         lines = ["timeline, Gbit/s per host i (up: what it sends, dn: what it receives); t in s"]
         lines.append("     t " + " ".join(n.rjust(4) for n in names))
+        last = max(start, 1) - 1
         for i in range(max(start, 1), end + 1):
-            dt = rows[i][0] - rows[i - 1][0]
-            rates = [(rows[i][1][p][k]["bytes"] - rows[i - 1][1][p][k]["bytes"]) * 8e-9 / dt for p, k in cols]
+            dt = rows[i][0] - rows[last][0]
+            if dt < step_s and i < end:
+                continue
+            rates = [(rows[i][1][p][k]["bytes"] - rows[last][1][p][k]["bytes"]) * 8e-9 / dt for p, k in cols]
             lines.append(f"{rows[i][0] - rows[start][0]:6.3f} " + " ".join(f"{r:4.2f}" for r in rates))
+            last = i
         return "\n".join(lines)
 
 
