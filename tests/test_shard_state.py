@@ -126,8 +126,8 @@ def test_the_policies_answer_for_both_sides() -> None:
 def test_every_store_implements_the_kvstore_protocol() -> None:
     from paratrain.kvstore.worker.client import DistKVStore
     from paratrain.kvstore.worker.device import HostKVStore
-    from paratrain.kvstore.worker.embedding import LocalSparseKVStore
     from paratrain.kvstore.worker.local import LocalKVStore
+    from paratrain.kvstore.worker.local_sparse import LocalSparseKVStore
 
     members = [name for name in dir(KVStore) if not name.startswith("_")]
     methods = [m for m in members if callable(getattr(KVStore, m))]

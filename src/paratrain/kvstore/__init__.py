@@ -49,7 +49,7 @@ _LAZY = {
     "DistKVStore": "paratrain.kvstore.worker.client",
     "HostKVStore": "paratrain.kvstore.worker.device",
     "LocalKVStore": "paratrain.kvstore.worker.local",
-    "LocalSparseKVStore": "paratrain.kvstore.worker.embedding",
+    "LocalSparseKVStore": "paratrain.kvstore.worker.local_sparse",
     "DistributedEmbedding": "paratrain.kvstore.worker.embedding",
     "ServingEmbedding": "paratrain.kvstore.worker.embedding",
     "TableClient": "paratrain.kvstore.worker.embedding",
@@ -67,7 +67,7 @@ def create(kind: str | KVStoreConfig = "local", ctx: Context | None = None) -> K
     """A kvstore for this worker. `ctx` defaults to the one `paratrain.init()` returned."""
     config = resolve_kind(kind)
     if config.local:
-        from paratrain.kvstore.worker.embedding import LocalSparseKVStore
+        from paratrain.kvstore.worker.local_sparse import LocalSparseKVStore
 
         return LocalSparseKVStore(config)  # LocalKVStore with sparse tables
     from paratrain.cluster.context import current
@@ -75,7 +75,7 @@ def create(kind: str | KVStoreConfig = "local", ctx: Context | None = None) -> K
 
     ctx = current(ctx)
     if not ctx.distributed:
-        from paratrain.kvstore.worker.embedding import LocalSparseKVStore
+        from paratrain.kvstore.worker.local_sparse import LocalSparseKVStore
 
         return LocalSparseKVStore(config)  # a script run alone: same semantics, one worker
     if config.aggregation == "host":

@@ -16,8 +16,8 @@ applied, as dense pulls do; so a training forward (module.training, grad enabled
 on every worker.
 
 `TableClient` does the wire work of the sparse kvstore API (init_table, row_sparse_pull, push_sparse,
-...) for DistKVStore, and for a store without servers (`LocalSparseKVStore`) over the servers' own
-table code in this process. `ServingEmbedding` serves a table written by `kv.export_table`.
+...) for DistKVStore, and for a store without servers (`LocalSparseKVStore`, local_sparse.py) over
+the servers' own table code in this process. `ServingEmbedding` serves a table written by `kv.export_table`.
 """
 
 from __future__ import annotations
@@ -39,12 +39,9 @@ from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import kernels, optim
 from paratrain.kvstore.api import Handle, KVStoreConfig, SparseAPI, TableConfig, check_key, resolve_kind
 from paratrain.kvstore.server.rowstore import SHARD_SALT, shard_of
-from paratrain.kvstore.server.rules import Rules
-from paratrain.kvstore.server.sparse import SparseTables
 from paratrain.kvstore.worker.checks import check_finite, explain_wait
 from paratrain.kvstore.worker.failover import Servers
-from paratrain.kvstore.worker.local import LocalKVStore
-from paratrain.kvstore.worker.state import TableEntry, read_tables, write_tables
+from paratrain.kvstore.worker.state import TableEntry
 
 logger = logging.getLogger(__name__)
 
@@ -326,96 +323,6 @@ def _merge(pieces: list[tuple[dict, list[torch.Tensor]]], full: bool) -> TableEn
 
 def _save(path: str | os.PathLike[str], payload: dict) -> None:
     save_file(path, payload)  # fsynced and renamed, as checkpoint files are
-
-
-# -- a store without servers ----------------------------------------------------------------------
-class _Done:
-    """The reply to an in-process request, which is complete when it returns."""
-
-    def __init__(
-        self, meta: dict | None, tensors: Sequence[torch.Tensor], error: str | None, out: Any
-    ) -> None:
-        self.meta, self.tensors, self.error = meta or {}, list(tensors), error
-        for dest, tensor in zip(out or (), self.tensors, strict=False):
-            dest.copy_(tensor)
-
-    def wait(self, timeout_s: float | None = None) -> _Done:
-        if self.error is not None:
-            raise RemoteError(self.error)
-        return self
-
-    def done(self) -> bool:
-        return True
-
-
-class InProcessServer:
-    """The request interface of an RpcClient, served by a SparseTables in this process."""
-
-    @dataclass
-    class _Request:
-        op: str
-        meta: dict
-        tensors: list[torch.Tensor]
-        header: Any = None
-        result: tuple | None = None
-
-        def reply(self, meta: dict | None = None, tensors: Sequence[torch.Tensor] = ()) -> None:
-            self.result = (meta, tensors, None)
-
-        def fail(self, message: str) -> None:
-            self.result = (None, (), message)
-
-    @dataclass
-    class _Header:
-        at: int | None = None
-
-    def __init__(self, tables: SparseTables) -> None:
-        self.tables = tables
-
-    def request(self, op: str, meta: dict | None = None, tensors: Sequence = (), out: Any = None) -> _Done:
-        request = self._Request(op, meta or {}, list(tensors), self._Header())
-        try:
-            self.tables.handle(request)
-        except (ValueError, TypeError, KeyError) as exc:
-            request.fail(str(exc))
-        assert request.result is not None, f"{op} got no reply"  # nothing waits in a one-worker job
-        return _Done(*request.result, out)
-
-
-@dataclass
-class _OneProcess:
-    """What SparseTables reads from its server: this process is the only worker."""
-
-    rules: Rules
-    rank: int = 0
-
-    @property
-    def members(self) -> frozenset[int]:
-        return self.rules.members
-
-
-class LocalSparseKVStore(SparseAPI, LocalKVStore):
-    """The local store (kinds local, device, or a script run alone) with sparse tables."""
-
-    def __init__(self, config: KVStoreConfig) -> None:
-        super().__init__(config)
-        self._server = SparseTables(_OneProcess(Rules(config.policy, frozenset({0}))))
-        self.tables = TableClient([InProcessServer(self._server)], 0, config, lambda name: None, None)
-
-    def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
-        super().set_optimizer(optimizer, **hyperparameters)
-        path = optim.class_path(optimizer)
-        self._server.set_default_optimizer(path, optim.check_hyperparameters(hyperparameters))
-
-    def save_state(self, path: str | os.PathLike[str]) -> None:
-        super().save_state(path)
-        if self.tables.tables:
-            write_tables(path, self.tables.gather())
-
-    def load_state(self, path: str | os.PathLike[str]) -> None:
-        super().load_state(path)
-        self.tables.load(read_tables(path))
-        self.tables.reset_clocks()
 
 
 # -- the module -----------------------------------------------------------------------------------
