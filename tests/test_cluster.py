@@ -260,10 +260,12 @@ def test_heartbeat_timeout_must_exceed_the_interval():
         JobConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=1.0)
 
 
-WORLD_OF_WORKERS = """
-import os, torch, torch.distributed as dist, paratrain
+KV_THEN_WORLD = """
+import os, runpy, sys, torch, torch.distributed as dist, paratrain
 from paratrain.cluster.rendezvous import init_torch_distributed
-ctx = paratrain.init()
+sys.argv = sys.argv[1:]  # kv_exact.py and its arguments
+runpy.run_path(sys.argv[0], run_name="__main__")  # a server serves in there until the job ends
+ctx = paratrain.init()  # the workers' context kv_exact.py joined with
 init_torch_distributed(ctx)
 total = torch.tensor([float(ctx.rank + 1)])
 dist.all_reduce(total)
@@ -276,8 +278,9 @@ dist.destroy_process_group()
 @pytest.mark.timeout(240)
 def test_torchrun_with_servers_runs_an_exact_parameter_server_job_and_a_world_of_workers(tmp_path):
     """Real torchrun, 4 processes, PARATRAIN_NUM_SERVERS=1: global rank 3 serves, ranks 0-2 are
-    workers 0-2; the kvstore job checks every value, and a collective world holds the 3 workers."""
-    (tmp_path / "world.py").write_text(WORLD_OF_WORKERS)
+    workers 0-2; the kvstore job checks every value, then a collective world holds the 3 workers
+    (one torchrun for both: each start costs 5 processes' `import torch`)."""
+    (tmp_path / "kv_then_world.py").write_text(KV_THEN_WORLD)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARATRAIN_")}
     env.update(PARATRAIN_NUM_SERVERS="1", PARATRAIN_SECRET="cd" * 32)
     torchrun = [
@@ -291,18 +294,13 @@ def test_torchrun_with_servers_runs_an_exact_parameter_server_job_and_a_world_of
         "--master_port",
         str(free_port_run(2)),  # paratrain's scheduler listens at MASTER_PORT+1
     ]
-    runs = {
-        "kv": [*torchrun, str(Path(__file__).parent / "jobs" / "kv_exact.py"), "dist_sync", "2", "tcp"],
-        "world": [*torchrun, str(tmp_path / "world.py")],
-    }
-    for name, cmd in runs.items():
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
-        assert done.returncode == 0, f"{name}:\n{done.stdout}\n{done.stderr}"
-        if name == "kv":
-            assert done.stdout.count("all exact") == 3, done.stdout  # three workers, each checked
-        else:
-            lines = sorted(line for line in done.stdout.splitlines() if line.startswith("world"))
-            assert lines == [f"world {r} {r} 3 6.0" for r in range(3)], done.stdout
+    kv_exact = [str(Path(__file__).parent / "jobs" / "kv_exact.py"), "dist_sync", "2", "tcp"]
+    cmd = [*torchrun, str(tmp_path / "kv_then_world.py"), *kv_exact]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    assert done.stdout.count("all exact") == 3, done.stdout  # three workers, each checked
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("world"))
+    assert lines == [f"world {r} {r} 3 6.0" for r in range(3)], done.stdout
 
 
 def test_a_worker_that_exits_with_an_error_code_is_named_not_the_scheduler_it_let_go():

@@ -170,9 +170,10 @@ def test_close_at_exit_after_a_server_died_raises_nothing():
 
 # A worker alive but stuck (its heartbeats go on) holds round 1 back: worker 0's pushpull waits,
 # says on whom after wait_warning_s (and the server says the same), and at request_timeout_s fails
-# naming worker 1, with a KVStoreError.
+# naming worker 1, with a KVStoreError. Its sparse pull waits the same way, beside it in a thread:
+# the two waits run out together, so the test waits one request_timeout_s rather than two.
 STUCK_JOB = """
-import time, torch, paratrain, paratrain.kvstore
+import threading, time, torch, paratrain, paratrain.kvstore
 from paratrain.cluster.config import JobConfig
 from paratrain.errors import KVStoreError
 from paratrain.kvstore import KVStoreConfig
@@ -188,15 +189,23 @@ if ctx.rank == 1:
     while True:          # stuck in its data loader; its heartbeat thread runs on
         time.sleep(1)
 kv.push_sparse("t", ids, torch.ones(1, 2)).wait()
-try:
-    kv.row_sparse_pull("t", out=torch.empty(1, 2), row_ids=ids)
-except KVStoreError as exc:
-    print("sparse KVStoreError:", exc, flush=True)
+sparse_errors = []
+def sparse_pull():
+    try:
+        kv.row_sparse_pull("t", out=torch.empty(1, 2), row_ids=ids)
+    except KVStoreError as exc:
+        sparse_errors.append(exc)
+sparse = threading.Thread(target=sparse_pull)
+sparse.start()
 try:
     kv.pushpull("w", torch.ones(2), out=out)
 except KVStoreError as exc:
     print("KVStoreError:", exc, flush=True)
     raise
+finally:
+    sparse.join()
+    for exc in sparse_errors:  # printed by this thread: two threads' prints at once interleave
+        print("sparse KVStoreError:", exc, flush=True)
 """
 
 
