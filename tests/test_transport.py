@@ -30,7 +30,7 @@ from transport_fuzz import PingHandler, Session, fuzz_server, receive, refused, 
 
 from paratrain.errors import AuthenticationError, RemoteError, TransportError
 from paratrain.testing import JobOutcome, run_job
-from paratrain.transport import frame, handshake
+from paratrain.transport import connection, frame, handshake
 from paratrain.transport.client import RpcClient
 from paratrain.transport.config import TLSConfig, TransportConfig
 from paratrain.transport.connection import Connection, ConnectionClosed
@@ -550,6 +550,42 @@ def test_connections_use_the_congestion_control_configured(server: RpcServer) ->
         assert client.call("echo", {"n": 2}).meta == {"n": 2}
     with pytest.raises(ValueError, match="congestion_control='cu bic'"):
         TransportConfig(congestion_control="cu bic")
+
+
+def test_a_server_caps_the_receive_buffer_of_the_connections_it_accepts(
+    handler: RecordingHandler, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    if int(Path("/proc/sys/net/core/rmem_max").read_text()) < 1 << 20:
+        pytest.skip("net.core.rmem_max is below 1 MiB here")
+
+    def accepted_buffer(config: TransportConfig) -> tuple[int, int]:
+        """The receive buffer of the server's side of a connection, and of the client's."""
+        srv = RpcServer(SECRET, handler, host="127.0.0.1", port=0, config=config).start()
+        try:
+            with connected(srv) as client:
+                client.send("hold", {})
+                with handler.lock:
+                    assert handler.lock.wait_for(lambda: handler.held, WAIT_S)
+                    request = handler.held.pop()
+                server_side = request.conn._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+                return server_side, client._conn._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        finally:
+            srv.close()
+
+    # The kernel doubles what is set (its bookkeeping); a client's buffer stays autotuned.
+    assert accepted_buffer(TransportConfig())[0] == 2 << 20
+    server_side, client_side = accepted_buffer(TransportConfig(server_recv_buffer_bytes=256 << 10))
+    assert server_side == 512 << 10
+    assert client_side != server_side
+    autotuned, _ = accepted_buffer(TransportConfig(server_recv_buffer_bytes=None))
+    assert autotuned != 2 << 20
+    # Where the kernel would cut the buffer to net.core.rmem_max, autotuning stays instead.
+    (tmp_path / "rmem_max").write_text("212992\n")
+    monkeypatch.setattr(connection, "_RMEM_MAX", tmp_path / "rmem_max")
+    assert accepted_buffer(TransportConfig())[0] == autotuned
+    for bad in (0, 4095, True, 1.5):
+        with pytest.raises(ValueError, match="server_recv_buffer_bytes"):
+            TransportConfig(server_recv_buffer_bytes=bad)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager

@@ -51,6 +51,18 @@ class TransportConfig:
     link rate. On 1 Gbit/s links (benchmarks/hosts.py) cubic gave 0.77-0.78 s per 64 MB push+pull
     against 0.81-0.86 s with bbr, 0.61-0.63 s against 0.67-0.68 s with slices of 512 KiB. Where
     the kernel lacks the algorithm or refuses it, the connection keeps the default."""
+    server_recv_buffer_bytes: int | None = 1 << 20
+    """SO_RCVBUF of every connection a server accepts (None: the kernel's autotuning, which grows
+    a busy connection's buffer to many MiB). Why a cap: a peer keeps up to the receive window in
+    flight, so uncapped push flows fill the queue in front of a server's link (a switch port's, on
+    benchmarks' simulated hosts a 4 MiB tbf queue: 32 ms at 1 Gbit/s), and a backup's replica and
+    its confirmation wait behind them; a round's pulls wait for that confirmation. With 1 MiB
+    (the kernel doubles it for its bookkeeping), replication=2 across hosts on 1 Gbit/s links took
+    0.98-1.06 s per 64 MB pushpull against 1.07-1.13 s uncapped, the unreplicated job unchanged
+    (benchmarks/failures_servers.py, hosts row). A flow's rate is capped at about the window over
+    its round trip, so on links with a larger bandwidth-delay product than 1 MiB per connection
+    (e.g. 10 Gbit/s at 1 ms with one worker) raise it or set None. Where it is above
+    net.core.rmem_max, which the kernel would cut it to, autotuning stays."""
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout_s", "handshake_timeout_s", "request_timeout_s"):
@@ -73,6 +85,15 @@ class TransportConfig:
             raise ValueError(
                 f"TransportConfig.congestion_control={self.congestion_control!r} must be a name such as "
                 "'cubic', or None"
+            )
+        if self.server_recv_buffer_bytes is not None and not (
+            not isinstance(self.server_recv_buffer_bytes, bool)
+            and isinstance(self.server_recv_buffer_bytes, int)
+            and self.server_recv_buffer_bytes >= 4096
+        ):
+            raise ValueError(
+                f"TransportConfig.server_recv_buffer_bytes={self.server_recv_buffer_bytes!r} must be an int "
+                ">= 4096, or None"
             )
         if not self.shm_min_bytes >= 1:
             raise ValueError(f"TransportConfig.shm_min_bytes={self.shm_min_bytes!r} must be >= 1")

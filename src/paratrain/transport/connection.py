@@ -14,6 +14,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,10 +50,16 @@ class ConnectionClosed(TransportError):
     """The peer closed the connection between frames (an orderly end, not an error)."""
 
 
-def tune(sock: socket.socket, congestion_control: str | None = None) -> None:
-    """No Nagle delay; the congestion control named (TransportConfig.congestion_control), where
-    the kernel has it and allows it (else the system's default stays, logged once)."""
+def tune(
+    sock: socket.socket, congestion_control: str | None = None, recv_buffer_bytes: int | None = None
+) -> None:
+    """No Nagle delay; a fixed receive buffer where one is given (a server's accepted connections:
+    TransportConfig.server_recv_buffer_bytes); the congestion control named
+    (TransportConfig.congestion_control), where the kernel has it and allows it (else the system's
+    default stays, logged once)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if recv_buffer_bytes is not None and recv_buffer_allowed(recv_buffer_bytes):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, recv_buffer_bytes)
     if congestion_control is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return
     try:
@@ -68,6 +75,31 @@ def tune(sock: socket.socket, congestion_control: str | None = None) -> None:
 
 
 _REFUSED: set[str] = set()
+_RMEM_MAX = Path("/proc/sys/net/core/rmem_max")
+
+
+def recv_buffer_allowed(recv_buffer_bytes: int) -> bool:
+    """Whether the kernel lets a socket have this receive buffer. It silently cuts SO_RCVBUF to
+    net.core.rmem_max (208 KiB on many systems), and a buffer set by hand no longer grows: a cut one
+    would cap every connection's rate far below what autotuning gives, so then none is set (logged
+    once). TCP_WINDOW_CLAMP, which that limit does not bound, does not hold: autotuning raises it."""
+    try:
+        rmem_max = int(_RMEM_MAX.read_text())
+    except (OSError, ValueError):
+        return True
+    if rmem_max >= recv_buffer_bytes:
+        return True
+    if rmem_max not in _CUT:
+        _CUT.add(rmem_max)
+        logger.info(
+            "a receive buffer of %d bytes is above net.core.rmem_max (%d): the kernel's autotuning stays",
+            recv_buffer_bytes,
+            rmem_max,
+        )
+    return False
+
+
+_CUT: set[int] = set()
 
 
 def limits(config: TransportConfig) -> Limits:

@@ -177,7 +177,7 @@ class RpcServer:
     def _authenticate(self, entry: Handshake) -> Connection | None:
         sock = entry.sock
         try:
-            tune(sock, self.config.congestion_control)
+            tune(sock, self.config.congestion_control, self.config.server_recv_buffer_bytes)
             sock.settimeout(self.config.handshake_timeout_s)  # per read; admission has the deadline
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
