@@ -167,7 +167,7 @@ def hosts_turns(args: argparse.Namespace) -> dict[int, list[float]]:
     with SimulatedHosts(4, shape=shape) as hosts:
 
         def placed(indices: list[int]) -> list[Placement]:
-            return [Placement(hosts.address(i), tuple(hosts.prefix(i)), hosts.env(i)) for i in indices]
+            return [hosts.placement(i) for i in indices]
 
         places = {"scheduler": placed([0]), "worker": placed([0, 1]), "server": placed([2, 3])}
         return pushpull_turns(True, args, places, hosts.bridge)

@@ -188,7 +188,7 @@ def measure(args: argparse.Namespace, workers: int) -> dict[str, float | str]:
     from paratrain.testing_hosts import LinkShape, SimulatedHosts
 
     def placed(hosts: SimulatedHosts, indices: range | list[int]) -> list[Placement]:
-        return [Placement(hosts.address(i), tuple(hosts.prefix(i)), hosts.env(i)) for i in indices]
+        return [hosts.placement(i) for i in indices]
 
     script = os.path.abspath(__file__)
     common = ["--mb", str(args.mb), "--tensors", str(args.tensors)]

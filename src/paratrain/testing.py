@@ -181,10 +181,7 @@ def place_on_hosts(count: int, servers: int, workers: int) -> dict[str, list[int
 
 
 def _placements(hosts: SimulatedHosts, place: Mapping[str, Sequence[int]]) -> dict[str, list[Placement]]:
-    return {
-        role: [Placement(hosts.address(i), tuple(hosts.prefix(i)), hosts.env(i)) for i in indices]
-        for role, indices in place.items()
-    }
+    return {role: [hosts.placement(i) for i in indices] for role, indices in place.items()}
 
 
 def _script_path(script: str | os.PathLike[str], tmp: Path) -> Path:

@@ -32,6 +32,10 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paratrain.launch.local import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +127,12 @@ class SimulatedHosts:
         """What a process on host i needs in its environment: its address, and the interface Gloo
         must use (Gloo would otherwise look up the hostname, which names no namespace's address)."""
         return {"PARATRAIN_HOST": self.address(i), "GLOO_SOCKET_IFNAME": "eth0"}
+
+    def placement(self, i: int) -> Placement:
+        """Where the local launcher starts a process that runs on host i."""
+        from paratrain.launch.local import Placement  # the launcher, only where a job is placed
+
+        return Placement(self.address(i), tuple(self.prefix(i)), self.env(i))
 
     def run(self, i: int, cmd: Sequence[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
         """Runs `cmd` on host i to its end (check=True, output captured as text)."""
