@@ -76,6 +76,7 @@ def tune(
 
 _REFUSED: set[str] = set()
 _RMEM_MAX = Path("/proc/sys/net/core/rmem_max")
+_CUT: set[int] = set()  # the rmem_max values already logged by recv_buffer_allowed
 
 
 def recv_buffer_allowed(recv_buffer_bytes: int) -> bool:
@@ -97,9 +98,6 @@ def recv_buffer_allowed(recv_buffer_bytes: int) -> bool:
             rmem_max,
         )
     return False
-
-
-_CUT: set[int] = set()
 
 
 def limits(config: TransportConfig) -> Limits:
