@@ -737,6 +737,20 @@ def test_closing_server_fails_pending_futures(
         client.call("echo")
 
 
+def test_a_request_to_a_closed_connection_fails_at_once_and_a_submit_fails_its_future(
+    server: RpcServer, client: RpcClient
+) -> None:
+    server.close()
+    with pytest.raises(TransportError):  # the pending read sees the close; then every send fails
+        client.call("echo")
+    with pytest.raises(TransportError):
+        client.request("echo")
+    future = client.submit("echo")  # the kvstore's sends: their errors come from their waits
+    assert future.done()
+    with pytest.raises(TransportError, match="connection to"):
+        future.wait(0)
+
+
 def test_closing_client_fails_its_pending_futures(client: RpcClient, handler: RecordingHandler) -> None:
     future = client.request("hold")
     handler.wait_for(lambda: len(handler.held) == 1)

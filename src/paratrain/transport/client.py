@@ -233,6 +233,23 @@ class RpcClient:
             raise
         return future
 
+    def submit(
+        self,
+        op: str,
+        meta: dict[str, Any] | None = None,
+        tensors: Sequence[torch.Tensor] = (),
+        out: Sequence[torch.Tensor | None] | None = None,
+    ) -> Future:
+        """As request, but a connection that is down, or a send that fails, fails the returned
+        Future rather than the call: for callers that take every error from their waits (the
+        kvstore's, whose waits turn it into a KVStoreError)."""
+        try:
+            return self.request(op, meta, tensors, out)
+        except TransportError as exc:
+            future = Future((op, 0, self.name), out)
+            future._set(None, exc)
+            return future
+
     def call(
         self,
         op: str,

@@ -183,7 +183,7 @@ class DistKVStore(SparseAPI):
     # -- helpers ----------------------------------------------------------------------------------
     def _all_servers(self, op: str, meta: dict, tensors_for: Callable[[int], list] | None = None) -> list:
         live = self._servers.live()  # with replication, dead servers are skipped
-        futures = [self._clients[i].request(op, meta, tensors_for(i) if tensors_for else ()) for i in live]
+        futures = [self._clients[i].submit(op, meta, tensors_for(i) if tensors_for else ()) for i in live]
         return [r.meta for r in self._wait(futures)]
 
     def _wait(self, futures: list[Future]) -> list:
@@ -284,7 +284,7 @@ class DistKVStore(SparseAPI):
                 for t in chain:
                     sent.append((t, meta))
                     copy = dict(meta, chain=chain) if len(chain) > 1 else meta
-                    futures.append(self._clients[t].request("init", copy, tensors))
+                    futures.append(self._clients[t].submit("init", copy, tensors))
             for (s, meta), reply in zip(sent, self._wait(futures), strict=True):
                 self._map_regions(s, meta, reply.meta)
 
@@ -534,7 +534,7 @@ class DistKVStore(SparseAPI):
         # Every slice sees each push and pull of its key: counts are the same on all of them.
         combine = {"version": min, "pushes": max, "pulls": max}
         per_key: dict[Any, dict[str, int]] = {}
-        replies = self._wait([self._clients[s].request("stats") for s in self._servers.live()])
+        replies = self._wait([self._clients[s].submit("stats") for s in self._servers.live()])
         for reply in self._serving(replies):
             for shard in reply.meta["shards"]:
                 total = per_key.setdefault(shard["key"], {"slices": 0})
@@ -562,7 +562,7 @@ class DistKVStore(SparseAPI):
         so the file loads into any number of servers. Written to a temporary file, then renamed."""
         self.barrier()
         if self.rank == 0:
-            replies = self._wait([self._clients[s].request("get_state") for s in self._servers.live()])
+            replies = self._wait([self._clients[s].submit("get_state") for s in self._servers.live()])
             optimizer = next((r.meta["optimizer"] for r in replies if r.meta["optimizer"]), [])
             tables = self._tables.gather() if self._tables is not None and self._tables.tables else ()
             write_state(path, gather_state(replies), optimizer, tables)
@@ -576,7 +576,7 @@ class DistKVStore(SparseAPI):
         if self.rank == 0:
             per_server = scatter_state(read_state(path), self._keys)
             futures = [  # to every live copy
-                self._clients[t].request("set_state", {"shards": meta}, tensors)
+                self._clients[t].submit("set_state", {"shards": meta}, tensors)
                 for s, (meta, tensors) in per_server.items()
                 for t in self._servers.chain(s)
                 if t not in self._servers.dead

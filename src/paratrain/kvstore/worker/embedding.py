@@ -103,7 +103,7 @@ class TableClient:
     def _all(self, op: str, meta: dict) -> list:
         """`op` on every (live) server."""
         live = self._servers.live() if self._servers is not None else range(len(self._clients))
-        return self._wait([self._clients[s].request(op, meta) for s in live])
+        return self._wait([self._clients[s].submit(op, meta) for s in live])
 
     def _per_primary(self, op: str, meta: dict) -> list:
         """`op` for each server's rows: at that server, or with replication at its first live copy."""
@@ -116,7 +116,7 @@ class TableClient:
     ) -> Any:
         """A request for server `primary`'s rows; with replication one that fails over to its copies."""
         if self._servers is None:
-            return self._clients[primary].request(op, meta, tensors, out=out)
+            return self._clients[primary].submit(op, meta, tensors, out=out)
         return self._servers.request(primary, op, dict(meta, primary=primary), tensors, out)
 
     def _client(self, primary: int) -> Any:
@@ -137,7 +137,7 @@ class TableClient:
             chains = [self._servers.chain(p) for p in range(len(self._clients))]
             live = self._servers.live()
             sent = [dict(meta, chains=[c for c in chains if s in c]) for s in live]
-            self._wait([self._clients[s].request("sparse_init", m) for s, m in zip(live, sent, strict=True)])
+            self._wait([self._clients[s].submit("sparse_init", m) for s, m in zip(live, sent, strict=True)])
         self.tables.setdefault(key, TableInfo(dim, config))
 
     # -- routing, pull and push -------------------------------------------------------------------
@@ -285,7 +285,7 @@ class TableClient:
                 order = torch.argsort(route.index)
                 columns = [c[order] for c in columns]
             futures = [  # with replication, to every live copy of each server's rows
-                self._clients[t].request(
+                self._clients[t].submit(
                     "sparse_set_state",
                     {"key": key, "names": names, "primary": p},
                     [route.ids[a:b]] + [c[a:b].contiguous() for c in columns],

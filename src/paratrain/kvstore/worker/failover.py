@@ -125,10 +125,12 @@ class Servers:
         out: Sequence[torch.Tensor | None] | None = None,
         payload: Payload | None = None,
     ) -> Future | FailoverFuture:
-        """A request for `primary`'s slices: plain without replication, else one that fails over
-        (sent as `payload` says to any server but the primary, where it used shared memory)."""
+        """A request for `primary`'s slices: plain without replication (a lost connection fails
+        the Future, not the call: the caller's wait raises it as a KVStoreError), else one that
+        fails over (sent as `payload` says to any server but the primary, where it used shared
+        memory)."""
         if self.replication == 1:
-            return self.clients[primary].request(op, meta, tensors, out=out)
+            return self.clients[primary].submit(op, meta, tensors, out=out)
         return FailoverFuture(self, primary, op, meta, tensors, out, payload)
 
     def in_place(self, primary: int) -> bool:
