@@ -3,6 +3,7 @@ the Criteo reader and generator, and the CTR example."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -576,3 +577,21 @@ def test_ctr_example_learns_with_tables_on_two_servers_and_the_dense_part_by_all
     rows = [[float(v) for v in a[3].split(",")] for a in answers]
     assert rows[0] != rows[-1], served  # the servers kept training the rows the server reads
     assert int(answers[-1][1]) > int(answers[0][1]), served  # a newer checkpoint's dense part
+
+
+def test_the_sparse_benchmarks_lockstep_ceiling_is_the_mean_step_over_the_expected_longest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = Path(__file__).parent.parent / "benchmarks" / "sparse.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # its helpers (_anchors, _jobs) sit beside it
+    spec = importlib.util.spec_from_file_location("sparse_benchmark", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.lockstep_ceiling([[2.0, 2.0], [2.0, 2.0]]) == 1.0  # steady steps: the barrier is free
+    # Steps of 1 or 3 ms, equally likely, on each of two workers: the mean is 2, the longest of two
+    # independent draws 2.5 on average (1 only when both draw 1).
+    assert bench.lockstep_ceiling([[1.0, 3.0], [3.0, 1.0]]) == pytest.approx(0.8)
+    # The slowest worker's mean sets the numerator; a steady faster worker never holds it back.
+    assert bench.lockstep_ceiling([[1.0, 1.0], [2.0, 2.0]]) == 1.0
+    assert bench.lockstep_ceiling([[1.0, 3.0], [1.0, 1.0]]) == 1.0
