@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import mmap
 import os
 import random
 import shutil
@@ -36,7 +37,15 @@ from paratrain.transport.config import TLSConfig, TransportConfig
 from paratrain.transport.connection import Connection, ConnectionClosed
 from paratrain.transport.frame import FrameError, Header, Limits
 from paratrain.transport.rpc import Handler, Request, RpcServer
-from paratrain.transport.tensors import DTYPES, MAX_DIMS, ViewCache, byte_view, nbytes
+from paratrain.transport.tensors import (
+    BIG_COPY_BYTES,
+    DTYPES,
+    MAX_DIMS,
+    ViewCache,
+    byte_view,
+    copy_bytes,
+    nbytes,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -198,6 +207,20 @@ def test_byte_view_sizes() -> None:
         assert len(view) == tensor.numel() * tensor.element_size()
         assert len(view) == nbytes(tensor.dtype, tuple(tensor.shape))
         assert view.readonly is (len(view) == 0)  # an empty view has nothing to write
+
+
+@pytest.mark.parametrize("size", [1, BIG_COPY_BYTES - 1, BIG_COPY_BYTES, 3 * BIG_COPY_BYTES + 5])
+def test_copy_bytes_copies_every_byte_into_shared_memory_and_back(size: int) -> None:
+    ring = mmap.mmap(-1, size + 64)  # as the same-host rings are mapped
+    region = memoryview(ring)[64 : 64 + size]
+    sent = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    copy_bytes(region, byte_view(sent))
+    assert bytes(region) == sent.numpy().tobytes()
+    back = torch.zeros(size, dtype=torch.uint8)
+    copy_bytes(byte_view(back), region.toreadonly())  # the reader's side: a read-only source will do
+    assert torch.equal(back, sent)
+    region.release()
+    ring.close()
 
 
 def test_byte_view_shares_memory() -> None:

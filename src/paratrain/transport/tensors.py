@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # The dtypes a frame may carry, by wire name. A name not in this table is a malformed frame.
@@ -113,9 +114,13 @@ BIG_COPY_BYTES = 1 << 20
 
 
 def copy_bytes(dst: memoryview, src: memoryview) -> None:
-    """dst[:] = src; big copies go through torch, which releases the GIL while it copies (a
-    memoryview assignment holds it, stalling every other thread of the process)."""
+    """dst[:] = src. Big copies go through numpy, which releases the GIL while it copies (a
+    memoryview assignment holds it, stalling every other thread of the process) and copies on the
+    calling thread alone. Not torch's copy_: it splits a big copy over its OpenMP threads, and where
+    the job's other processes keep the cores busy the copy waits for whichever of its threads the
+    kernel let run last: a 4 MiB payload went into the same-host ring at 1.0-1.2 GB/s with torch's
+    two threads on 2 cores, and at 6.5-11 GB/s on one thread (benchmarks/transport.py, shm)."""
     if len(src) >= BIG_COPY_BYTES:
-        torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
     else:
         dst[:] = src
