@@ -11,7 +11,7 @@ into `rounds` turns that the three take one after the other: on a shared machine
 hits all three, and the ratio printed is the median of each round's ratio. Each kind keeps one
 connection for the whole run, as a job keeps its connections: a connection per turn made every turn
 of the same-host path pay for two new 128 MiB rings, whose pages are faulted in on first use on both
-sides (its 256K-64M one-way rates read 0.8-1.3 GB/s, against 6-12 GB/s on a connection in use).
+sides (its 256K-64M one-way rates read 0.8-1.9 GB/s, against 5-12 GB/s on a connection in use).
 """
 
 from __future__ import annotations
