@@ -68,11 +68,12 @@ def paratrain_role(args: argparse.Namespace) -> None:
     kv = paratrain.kvstore.create("dist_sync")
     sizes = kv_bench.model_sizes(args.mb << 20, args.tensors)
     keys = list(range(len(sizes)))
+    if args.compression:  # every element is >= the threshold: each worker sends +1 everywhere
+        kv.set_gradient_compression({"type": args.compression, "threshold": 1.0})  # before init, as
+        # the Trainer does: keys are sliced by their compressed size
     kv.init(keys, [torch.zeros(n) for n in sizes])
     if args.update_on == "server":
         kv.set_optimizer(torch.optim.SGD, lr=1e-6)
-    if args.compression:  # every element is >= the threshold: each worker sends +1 everywhere
-        kv.set_gradient_compression({"type": args.compression, "threshold": 1.0})
     grads = [torch.full((n,), kv.rank + 1.0) for n in sizes]
     outs = [torch.empty(n) for n in sizes]
     per_iter = _anchors.time_steps(

@@ -56,6 +56,15 @@ def test_max_slice_bytes_cuts_keys_into_slices_no_bigger_on_the_least_loaded_ser
     assert [(s.server, s.start, s.stop) for s in uncapped] == [(0, 0, 51), (1, 51, 101)]  # as without
 
 
+def test_a_compressed_key_is_capped_by_the_bytes_it_puts_on_the_wire():
+    placement = Placement(num_servers=2, slice_elements=100, max_slice_bytes=40)
+    # 2bit: 25 float32 elements (100 B) travel in 7 B, under the cap: whole, as a small key is
+    assert [(s.server, s.start, s.stop) for s in placement.place(25, 4, wire_bytes=7)] == [(0, 0, 25)]
+    halved = placement.place(25, 4, wire_bytes=50)  # fp16: 50 B on the wire, 2 slices of at most 40
+    assert [(s.server, s.start, s.stop) for s in halved] == [(1, 0, 13), (1, 13, 25)]
+    assert placement.load == [100, 100]  # the servers hold the values themselves, uncompressed
+
+
 def test_placement_is_the_same_on_every_worker():
     def run():
         p = Placement(2, slice_elements=1000)
@@ -469,3 +478,26 @@ def test_state_files_load_without_running_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         kv.load_state(tmp_path / "evil.pt")
     assert not marker.exists()
+
+
+def test_frames_of_compressed_keys_are_filled_by_their_compressed_bytes():
+    from paratrain.compression import CompressionConfig
+    from paratrain.kvstore.compressed import WorkerCompression
+    from paratrain.kvstore.placement import Slice
+    from paratrain.kvstore.worker.client import DistKVStore, KeyInfo
+
+    store = DistKVStore.__new__(DistKVStore)  # only what _frames reads: no servers needed
+    store.rank, store._clients = 0, [None]
+    store._keys = {k: KeyInfo([4096], torch.float32, [Slice(0, 0, 4096)]) for k in range(8)}
+    store._compression = WorkerCompression(CompressionConfig("2bit", threshold=0.5))
+
+    def frames(compressed: bool) -> list[list]:
+        found = store._frames(list(range(8)), lambda key, info, piece: {}, 4 << 10, compressed)
+        return [meta["keys"] for _, meta in found]
+
+    # 16 KiB of float32 each, over the 4 KiB: a frame of its own raw; 1 KiB in 2bit: four a frame.
+    assert frames(compressed=False) == [[k] for k in range(8)]
+    assert frames(compressed=True) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    store._keys[8] = KeyInfo([10], torch.float32, [Slice(0, 0, 10)])  # under min_elements: sent raw
+    found = store._frames([8, 0], lambda key, info, piece: {}, 1040, True)  # 40 + 1024 B: two frames
+    assert [meta["keys"] for _, meta in found] == [[8], [0]]

@@ -68,6 +68,12 @@ class WorkerCompression:
         self.wire = config.to_wire()
         self.residuals: dict[tuple[Any, int], torch.Tensor] = {}
 
+    def wire_bytes(self, dtype: torch.dtype, numel: int) -> int | None:
+        """Bytes a whole key of this type and size takes on the wire; None where it is not compressed."""
+        if not compressible(dtype, numel, self.config):
+            return None
+        return self.codec.wire_bytes(numel, dtype.itemsize)
+
     def encode(self, key: Any, start: int, piece: torch.Tensor, numel: int) -> list[torch.Tensor]:
         """The wire tensors of one slice of a key of `numel` elements (the slice itself where the
         key is not compressed: its type, or fewer than min_elements)."""

@@ -4,7 +4,8 @@ Small keys live whole on one server, each on the server holding the fewest bytes
 lowest rank). A key of more than `slice_elements` elements is cut into one near-equal contiguous slice
 per server, so every server and link carries part of it. With `max_slice_bytes`, a key bigger than
 that is cut into more near-equal slices, none bigger, each placed on the server holding the fewest
-bytes so far: pushes and pulls then move in frames of nearly one size (benchmarks/hosts.py). Every
+bytes so far: pushes and pulls then move in frames of nearly one size (benchmarks/hosts.py); for a
+compressed key the cap is on its compressed bytes, since those are what its frames carry. Every
 worker computes the same placement because every worker inits the same keys in the same order (the
 servers check that they agree).
 """
@@ -58,10 +59,14 @@ class Placement:
             raise ValueError(f"max_slice_bytes={self.max_slice_bytes!r} must be >= 1 or None")
         self.load = self.load or [0] * self.num_servers
 
-    def place(self, numel: int, itemsize: int) -> list[Slice]:
+    def place(self, numel: int, itemsize: int, wire_bytes: int | None = None) -> list[Slice]:
+        """`wire_bytes`: what a push of the whole key takes on the wire, where compression makes it
+        smaller than numel * itemsize; max_slice_bytes caps that (a slice's frames are what it
+        evens out), so a compressed key is cut into fewer slices."""
         if self.num_servers == 1:
             return self._add([Slice(0, 0, numel)], itemsize)
-        capped = 1 if self.max_slice_bytes is None else -(-numel * itemsize // self.max_slice_bytes)
+        size = numel * itemsize if wire_bytes is None else wire_bytes
+        capped = 1 if self.max_slice_bytes is None else -(-size // self.max_slice_bytes)
         if numel > self.slice_elements and capped <= self.num_servers:
             return self._add(
                 [Slice(s, a, b) for s, (a, b) in enumerate(split(numel, self.num_servers))], itemsize

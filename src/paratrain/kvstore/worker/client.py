@@ -199,18 +199,28 @@ class DistKVStore(SparseAPI):
             raise KVStoreError(f"key {key!r} was never initialized (call kv.init first)") from None
 
     def _frames(
-        self, keys: list, extra: Callable[[Any, KeyInfo, Slice], dict], max_bytes: int | None = None
+        self,
+        keys: list,
+        extra: Callable[[Any, KeyInfo, Slice], dict],
+        max_bytes: int | None = None,
+        compressed: bool = False,
     ) -> list[tuple[int, dict]]:
         """(server, meta) per frame: parallel lists of the slices `keys` have on that server, plus
         per-slice extras. With `max_bytes`, a server's slices go in frames of at most that many
-        bytes (whole slices: a bigger one alone), sent in the order `_interleaved` gives."""
+        bytes (whole slices: a bigger one alone), sent in the order `_interleaved` gives;
+        `compressed`: counted as the slices of compressed keys go on the wire (both ways)."""
         frames: dict[int, list[dict]] = {}
+        compression = self._compression if compressed else None
         for key in keys:
             info = self._info(key)
             itemsize = info.dtype.itemsize
+            packed = compression is not None and compression.wire_bytes(info.dtype, info.numel) is not None
             for piece in info.slices:
                 chunks = frames.setdefault(piece.server, [])
                 size = piece.numel * itemsize
+                if packed:
+                    assert compression is not None
+                    size = compression.codec.wire_bytes(piece.numel, itemsize)
                 if not chunks or (max_bytes is not None and chunks[-1]["bytes"] + size > max_bytes):
                     chunks.append({"keys": [], "starts": [], "stops": [], "rank": self.rank, "bytes": 0})
                 meta = chunks[-1]
@@ -257,7 +267,11 @@ class DistKVStore(SparseAPI):
             known = self._keys.get(key)
             shape, dtype = list(value.shape), value.dtype
             if known is None:
-                slices = self._placement.place(value.numel(), value.element_size())
+                # Compressed keys are cut by their compressed size: set compression before init
+                # (as the Trainer does), on every worker alike, or their slices stay small.
+                compression, numel = self._compression, value.numel()
+                wire = None if compression is None else compression.wire_bytes(dtype, numel)
+                slices = self._placement.place(numel, value.element_size(), wire)
                 self._keys[key] = KeyInfo(shape, dtype, slices)
         flat = {key: flat_cpu(v) for key, v in zip(keys, values, strict=True)}
         frames = self._frames(
@@ -323,7 +337,10 @@ class DistKVStore(SparseAPI):
         futures, after = [], []
         views = self._out_views(keys, outs, after)
         frames = self._frames(
-            keys, lambda key, info, piece: {"min_versions": self._min_version(info)}, self._frame_bytes
+            keys,
+            lambda key, info, piece: {"min_versions": self._min_version(info)},
+            self._frame_bytes,
+            compressed=self._pulls_compressed(),
         )
         reads: list[tuple[Region, torch.Tensor]] = []
         for s, meta in frames:
@@ -399,6 +416,7 @@ class DistKVStore(SparseAPI):
             keys,
             lambda key, info, piece: {"clocks": clocks[key], "min_versions": self._min_version(info)},
             self._frame_bytes,
+            compressed=outs is None or self._pulls_compressed(),  # a pushpull's replies too
         )
         last = {s: meta for s, meta in frames}
         for s, meta in frames:
@@ -489,17 +507,25 @@ class DistKVStore(SparseAPI):
         """Compress this worker's pushes from now on, in MXNet's form
         (`{"type": "2bit", "threshold": 0.5}`, or "topk", "fp16", "bf16"; None: off), with error
         feedback per key. Where the servers run no optimizer (rounds sum gradients), the pulled
-        sums come compressed too, with the servers' own error feedback. Every worker calls it."""
+        sums come compressed too, with the servers' own error feedback. Every worker calls it,
+        best before init: keys initialized after it are sliced by their compressed size (fewer,
+        bigger slices: with servers on several hosts in sync mode, `max_slice_bytes` caps the bytes
+        a slice puts on the wire)."""
         config = compression_config(compression)
         if config is not None and self._servers.replication > 1:
             raise KVStoreError("gradient compression is not replicated yet: use JobConfig(replication=1)")
         self._compression = None if config is None else WorkerCompression(config)
 
+    def _pulls_compressed(self) -> bool:
+        """Whether pulled values come compressed: gradient sums only (no optimizer on the servers,
+        rounds)."""
+        return self._compression is not None and not self._server_optimizer and self.config.policy.rounds
+
     def _compressed_pull(self, meta: dict) -> bool:
-        """Whether a frame's pulled values come compressed: gradient sums only (no optimizer on
-        the servers, rounds); marks the frame so."""
-        if self._compression is None or self._server_optimizer or not self.config.policy.rounds:
+        """Whether a frame's pulled values come compressed (_pulls_compressed); marks the frame so."""
+        if not self._pulls_compressed():
             return False
+        assert self._compression is not None
         meta["pull_compression"] = self._compression.wire
         return True
 
