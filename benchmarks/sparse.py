@@ -34,6 +34,12 @@ independently (every pair of quantiles, one from each worker). A model, not a bo
 much of the sync/async gap the steps' spread alone accounts for (on a machine with fewer cores than
 the job has busy processes the spread is large: the scheduler decides when each step runs).
 
+The last line splits the gap in two: the CPU that all the job's processes (scheduler, servers,
+workers, every thread) spent per timed step, which worker 0 reads from /proc before and after its
+timed steps, and the cores they kept busy meanwhile (that CPU over the wall time). Extra work in
+sync shows in the first, its phases taking turns (cores idle while the workers wait for a round) in
+the second.
+
 Why 5 rounds of 600 steps by default (until stop 18: 1 round of 300): on an idle 2-core machine one
 round's sync/async ratio ranged from 0.62 to 1.32 with 150-step windows (about 0.8 s) and still from
 0.75 to 1.08 with 400-step ones, so one round, or the median of three, did not tell on which side of
@@ -52,7 +58,8 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed import rpc
@@ -65,6 +72,7 @@ import _plot  # noqa: E402
 
 RESULT = re.compile(
     r"SPARSEBENCH rank=(\d+) steps_per_s=([0-9.eE+-]+) unique=([0-9.]+) step_ms_quantiles=([0-9.,]+)"
+    r" job_cpu_s=([0-9.]+|none) wall_s=([0-9.]+)"
 )
 QUANTILES = 50  # a worker's step times, printed as the cut points of 50 equal parts
 NUM_WORKERS, NUM_SERVERS, BATCH, FIELDS = 2, 2, 1024, 26
@@ -92,6 +100,31 @@ def row_grads(grad: torch.Tensor, inverse: torch.Tensor, unique: int) -> torch.T
 
 def rate(per_step_s: float) -> float:
     return 1.0 / per_step_s
+
+
+class JobRun(NamedTuple):
+    """One paratrain job's figures."""
+
+    steps_per_s: float  # of the slowest worker
+    unique: float  # mean unique ids a step
+    ceiling: float  # the lockstep ceiling of its step times (module docstring)
+    cpu_ms: float | None  # CPU of all the job's processes per timed step; None: /proc did not tell
+    busy: float | None  # cores those processes kept busy over the timed steps (CPU / wall)
+
+
+def job_cpu_s() -> float | None:
+    """CPU seconds used so far by every process of this job: the launcher's children (this worker
+    among them), their ended threads included. None where /proc does not tell (not Linux)."""
+    try:
+        parent = f"/proc/{os.getppid()}/task"
+        children = [c for t in os.listdir(parent) for c in Path(f"{parent}/{t}/children").read_text().split()]
+        ticks = 0
+        for pid in children:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime and stime, in clock ticks
+        return ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 # ------------------------------------------------------------------------------- paratrain
@@ -127,13 +160,23 @@ def paratrain_role(args: argparse.Namespace) -> None:
         while pushes:
             pushes.pop().wait()
 
-    seconds = timed(step, mine, args.warmup, kv.barrier, finish)
+    cpu: list[float | None] = []
+
+    def before_timing() -> None:
+        kv.barrier()
+        cpu.append(job_cpu_s())
+
+    seconds = timed(step, mine, args.warmup, before_timing, finish)
+    cpu.append(job_cpu_s())
+    start, end = cpu
+    job_cpu = None if start is None or end is None else end - start
     timed_starts = starts[args.warmup :]
     steps_ms = [1e3 * (b - a) for a, b in itertools.pairwise(timed_starts)] or [1e3 * seconds]
     cuts = statistics.quantiles(steps_ms, n=QUANTILES) if len(steps_ms) > 1 else steps_ms
     print(
         f"SPARSEBENCH rank={ctx.rank} steps_per_s={args.iters / seconds:.3f} "
-        f"unique={sum(uniques) / len(uniques):.1f} step_ms_quantiles={','.join(f'{c:.4f}' for c in cuts)}",
+        f"unique={sum(uniques) / len(uniques):.1f} step_ms_quantiles={','.join(f'{c:.4f}' for c in cuts)} "
+        f"job_cpu_s={'none' if job_cpu is None else f'{job_cpu:.3f}'} wall_s={seconds:.4f}",
         flush=True,
     )
 
@@ -157,8 +200,9 @@ def timed(
     return time.perf_counter() - start
 
 
-def paratrain_job(args: argparse.Namespace, kind: str) -> tuple[float, float, float] | str:
-    """(steps/s of the slowest worker, mean unique ids a step, lockstep ceiling), or why there is none."""
+def paratrain_job(args: argparse.Namespace, kind: str) -> JobRun | str:
+    """The job's figures, or why there are none. Its CPU and busy cores are as worker 0 saw them
+    over its timed steps."""
     role_args = ["--paratrain-role", "--kind", kind, "--rows", str(args.rows), "--dim", str(args.dim)]
     role_args += ["--warmup", str(args.warmup), "--iters", str(args.iters), "--exponent", str(args.exponent)]
     script = os.path.abspath(__file__)
@@ -167,7 +211,11 @@ def paratrain_job(args: argparse.Namespace, kind: str) -> tuple[float, float, fl
         return "failed"
     spreads = [[float(c) for c in f[3].split(",")] for f in found]
     unique = sum(float(f[2]) for f in found) / len(found)
-    return min(float(f[1]) for f in found), unique, lockstep_ceiling(spreads)
+    first = min(found, key=lambda f: int(f[0]))
+    cpu_ms = busy = None
+    if first[4] != "none":
+        cpu_ms, busy = 1e3 * float(first[4]) / args.iters, float(first[4]) / float(first[5])
+    return JobRun(min(float(f[1]) for f in found), unique, lockstep_ceiling(spreads), cpu_ms, busy)
 
 
 def lockstep_ceiling(spreads: list[list[float]]) -> float:
@@ -300,31 +348,36 @@ def main() -> None:
         NUM_WORKERS,
         NUM_SERVERS,
     )
-    runs: dict[str, list[tuple[float, float, float]]] = {"dist_sync": [], "dist_async": []}
+    runs: dict[str, list[JobRun]] = {"dist_sync": [], "dist_async": []}
     for _ in range(args.rounds):  # taking turns: a slower minute of the machine hits both
         for kind, done in runs.items():
             result = paratrain_job(args, kind)
-            if isinstance(result, tuple):
+            if isinstance(result, JobRun):
                 done.append(result)
     for kind, done in runs.items():
-        rows[f"paratrain {kind}"] = (median_run(done)[:2] if done else "failed", NUM_WORKERS, NUM_SERVERS)
+        run = median_run(done) if done else None
+        figures = (run.steps_per_s, run.unique) if run else "failed"
+        rows[f"paratrain {kind}"] = (figures, NUM_WORKERS, NUM_SERVERS)
     print_table(args, unique, rows)
     print_target(runs)
 
 
-def median_run(done: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+def median_run(done: list[JobRun]) -> JobRun:
     """The run of median steps/s."""
-    return sorted(done)[len(done) // 2]
+    return sorted(done, key=lambda run: run.steps_per_s)[len(done) // 2]
 
 
 def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def print_target(runs: dict[str, list[tuple[float, float, float]]]) -> None:
+def print_target(runs: dict[str, list[JobRun]]) -> None:
     """dist_sync against dist_async, the median of the rounds, with their spread (issue target:
-    >= 0.9x, and >= 1M rows/s); then the async rounds' lockstep ceilings."""
-    per_server = {k: [u * s * NUM_WORKERS / NUM_SERVERS for s, u, _ in done] for k, done in runs.items()}
+    >= 0.9x, and >= 1M rows/s); then the async rounds' lockstep ceilings, and each kind's CPU per
+    step and busy cores."""
+    per_server = {
+        k: [r.unique * r.steps_per_s * NUM_WORKERS / NUM_SERVERS for r in done] for k, done in runs.items()
+    }
     pairs = [a / b for a, b in zip(per_server["dist_sync"], per_server["dist_async"])]
     if not pairs:
         return
@@ -337,11 +390,20 @@ def print_target(runs: dict[str, list[tuple[float, float, float]]]) -> None:
         f"(sync/async {ratio:.2f}, the median of the rounds' {rounds}, spread {min(pairs):.2f}-"
         f"{max(pairs):.2f}; sync {sync:,.0f} rows/s per server, spread {min(syncs):,.0f}-{max(syncs):,.0f})"
     )
-    ceilings = [c for _, _, c in runs["dist_async"]]
+    ceilings = [r.ceiling for r in runs["dist_async"]]
     print(
         f"lockstep ceiling from the async steps' spread (what a sync round costing only its barrier could "
         f"reach): {median(ceilings):.2f}, the median of the rounds' {', '.join(f'{c:.2f}' for c in ceilings)}"
     )
+    work = []
+    for kind, done in runs.items():
+        cpus = [r.cpu_ms for r in done if r.cpu_ms is not None]
+        busies = [r.busy for r in done if r.busy is not None]
+        if cpus and busies:
+            cores = f"{median(busies):.2f} of {os.cpu_count()} cores busy"
+            work.append(f"{kind} {median(cpus):.2f} ms a step, {cores}")
+    if work:
+        print("CPU of the job's processes in the timed steps (medians of the rounds): " + "; ".join(work))
 
 
 def print_table(args: argparse.Namespace, unique: float, rows: dict[str, tuple]) -> None:
