@@ -17,7 +17,7 @@ from paratrain.data.criteo import category_id, read_criteo, write_synthetic_crit
 from paratrain.errors import KVStoreError
 from paratrain.kvstore import TableConfig, create, kernels
 from paratrain.kvstore.consistency import Bounded
-from paratrain.kvstore.server.rowstore import IdIndex, initial_rows, shard_of
+from paratrain.kvstore.server.rowstore import HUGE_MIN_BYTES, IdIndex, RowStore, initial_rows, shard_of, zeros
 from paratrain.kvstore.server.rules import Rules
 from paratrain.kvstore.server.sparse import SparseTables
 from paratrain.kvstore.server.sparse_fold import fold_order_holds, may_fold
@@ -53,6 +53,53 @@ def test_id_index_agrees_with_a_dict_through_inserts_removals_and_rebuilds():
         expected = [reference.get(i, -1) for i in probe.tolist()]
         assert index.lookup(probe).tolist() == expected
         assert len(index) == len(reference)
+
+
+def _huge_page_mode() -> str | None:
+    """The kernel's transparent huge page setting ("always", "madvise", "never"); None: no THP."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    found = re.search(r"\[(\w+)\]", text)
+    return found.group(1) if found else None
+
+
+def _mapping_of(address: int) -> dict[str, str]:
+    """The fields of this process's /proc/self/smaps entry for the mapping holding `address`."""
+    entry: dict[str, str] | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            if entry is not None:
+                return entry
+            if int(head.group(1), 16) <= address < int(head.group(2), 16):
+                entry = {}
+        elif entry is not None and ":" in line:
+            name, value = line.split(":", 1)
+            entry[name] = value.strip()
+    assert entry is not None, f"no mapping holds {address:#x}"
+    return entry
+
+
+def test_large_row_storage_is_zeroed_and_asks_for_huge_pages():
+    store = RowStore({"value": ((16,), torch.float32), "step": ((), torch.int64)}, 200_000)
+    value = store.columns["value"]
+    assert value.shape == (store.capacity, 16) and value.dtype == torch.float32 and value.is_contiguous()
+    assert not value.any() and not store.columns["step"].any() and not store.ids.any()
+    capacity = store.capacity
+    last = store.allocate(capacity)[-1]
+    value[last] = 3.0  # writable to its end, and moved along when the store grows
+    store.allocate(1)
+    assert store.capacity > capacity and store.columns["value"][last].eq(3.0).all()
+    small = zeros(10, np.int64)
+    assert small.tolist() == [0] * 10
+    mode = _huge_page_mode()
+    if mode not in ("always", "madvise"):
+        pytest.skip(f"this kernel's transparent huge pages are {mode!r}")
+    big = store.columns["value"]
+    assert big.numel() * 4 >= HUGE_MIN_BYTES
+    assert _mapping_of(big.data_ptr()).get("THPeligible") == "1"  # madvise(MADV_HUGEPAGE) took
 
 
 def test_combine_sums_repeated_slots_in_order_as_a_plain_loop_does_with_buffers_reused():
