@@ -24,7 +24,9 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,10 +61,10 @@ def measure(args: argparse.Namespace, huge: bool) -> tuple[dict[str, float], str
     lr, eps = np.float32(0.01), np.float32(1e-10)
     times: dict[str, list[float]] = {part: [] for part in PARTS}
 
-    def timed(part: str, call: object, *call_args: object) -> object:
+    def timed(part: str, call: Callable[..., Any], *call_args: Any) -> Any:
         other[:] += 1  # evict the rows the last call touched
         start = time.perf_counter()
-        result = call(*call_args)  # type: ignore[operator]
+        result = call(*call_args)
         times[part].append(time.perf_counter() - start)
         return result
 
@@ -117,8 +119,8 @@ def main() -> None:
     plain, huge = ({p: min(f[p] for f in runs[kind]) for p in PARTS} for kind in (False, True))
     setup = (
         f"one shard of {args.rows:,} x {args.dim} float32 rows with Adagrad state, {args.batch:,} random ids "
-        f"a step, median of {args.steps} steps; transparent huge pages: {mode}; the mappings holding the "
-        f"rows' values on huge pages: {pages[False]} (plain), {pages[True]} (huge); "
+        f"a step, the lower of two runs' medians over {args.steps} steps; transparent huge pages: {mode}; "
+        f"the mappings holding the rows' values on huge pages: {pages[False]} (plain), {pages[True]} (huge); "
         f"{os.cpu_count()} cores, torch {torch.__version__}"
     )
     head = ["part", "plain pages (ms)", "huge pages (ms)", "huge / plain"]
