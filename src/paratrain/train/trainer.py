@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import random
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from paratrain import checkpoint
 from paratrain.cluster.context import current
 from paratrain.data import ShardedLoader
-from paratrain.metrics import NullMetrics, Progress, open_metrics
+from paratrain.metrics import MetricsLogger, NullMetrics, Progress, open_loggers
 from paratrain.train.jobdirs import job_defaults
 from paratrain.train.observe import StepObserver
 from paratrain.train.strategy import (
@@ -206,9 +206,11 @@ class Trainer:
     PARATRAIN_STRATEGY / the job's default. `loader`: a torch DataLoader (resharded for this worker)
     or a ShardedLoader. Checkpoints every `checkpoint_every` steps into `checkpoint_dir` (keeping the
     last `keep`); with `resume`, a run whose checkpoint_dir holds a checkpoint continues from it.
-    Metrics (loss, samples/s, lr) go to `metrics_dir` as JSON lines and TensorBoard scalars, and a
-    progress line on worker 0. In a submitted job (`paratrain submit`) checkpoint_dir and metrics_dir
-    default to OUTPUT_DIR/checkpoints and OUTPUT_DIR/metrics, checkpoint_every to the spec's. With
+    Metrics (loss, samples/s, lr) go to `metrics_dir` as JSON lines and TensorBoard scalars, or to
+    `loggers` (names: "jsonl", "tensorboard", "mlflow", "wandb", or MetricsLogger objects), from
+    worker 0 (JSON lines stand in for a logger whose extra is missing), and a progress line there.
+    In a submitted job (`paratrain submit`) checkpoint_dir and metrics_dir default to
+    OUTPUT_DIR/checkpoints and OUTPUT_DIR/metrics, checkpoint_every to the spec's. With
     `trace_dir` (or `paratrain launch --trace DIR`), each worker writes a Chrome-trace timeline of
     its steps there (train/observe.py)."""
 
@@ -224,6 +226,7 @@ class Trainer:
         keep: int = 3,
         resume: bool = True,
         metrics_dir: str | Path | None = None,
+        loggers: Sequence[str | MetricsLogger] | None = None,
         log_every: int = 10,
         progress: bool = True,
         loss_fn: Any = None,
@@ -292,7 +295,10 @@ class Trainer:
         idle = idle_servers_warning(self.strategy, self.ctx.num_servers, len(self.sparse))
         if idle and lead and self.ctx.distributed:
             logger.warning(idle)
-        self.metrics = open_metrics(metrics_dir, rank=self.rank) if metrics_dir and lead else NullMetrics()
+        wanted = lead and (metrics_dir is not None or loggers is not None)
+        self.metrics = open_loggers(loggers, metrics_dir, rank=self.rank) if wanted else NullMetrics()
+        if wanted:
+            self.metrics.log_params({**dataclasses.asdict(self.strategy), "num_workers": self.num_workers})
         self.progress = Progress(enabled=progress and lead, initial=self.steps)
 
     def _bind_model(self) -> None:
