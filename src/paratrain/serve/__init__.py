@@ -7,9 +7,10 @@ processes, and embedding tables read from a running job's servers.
     state = paratrain.serve.load("ckpt/")                          # or load(path, model=net)
 
 Modules: api.py (ServeConfig, InputSpec, errors), weights.py (load, export), codec.py (the request
-and response forms), batcher.py (dynamic batching), app.py (Starlette routes and Prometheus
-metrics), http.py (uvicorn), model.py (factory and hot reload), service.py (one process),
-stages.py (stages in processes), remote.py (read-only tables of a running job), cli.py (commands).
+and response forms), oip.py (the Open Inference Protocol, KServe v2), batcher.py (dynamic
+batching), app.py (Starlette routes and Prometheus metrics), http.py (uvicorn), model.py (factory
+and hot reload), service.py (one process), stages.py (stages in processes), remote.py (read-only
+tables of a running job), cli.py (commands).
 """
 
 from __future__ import annotations

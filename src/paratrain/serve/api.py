@@ -8,6 +8,7 @@ and a message naming the problem; the app turns it into a 4xx answer.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,6 +107,8 @@ class ServeConfig:
     inputs: Sequence[InputSpec] = ()
     """The model's inputs, checked on every request; empty: any tensors, passed as they come (a
     request the model then fails on gets a 422 with the model's error)."""
+    model_name: str = "model"
+    """The model's name in the Open Inference Protocol's routes (/v2/models/{model_name}/infer)."""
     reload_interval_s: float = 2.0
     """How often an output folder is checked for a newer complete checkpoint (0: never)."""
     channels_last: bool = True
@@ -121,6 +124,10 @@ class ServeConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"ServeConfig.{name}={value!r} must be a number >= 0")
+        if not isinstance(self.model_name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", self.model_name):
+            raise ValueError(
+                f"ServeConfig.model_name={self.model_name!r} must be letters, digits, '_', '.', '-'"
+            )
         inputs = tuple(self.inputs)
         if not all(isinstance(spec, InputSpec) for spec in inputs):
             raise ValueError(f"ServeConfig.inputs={self.inputs!r} must be InputSpecs")

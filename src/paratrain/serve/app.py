@@ -3,6 +3,7 @@
     POST /predict   a request in any form of codec.py -> its output; 4xx naming what is wrong
     GET  /healthz   200 {"status": "ok", "model_step", "source"} once a model is loaded
     GET  /metrics   Prometheus text: requests by status, latency, batch sizes, model step, reloads
+    /v2/...         the Open Inference Protocol (KServe v2, Triton's REST API): oip.py
 
 Why Starlette on uvicorn: a small, well-kept ASGI stack (FastAPI is built on it); an async handler
 holds no thread while its request waits in the batcher, so thousands can wait at once. The handler
@@ -39,6 +40,7 @@ from paratrain.errors import ParatrainError
 from paratrain.serve import codec
 from paratrain.serve.api import BadRequest, ServeConfig
 from paratrain.serve.batcher import Batcher, ModelInputError
+from paratrain.serve.oip import OpenInference
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +129,7 @@ def build_app(
             Route("/predict", Predict(batcher, config, metrics), methods=["POST"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
+            *OpenInference(batcher, config, endpoint.step).routes(),
             *routes,
         ],
         lifespan=lifespan,

@@ -49,6 +49,12 @@ def _points(ctx: click.Context, param: click.Parameter, value: str | None) -> tu
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="The address to listen on.")
 @click.option(
+    "--model-name",
+    default="model",
+    show_default=True,
+    help="The model's name in the Open Inference Protocol's routes: POST /v2/models/NAME/infer.",
+)
+@click.option(
     "--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: a free port."
 )
 @click.option(
@@ -142,6 +148,7 @@ def _points(ctx: click.Context, param: click.Parameter, value: str | None) -> tu
 def serve(
     model_spec: str,
     host: str,
+    model_name: str,
     port: int,
     inputs: tuple,
     max_batch: int,
@@ -161,7 +168,7 @@ def serve(
 ) -> None:
     """Serve the model of SOURCE (a checkpoint, an output folder: its newest checkpoint, reloaded
     when a newer one appears, or a .safetensors file) over HTTP: POST /predict, GET /healthz,
-    GET /metrics."""
+    GET /metrics, and the Open Inference Protocol (KServe v2) under /v2."""
     import torch
 
     _check_extra("paratrain serve")
@@ -179,6 +186,7 @@ def serve(
             max_body_bytes=max_body_bytes,
             max_request_rows=max_request_rows,
             inputs=inputs,
+            model_name=model_name,
             reload_interval_s=reload_interval_s,
             channels_last=channels_last,
         )
