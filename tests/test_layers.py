@@ -29,6 +29,7 @@ LAYERS = [
     ("pipeline",),
     ("train",),
     ("serve",),
+    ("integrations",),
     ("launch",),
     ("testing_hosts", "testing"),
     ("node", "__init__"),

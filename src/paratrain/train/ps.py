@@ -31,6 +31,7 @@ async mode each push is applied on its own: one worker's step.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from pathlib import Path
@@ -59,6 +60,11 @@ def server_hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
             "the optimizer's parameter groups have different hyperparameters; the servers run one "
             "optimizer for every key: use update_on='worker'"
         )
+    # Only what the class's constructor takes: a group may hold more (torch's AdamW keeps Adam's
+    # `decoupled_weight_decay`, which AdamW() refuses).
+    taken = inspect.signature(type(optimizer).__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
+        groups[0] = {k: v for k, v in groups[0].items() if k in taken}
     return {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in groups[0].items()}
 
 
