@@ -287,3 +287,26 @@ def test_every_grafana_metric_is_in_a_real_jobs_scrape(logged_job: LoggedJob) ->
     assert {"paratrain_worker_step_seconds_total", "paratrain_push_staleness_rounds_bucket"} <= wanted
     missing = sorted(wanted - set(logged_job.samples))
     assert not missing, f"queried by grafana.json but not in /metrics: {missing}"
+
+
+def test_a_submitted_jobs_trainer_on_a_base_install_logs_json_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`paratrain submit` gives every process an output folder, and the Trainer's metrics default
+    there to JSON lines and TensorBoard; without the tensorboard extra it must still train."""
+    import torch
+
+    from paratrain.cluster.context import Context
+    from paratrain.train import Trainer
+
+    _without(monkeypatch, "torch.utils.tensorboard")
+    monkeypatch.setenv("PARATRAIN_OUTPUT_DIR", str(tmp_path))
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx = Context(role="worker", rank=0, num_workers=1, num_servers=0)
+    trainer = Trainer(model, optimizer, strategy="local", log_every=1, progress=False, ctx=ctx)
+    for _ in range(2):
+        trainer.step(model(torch.ones(4, 2)).pow(2).mean())
+    trainer.close()
+    lines = (tmp_path / "metrics" / "metrics-rank0.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]

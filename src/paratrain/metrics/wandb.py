@@ -30,7 +30,7 @@ class WandbMetrics(MetricsLogger):
         project: str | None = None,
         *,
         name: str | None = None,
-        dir: str | Path | None = None,  # noqa: A002 -- wandb.init's own name for it
+        dir: str | Path | None = None,
         mode: str | None = None,
         **init: Any,
     ) -> None:
