@@ -2,10 +2,11 @@
 
 In one process: ParatrainStrategy's optimizer path (the closure first, then paratrain's step) gives
 exactly Lightning's own weights, and what it does not support is refused by name. As jobs: a
-LightningModule trained under ps (dist_sync) and dist_async reaches the test accuracy of Lightning's
-own single-process run within 1 point (examples/lightning_digits.py); a transformers GPT-2 built
-from a config learns under dist_sync with paratrain.prepare (examples/hf_prepare.py), and with the
-HF Trainer through Accelerate under collective (examples/hf_trainer.py).
+LightningModule trained under ps (dist_sync), dist_async and collective (DDP, called through
+Lightning's forward redirection) reaches the test accuracy of Lightning's own single-process run
+within 1 point (examples/lightning_digits.py); a transformers GPT-2 built from a config learns
+under dist_sync with paratrain.prepare (examples/hf_prepare.py), and with the HF Trainer through
+Accelerate under collective (examples/hf_trainer.py).
 """
 
 from __future__ import annotations
@@ -121,14 +122,14 @@ def lightning_alone() -> float:
     return _last(done.stdout.splitlines(), "accuracy")[0]
 
 
-@pytest.mark.parametrize("strategy", ["dist_sync", "dist_async"])
-def test_lightning_module_under_parameter_servers_reaches_lightnings_accuracy(
-    lightning_alone: float, strategy: str
+@pytest.mark.parametrize(("strategy", "servers"), [("dist_sync", 1), ("dist_async", 1), ("collective", 0)])
+def test_lightning_module_reaches_lightnings_own_accuracy(
+    lightning_alone: float, strategy: str, servers: int
 ) -> None:
     outcome = run_job(
         EXAMPLES / "lightning_digits.py",
         workers=2,
-        servers=1,
+        servers=servers,
         args=["--strategy", strategy, *LIGHTNING_ARGS],
         env=ENV,
         timeout_s=300,
