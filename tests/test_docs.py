@@ -103,10 +103,9 @@ def test_the_serving_tutorial_trains_serves_and_answers(tmp_path):
     from paratrain.serve import load
 
     model_file = EXAMPLES / "serving_model.py"
-    trained = subprocess.run(
-        [sys.executable, str(model_file), str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=200
-    )
-    assert trained.returncode == 0, trained.stderr
+    ckpt = str(tmp_path / "ckpt")
+    outcome = run_job(model_file, workers=2, servers=1, args=[ckpt], env=ONE_THREAD, timeout_s=180)
+    assert all("trained 64 steps" in outcome.lines("worker", r, "stdout")[-1] for r in (0, 1))
     port = free_port()
     argv = [
         sys.executable,
@@ -116,7 +115,7 @@ def test_the_serving_tutorial_trains_serves_and_answers(tmp_path):
         "--port",
         str(port),
     ]
-    argv += ["--model", f"{model_file}:make_model", "--input", "inputs:float32:20", str(tmp_path / "ckpt")]
+    argv += ["--model", f"{model_file}:make_model", "--input", "inputs:float32:20", ckpt]
     server = subprocess.Popen(argv)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -143,7 +142,7 @@ def test_the_serving_tutorial_trains_serves_and_answers(tmp_path):
         finally:
             sys.path.remove(str(EXAMPLES))
         model = serving_model.make_model()
-        load(tmp_path / "ckpt", model)
+        load(ckpt, model)
         rows = [[0.5] * 20, [-0.5] * 20]
         with torch.no_grad():
             expected = model(torch.tensor(rows)).tolist()
