@@ -3,11 +3,15 @@ such section exists on the page."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import pkgutil
 import re
 from pathlib import Path
 
 import pytest
 
+import paratrain
 from paratrain import errors
 from paratrain.errors import DOCS_URL, ParatrainError, RemoteError, troubleshooting_url
 
@@ -15,13 +19,11 @@ PAGE = Path(__file__).parent.parent / "docs" / "troubleshooting.md"
 
 
 def _families() -> list[type[ParatrainError]]:
-    """Every ParatrainError subclass, once the modules that define the other layers' families load."""
-    import paratrain.kvstore.api  # noqa: F401
-    import paratrain.launch.ray_placement  # noqa: F401
-    import paratrain.pipeline.api  # noqa: F401
-    import paratrain.serve.api  # noqa: F401
-    import paratrain.transport.frame  # noqa: F401
-
+    """Every ParatrainError subclass, once every module of the package (wherever a layer defines its
+    family) is imported; a module whose optional dependency is missing is skipped."""
+    for module in pkgutil.walk_packages(paratrain.__path__, "paratrain."):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module.name)
     found, todo = [], [ParatrainError]
     while todo:
         cls = todo.pop()
