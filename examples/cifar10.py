@@ -84,6 +84,7 @@ def evaluate(model: nn.Module, test: CIFAR10) -> float:
     return correct / len(test)
 
 
+# --8<-- [start:evaluator]
 def run_evaluator(args: argparse.Namespace, test: CIFAR10) -> None:
     """Scores each new checkpoint until training has ended (the job's evaluator role)."""
     model = resnet(args.width)
@@ -97,6 +98,9 @@ def run_evaluator(args: argparse.Namespace, test: CIFAR10) -> None:
         accuracy = evaluate(model, test)
         checkpoint.write_evaluation(found, {"accuracy": accuracy, "test_images": len(test)})
         print(f"evaluator: step {found.step}: test accuracy {accuracy:.3f}")
+
+
+# --8<-- [end:evaluator]
 
 
 def dir_arg(name: str, help: str) -> None:

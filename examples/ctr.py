@@ -55,6 +55,7 @@ except ImportError as exc:  # the examples' extra
 UNSEEN_ID = 2**62 + 7  # an id no synthetic line has: its row is never created
 
 
+# --8<-- [start:model]
 class WideAndDeep(nn.Module):
     def __init__(self, kv: object, dim: int) -> None:
         super().__init__()
@@ -69,6 +70,9 @@ class WideAndDeep(nn.Module):
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         deep = torch.cat([self.deep(ids).flatten(1), self.dense(dense)], dim=1)
         return (self.top(deep) + self.wide(ids)).squeeze(1)
+
+
+# --8<-- [end:model]
 
 
 def serving_model(kv: object, dim: int = 16) -> WideAndDeep:
@@ -173,6 +177,7 @@ def main() -> None:
     labels, dense, ids = read_criteo(args.train).tensors  # the Trainer gives each worker its shard
     test_labels, test_dense, test_ids = read_criteo(args.test).tensors
 
+    # --8<-- [start:train]
     torch.manual_seed(0)  # every worker starts from the same dense weights
     kv = paratrain.kvstore.create(args.kind)
     model = WideAndDeep(kv, args.dim)
@@ -188,6 +193,7 @@ def main() -> None:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every if args.checkpoint_dir else 0,
     )
+    # --8<-- [end:train]
     probe = None
     start = time.perf_counter()
     for epoch in trainer.epochs(args.epochs):

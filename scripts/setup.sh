@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs paratrain with its test tools. torch is pinned to the CPU
-# build this project is tested with; users may run paratrain on any recent torch.
+# Creates .venv (if missing) and installs paratrain with its development tools (the `dev` extra: test
+# tools, docs tools, every optional dependency). torch is pinned to the CPU build this project is tested
+# with; users may run paratrain on any recent torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -10,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check \
-        "torch==2.13.0" -e ".[test]" > .venv/pip.log 2>&1; then
+        "torch==2.13.0" -e ".[dev]" > .venv/pip.log 2>&1; then
     cat .venv/pip.log
     echo "setup: pip install failed (log above)" >&2
     exit 1

@@ -260,7 +260,7 @@ def test_the_start_timeout_names_who_is_missing_and_what_was_refused():
     line = first_line(outcome)
     assert line.startswith("paratrain: job failed: worker 1 (pid "), outcome.report
     assert "worker 1 did not register within 3.0 s; refused meanwhile: 127.0.0.1:" in line, line
-    assert "(client does not hold the job secret)" in line, line
+    assert "(client does not hold the job secret" in line, line  # with its troubleshooting link
     reason = [s for s in outcome.lines("worker", 0, "stderr") if "aborted the job" in s]
     assert reason and "worker 1 did not register" in reason[0], outcome.stderr
 

@@ -39,7 +39,7 @@ from paratrain.testing import assert_all_gone, free_port
 K8S_VERSION = "1.32"
 SECRET = bytes(range(32))
 NAME = "paratrain-train-abc123"
-README = Path(__file__).resolve().parent.parent / "README.md"
+TFJOB = Path(__file__).resolve().parent.parent / "docs" / "examples" / "tfjob.yaml"  # the docs' TFJob
 PARATRAIN = str(Path(sys.executable).parent / "paratrain")
 JOBS_DIR = Path(__file__).resolve().parent / "jobs"
 
@@ -662,14 +662,12 @@ def test_tfjob_replicas_resolve_to_every_role_and_rank_once(replicas):
 
 
 def readme_tfjob() -> dict:
-    section = README.read_text().split("### Kubernetes", 1)[1]
-    blocks = re.findall(r"```yaml\n(.*?)```", section, re.S)
-    (job,) = [doc for block in blocks for doc in yaml.safe_load_all(block) if doc.get("kind") == "TFJob"]
+    (job,) = [doc for doc in yaml.safe_load_all(TFJOB.read_text()) if doc.get("kind") == "TFJob"]
     return job
 
 
 def test_the_readme_tfjob_works():
-    """The README's TFJob: each replica's pod template validates, takes the secret from a Secret and
+    """The docs' TFJob: each replica's pod template validates, takes the secret from a Secret and
     its host from the pod IP, and its replicas resolve to every role and rank once."""
     job = readme_tfjob()
     secrets = {}
@@ -688,7 +686,7 @@ def test_the_readme_tfjob_works():
                 ref = entry.get("valueFrom", {}).get("secretKeyRef")
                 if ref:
                     secrets[ref["name"]] = secret_object(ref["name"], job["metadata"]["namespace"])
-    assert secrets, "the README's TFJob takes no secret from a Secret"
+    assert secrets, "the docs' TFJob takes no secret from a Secret"
     check_tfjob_ranks(job, secrets)
     assert all(env["PARATRAIN_HOST"] == ip for _, _, env, ip in tfjob_pods(job, secrets))
 

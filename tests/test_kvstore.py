@@ -451,7 +451,8 @@ def test_a_worker_that_leaves_early_does_not_hang_the_others_and_bad_calls_get_c
         timeout_s=200,
     )
     lines = outcome.lines("worker", 0, "stdout")
-    assert "error: key 'missing' was never initialized (call kv.init first)" in lines
+    missing = "error: key 'missing' was never initialized (call kv.init first)"
+    assert any(line.startswith(missing) for line in lines)  # then the troubleshooting link
     assert any("init as torch.float32[3] is not allowed" in line for line in lines)
     assert any("no shared buffer is open for round 99" in line for line in lines)
     assert lines[-1] == "finished 0"

@@ -331,7 +331,7 @@ def test_scikit_learn_and_tensorboard_are_extras_not_core_dependencies():
     extras = project["optional-dependencies"]
     assert extras["examples"] == ["scikit-learn>=1.2"] and extras["tensorboard"] == ["tensorboard>=2.10"]
     for needed in ("scikit-learn", "tensorboard", "mypy==", "ruff=="):
-        assert any(spec.startswith(needed) for spec in extras["test"]), needed
+        assert any(spec.startswith(needed) for spec in extras["dev"]), needed
 
 
 @pytest.mark.parametrize(

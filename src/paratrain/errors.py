@@ -1,14 +1,57 @@
 """The root of paratrain's exceptions: one family per subsystem.
 
 Bad user input raises ValueError / TypeError naming the value; these classes are for failures of the
-distributed system itself (a peer that lied, died or never answered).
+distributed system itself (a peer that lied, died or never answered). Every message ends with the
+address of its family's section of the troubleshooting page, so a reader of a log knows where to look.
 """
 
 from __future__ import annotations
 
+DOCS_URL = "https://paratrain.github.io/paratrain/"
+"""Where the docs site (mkdocs.yml) is published."""
+
+# The troubleshooting page's anchor (docs/troubleshooting.md) of each family, by class name: the
+# families defined in other layers (serve, pipeline, launch) are named here too, so that this file
+# alone decides where a message points.
+ANCHORS = {
+    "AuthenticationError": "authentication",
+    "TransportError": "transport",
+    "RemoteError": "remote",
+    "RegistrationError": "rendezvous",
+    "RendezvousError": "rendezvous",
+    "JobAbortedError": "job-aborted",
+    "ClusterError": "cluster",
+    "KVStoreTimeoutError": "kvstore-timeout",
+    "KVStoreError": "kvstore",
+    "CheckpointError": "checkpoint",
+    "MissingExtraError": "missing-extra",
+    "ServeError": "serve",
+    "PipelineError": "pipeline",
+    "RayJobError": "ray",
+    "ParatrainError": "report",
+}
+
+
+def troubleshooting_url(error: type[BaseException]) -> str:
+    """The troubleshooting section of the nearest family of `error` in ANCHORS (the page's top for
+    an error that is no ParatrainError)."""
+    for cls in error.__mro__:
+        if cls.__name__ in ANCHORS:
+            return f"{DOCS_URL}troubleshooting/#{ANCHORS[cls.__name__]}"
+    return f"{DOCS_URL}troubleshooting/"
+
 
 class ParatrainError(Exception):
     """Root of every error paratrain raises on purpose."""
+
+    def __str__(self) -> str:
+        message = super().__str__()
+        # A message that already points into the docs (a peer's error carried in a RemoteError or a
+        # scheduler's reason) keeps the first, more specific address.
+        if DOCS_URL in message:
+            return message
+        see = f"see {troubleshooting_url(type(self))}"
+        return f"{message} ({see})" if message else see
 
 
 class TransportError(ParatrainError):

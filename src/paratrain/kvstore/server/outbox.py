@@ -2,13 +2,12 @@
 `replicate` frames per round, not one per push frame.
 
 A worker's push comes in frames of up to `frame_bytes` (about 23 per worker, server and round for
-64 MB: benchmarks/failures_servers.py), and each frame that completed slices used to send their
-values to the backup in a frame of its own. On one host each such frame and its reply cost both
-servers system calls and wake-ups (a loopback send runs the receiver's side too). Now a worker marks
-each of its push frames but its last to a server `more` (worker/client.py), and the slices
-completed while some worker is part way through its push (Arrivals) wait here, up to MAX_WAITING:
-a 64 MB round sends 4-6 frames to each backup instead of about 20, and the two servers' CPU per
-round fell from 26-30 ms to 19-23 ms (12-17 ms unreplicated; repl4's notes, in turns).
+64 MB: benchmarks/failures_servers.py). Sending each frame's completed slices to the backup in a
+frame of its own would cost both servers system calls and wake-ups per push frame on one host (a
+loopback send runs the receiver's side too). So a worker marks each of its push frames but its last
+to a server `more` (worker/client.py), and the slices completed while some worker is part way
+through its push (Arrivals) wait here, up to MAX_WAITING: a 64 MB round sends 4-6 frames to each
+backup instead of about 20, which cuts the two servers' CPU per round by about a quarter.
 
 What waits for a slice's copy (pulls, acknowledgements) waits for the worker's last frame anyway;
 the buffers a waiting slice lends count as lent from the moment it waits (Mirrors.defer), so no
