@@ -6,10 +6,13 @@
 
 Starlette on uvicorn, in a thread of the scheduler; bound to 127.0.0.1 by default. Every request
 needs the job's dashboard token (an HMAC of the job secret, so whoever holds the secret, the
-launcher, can print it and nobody else can guess it): `?token=` (a page so opened sets a cookie for
-its later requests), an `Authorization: Bearer` header (for Prometheus), or that cookie. Without
-it: 401. The pages poll /api/state once a second; it reads what the heartbeats already brought, so
-a look at the dashboard adds no traffic to the job.
+launcher, can print it and nobody else can guess it): `?token=` or an `Authorization: Bearer`
+header (Prometheus; the pages send it from their own URL). No cookie: a browser sends a cookie to
+every server on the host whatever its port, another user's included, so a cookie holding the token
+would hand it to them. The pages' links carry `?token=` on, and `Referrer-Policy: no-referrer`
+keeps the URL's token out of what a page's links send elsewhere. Without the token: 401. The pages
+poll /api/state once a second; it reads what the heartbeats already brought, so a look at the
+dashboard adds no traffic to the job.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from paratrain.metrics.board import JobBoard
 logger = logging.getLogger(__name__)
 
 PAGES = ("/", "/workers", "/servers", "/keys", "/staleness")
-COOKIE = "paratrain_token"
 _PAGE = Path(__file__).with_name("dashboard.html")
 
 
@@ -75,7 +77,7 @@ def build_app(board: JobBoard, token: str) -> Any:
     page = _PAGE.read_text()
 
     def allowed(request: Request) -> bool:
-        given = request.query_params.get("token") or request.cookies.get(COOKIE) or ""
+        given = request.query_params.get("token") or ""
         auth = request.headers.get("authorization", "")
         if auth.lower().startswith("bearer "):
             given = auth[7:].strip()
@@ -88,8 +90,7 @@ def build_app(board: JobBoard, token: str) -> Any:
                     "401: this dashboard needs its token (?token=... as printed at launch)\n", 401
                 )
             response = handler(request)
-            if request.query_params.get("token"):
-                response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+            response.headers["Referrer-Policy"] = "no-referrer"
             return response
 
         return endpoint
