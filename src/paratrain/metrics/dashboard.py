@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.metrics.board import JobBoard
+from paratrain.transport.http_limits import ConnectionGuard, HttpLimits, guarded_server
 
 logger = logging.getLogger(__name__)
 
@@ -109,15 +110,16 @@ def build_app(board: JobBoard, token: str) -> Any:
 class DashboardServer:
     """uvicorn serving `build_app` on a socket, in a daemon thread."""
 
-    def __init__(self, board: JobBoard, token: str, sock: socket.socket) -> None:
-        import uvicorn
-
+    def __init__(
+        self, board: JobBoard, token: str, sock: socket.socket, limits: HttpLimits | None = None
+    ) -> None:
         self.sock = sock
         self.host, self.port = sock.getsockname()[:2]
-        config = uvicorn.Config(
-            build_app(board, token), log_level="warning", lifespan="off", access_log=False
-        )
-        self._server = uvicorn.Server(config)
+        # The connection policy of every paratrain HTTP server (transport/http_limits.py): a flood of
+        # idle connections here must leave the scheduler's RPC port its descriptors.
+        self.guard = ConnectionGuard(f"dashboard :{self.port}", limits or HttpLimits())
+        app = build_app(board, token)
+        self._server = guarded_server(app, self.guard, log_level="warning", lifespan="off", access_log=False)
         self._thread = threading.Thread(target=self._serve, name="dashboard", daemon=True)
 
     def _serve(self) -> None:

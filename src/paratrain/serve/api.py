@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from paratrain.errors import ParatrainError
+from paratrain.transport.http_limits import HttpLimits
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -111,9 +112,14 @@ class ServeConfig:
     channels_last: bool = True
     """Run a model with 2-D convolutions channels-last (NHWC, oneDNN's fast path on CPU; see
     serve/model.py); False: as the factory built it."""
+    max_pending_body_bytes: int = 256 << 20
+    """Most bytes of request bodies held at once, over every request still arriving or being
+    decoded (503 beyond): with `max_body_bytes` per body, what slow clients can make the server hold."""
+    limits: HttpLimits = HttpLimits()
+    """The connection policy (transport/http_limits.py); its `body_timeout_s` bounds a body's arrival."""
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_body_bytes", "max_request_rows"):
+        for name in ("max_batch", "max_body_bytes", "max_request_rows", "max_pending_body_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServeConfig.{name}={value!r} must be an int >= 1")
@@ -121,6 +127,8 @@ class ServeConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"ServeConfig.{name}={value!r} must be a number >= 0")
+        if not isinstance(self.limits, HttpLimits):
+            raise ValueError(f"ServeConfig.limits={self.limits!r} must be an HttpLimits")
         inputs = tuple(self.inputs)
         if not all(isinstance(spec, InputSpec) for spec in inputs):
             raise ValueError(f"ServeConfig.inputs={self.inputs!r} must be InputSpecs")
