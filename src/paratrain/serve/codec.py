@@ -199,7 +199,8 @@ def encode(output: torch.Tensor, accept: str, step: int | None) -> tuple[bytes, 
         headers |= {"X-Dtype": dtype_name(output.dtype), "X-Shape": ",".join(map(str, output.shape))}
         as_numpy = output.view(torch.int16) if output.dtype == torch.bfloat16 else output  # numpy has no bf16
         return as_numpy.numpy().tobytes(), RAW, headers
-    doc = {"outputs": output.tolist(), "shape": list(output.shape), "dtype": dtype_name(output.dtype)}
+    doc: dict[str, object] = {"outputs": output.tolist(), "shape": list(output.shape)}
+    doc["dtype"] = dtype_name(output.dtype)
     doc["model_step"] = step
     text = json.dumps(doc)
     if output.is_floating_point() and not bool(torch.isfinite(output).all()):
