@@ -271,7 +271,7 @@ def _refuse_aliases(text: str, source: str) -> None:
     a few hundred bytes of them stand for billions of values."""
     for event in yaml.parse(text, Loader=yaml.SafeLoader):
         if isinstance(event, yaml.AliasEvent):
-            line = event.start_mark.line + 1
+            line = event.start_mark.line + 1 if event.start_mark is not None else 1
             alias = f"YAML alias *{event.anchor}"
             raise SpecError([f"{source}:{line}: {alias} is not allowed in a job spec: write the value out"])
 
