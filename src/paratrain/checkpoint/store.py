@@ -243,12 +243,12 @@ def _disk_errors(path: Path) -> Iterator[None]:
         cause: BaseException | None = exc
         while cause is not None and not (isinstance(cause, OSError) and cause.errno in _DISK_FULL):
             cause = cause.__cause__ or cause.__context__
-        if cause is None:
+        problem = _DISK_FULL.get(cause.errno) if isinstance(cause, OSError) and cause.errno else None
+        if problem is None:
             raise
-        assert isinstance(cause, OSError)
         match = next((m for part in path.parts if (m := _STEP_DIR.match(part))), None)
         what = f"checkpoint {int(match.group(1))}" if match else "checkpoint file"
-        problem = f"{_DISK_FULL[cause.errno]} {_device(path)}"
+        problem = f"{problem} {_device(path)}"
         raise CheckpointError(f"{what} not written: {problem} ({path})") from None
 
 
