@@ -29,6 +29,7 @@ from typing import Any
 
 from paratrain.metrics.board import JobBoard
 from paratrain.transport.http_limits import ConnectionGuard, HttpLimits, guarded_server
+from paratrain.transport.ports import binding
 
 logger = logging.getLogger(__name__)
 
@@ -142,5 +143,7 @@ class DashboardServer:
 
 
 def listen_dashboard(config: DashboardConfig) -> socket.socket:
+    """The dashboard's listening socket; a port taken raises PortUnavailable naming the option."""
     family = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)[0][0]
-    return socket.create_server((config.host, config.port), family=family, backlog=64)
+    with binding(config.host, config.port, "choose another with --dashboard-port (0: a free one)"):
+        return socket.create_server((config.host, config.port), family=family, backlog=64)
