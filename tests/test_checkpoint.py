@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import threading
@@ -23,6 +24,7 @@ from paratrain.checkpoint import (
     save_file,
     staging_dir,
 )
+from paratrain.testing import run_job  # noqa: E402
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -310,3 +312,36 @@ def test_disk_errors_name_the_checkpoint_the_problem_and_the_path(tmp_path, monk
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert str(failed.value).startswith(words) and str(tmp_path) in str(failed.value), failed.value
     assert latest(tmp_path).step == 4
+
+
+DISK_FILLING_JOB = """
+import os, torch, paratrain
+ctx = paratrain.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(100, 100)  # 40 KB of weights: two or three checkpoints fill the disk
+trainer = paratrain.Trainer(
+    model, torch.optim.SGD(model.parameters(), lr=0.01), checkpoint_dir=os.environ["CKPT"],
+    checkpoint_every=2, progress=False,
+)
+x = torch.randn(8, 100)
+for _ in range(200):
+    trainer.step((trainer.model(x) ** 2).mean())
+print("the disk never filled", flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_job_whose_disk_fills_ends_naming_the_checkpoint_and_the_device(small_disk: Path) -> None:
+    """The policy (docs/hardening.md): a checkpoint that cannot be written ends the job, with that
+    line first in the launcher's report; the last good checkpoint is the one a restart finds."""
+    root = small_disk / "ckpt"
+    outcome = run_job(
+        DISK_FILLING_JOB, workers=1, servers=1, env={"CKPT": str(root)}, expect="failure", timeout_s=150
+    )
+    report = outcome.report
+    failed = re.search(r"checkpoint (\d+) not written: no space left on tmpfs at (\S+) \(", report)
+    assert failed is not None and failed.group(2) == str(small_disk), report
+    assert "enforce fail" not in report and "unexpected pos" not in report, report
+    found = latest(root)
+    assert found is not None and found.step < int(failed.group(1)), (found, report)
+    assert load_file(found.file("model.pt"))["model"]["weight"].shape == (100, 100)
