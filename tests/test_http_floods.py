@@ -40,7 +40,13 @@ from paratrain.serve.batcher import Batcher
 from paratrain.serve.http import HttpServer
 from paratrain.transport.client import RpcClient
 from paratrain.transport.config import TransportConfig
-from paratrain.transport.http_limits import ConnectionGuard, HttpLimits, _fold_accept_errors, connection_cap
+from paratrain.transport.http_limits import (
+    ConnectionGuard,
+    HttpLimits,
+    _fold_accept_errors,
+    connection_cap,
+    guarded_protocol,
+)
 
 TESTS = Path(__file__).resolve().parent
 NOFILE = 160
@@ -353,3 +359,57 @@ def test_bodies_held_at_once_are_budgeted_and_given_back() -> None:
             pass
         assert refused.value.status == 503
     assert budget.held == 0
+
+
+class _Transport:
+    def __init__(self, port: int) -> None:
+        self.port, self.written, self.closing = port, b"", False
+
+    def get_extra_info(self, name: str) -> object:
+        return ("127.0.0.1", self.port) if name == "peername" else None
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closing = True
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+class _Cycle:
+    response_complete = False
+
+
+def test_the_guard_evicts_the_oldest_idle_connection_refuses_when_all_are_busy_and_caps_heads() -> None:
+    """The policy over a stand-in for uvicorn's protocol (h11's own head limit would answer first)."""
+    loop = asyncio.new_event_loop()
+
+    class Base(asyncio.Protocol):
+        cycle: _Cycle | None = None
+
+        def __init__(self) -> None:
+            self.loop = loop
+
+        def connection_made(self, transport) -> None:  # noqa: ANN001
+            self.transport = transport
+
+    guard = ConnectionGuard("test", HttpLimits(max_connections=2, max_head_bytes=1000))
+    protocol = guarded_protocol(Base, guard)
+    try:
+        conns = [protocol() for _ in range(4)]
+        for i, conn in enumerate(conns[:3]):
+            conn.connection_made(_Transport(i))
+        assert conns[0].transport.closing and not conns[1].transport.closing  # the oldest idle went
+        conns[1].cycle = conns[2].cycle = _Cycle()  # both have a request in progress now
+        conns[3].connection_made(_Transport(3))
+        assert conns[3].transport.written.startswith(b"HTTP/1.1 503") and conns[3].transport.closing
+        conns[2].cycle.response_complete = True  # answered: waiting for its next head
+        conns[2].data_received(b"G" * 600)
+        assert not conns[2].transport.closing
+        conns[2].data_received(b"G" * 600)
+        assert conns[2].transport.written.startswith(b"HTTP/1.1 431") and conns[2].transport.closing
+        assert guard.refusals.total == 3
+    finally:
+        loop.close()

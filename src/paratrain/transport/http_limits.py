@@ -18,7 +18,8 @@ traceback. So, on top of uvicorn, `guarded_protocol` wraps its protocol class:
 - a deadline for each request head (`head_timeout_s`), counted from the connection's start or from
   its last answer: a connection that sends nothing, or drips a head, is closed at it;
 - uvicorn's own limits where they fit: `timeout_keep_alive` (`idle_timeout_s`, between requests)
-  and `h11_max_incomplete_event_size` (`max_head_bytes`: a longer head is a 400);
+  and `h11_max_incomplete_event_size` (`max_head_bytes`: a longer head is a 400); httptools has no
+  such limit, so the guard also counts a head's bytes and closes a connection past it with a 431;
 - a body is the app's to read: `body_timeout_s` is the deadline the app reads it under (serve's
   /predict; the dashboard takes no bodies, and an unread one is discarded with its request);
 - refusals, accept errors (out of descriptors) and malformed requests are logged through
@@ -41,10 +42,16 @@ from paratrain.transport.admission import RefusalLog
 logger = logging.getLogger(__name__)
 
 OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-BUSY = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\n"
-    b"content-length: 43\r\n\r\nevery connection has a request in progress\n"
-)
+
+
+def _answer(status: bytes, text: bytes) -> bytes:
+    """A whole HTTP answer that closes the connection, written by the guard itself."""
+    head = b"HTTP/1.1 %s\r\ncontent-type: text/plain\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"
+    return head % (status, len(text)) + text
+
+
+HEAD_TOO_LARGE = _answer(b"431 Request Header Fields Too Large", b"the request head is over the limit\n")
+BUSY = _answer(b"503 Service Unavailable", b"every connection has a request in progress\n")
 
 
 @dataclass(frozen=True)
@@ -119,10 +126,11 @@ class ConnectionGuard:
 
 def guarded_protocol(base: type[asyncio.Protocol], guard: ConnectionGuard) -> type[asyncio.Protocol]:
     """uvicorn's protocol class `base` (h11 or httptools) under `guard`'s policy."""
-    head_timeout_s = guard.limits.head_timeout_s
+    head_timeout_s, max_head_bytes = guard.limits.head_timeout_s, guard.limits.max_head_bytes
 
     class Guarded(base):  # type: ignore[valid-type, misc]
         _head_timer: asyncio.TimerHandle | None = None
+        _head_bytes = 0
         peer = "?"
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -145,6 +153,17 @@ def guarded_protocol(base: type[asyncio.Protocol], guard: ConnectionGuard) -> ty
                 self._head_timer.cancel()
             super().connection_lost(exc)
 
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if not self.waiting_for_head():
+                self._head_bytes = 0
+                return
+            self._head_bytes += len(data)
+            if self._head_bytes > max_head_bytes and not self.transport.is_closing():
+                guard.refusals.note(self.peer, f"a request head over {max_head_bytes} bytes")
+                self.transport.write(HEAD_TOO_LARGE)
+                self.transport.close()
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._arm()
@@ -155,6 +174,7 @@ def guarded_protocol(base: type[asyncio.Protocol], guard: ConnectionGuard) -> ty
         def _arm(self) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
+            self._head_bytes = 0
             self._head_timer = self.loop.call_later(head_timeout_s, self._head_due)
 
         def _head_due(self) -> None:
