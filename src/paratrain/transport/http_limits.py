@@ -112,11 +112,17 @@ class ConnectionGuard:
 
     def shed(self, count: int, why: str) -> int:
         """Closes up to `count` of the oldest connections waiting for a request head."""
-        victims = [p for p in self.open if p.waiting_for_head() and not p.transport.is_closing()][:count]
+        victims = [p for p in self.open if p.waiting_for_head()][:count]
         for protocol in victims:
             self.refusals.note(protocol.peer, f"closed while waiting for a request head: {why}")
-            protocol.transport.close()
+            self.close(protocol)
         return len(victims)
+
+    def close(self, protocol: Any) -> None:
+        """Closes a connection and stops counting it at once (its connection_lost comes a turn of
+        the loop later; counted until then, a burst would close more than it must)."""
+        self.open.pop(protocol, None)
+        protocol.transport.close()
 
     def accept_failed(self, exc: OSError) -> None:
         """accept() failed for want of descriptors: close the oldest idle quarter, log once per burst."""
@@ -162,7 +168,7 @@ def guarded_protocol(base: type[asyncio.Protocol], guard: ConnectionGuard) -> ty
             if self._head_bytes > max_head_bytes and not self.transport.is_closing():
                 guard.refusals.note(self.peer, f"a request head over {max_head_bytes} bytes")
                 self.transport.write(HEAD_TOO_LARGE)
-                self.transport.close()
+                guard.close(self)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -180,7 +186,7 @@ def guarded_protocol(base: type[asyncio.Protocol], guard: ConnectionGuard) -> ty
         def _head_due(self) -> None:
             if self.waiting_for_head() and not self.transport.is_closing():
                 guard.refusals.note(self.peer, f"no request head within {head_timeout_s} s")
-                self.transport.close()
+                guard.close(self)
 
     Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
     return Guarded
