@@ -90,7 +90,7 @@ def http_floods(connections: int, nofile: int) -> None:
                 for name in [flood for k, flood in floods.CASES if k == kind]:
                     before, lines = server.usage(), server.log_lines()
                     floods.test_a_flood_leaves_the_server_answering_and_its_descriptors_memory_and_log_bounded(
-                        server, name
+                        lambda _kind: server, kind, name
                     )
                     after = server.usage()
                     row = [f"{kind}: {name}", str(before[0]), str(after[0]), str(before[1] // 1024)]

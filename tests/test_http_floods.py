@@ -172,15 +172,25 @@ def hold(socks: list[socket.socket], kind: str, seconds: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(request, tmp_path_factory) -> Iterator[Server]:
-    with flood_server(request.param, tmp_path_factory.mktemp(request.param) / "stderr.log") as running:
-        running.normal_request()
-        yield running
+def servers(tmp_path_factory) -> Iterator[Callable[[str], Server]]:
+    """The server of each kind, started once for the module when a test first asks for it."""
+    with contextlib.ExitStack() as stack:
+        started: dict[str, Server] = {}
+
+        def server(kind: str) -> Server:
+            if kind not in started:
+                log = tmp_path_factory.mktemp(kind) / "stderr.log"
+                started[kind] = stack.enter_context(flood_server(kind, log))
+                started[kind].normal_request()
+            return started[kind]
+
+        yield server
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("server, flood", CASES, indirect=["server"])
-def test_a_flood_leaves_the_server_answering_and_its_descriptors_memory_and_log_bounded(server, flood):
+@pytest.mark.parametrize("kind, flood", CASES)
+def test_a_flood_leaves_the_server_answering_and_its_descriptors_memory_and_log_bounded(servers, kind, flood):
+    server = servers(kind)
     rng = random.Random(flood)
     before, lines_before = server.usage(), server.log_lines()
     socks: list[socket.socket] = []
