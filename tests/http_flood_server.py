@@ -16,6 +16,7 @@ import os
 import resource
 import socket
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -29,7 +30,7 @@ SECRET = b"h" * 32
 LIMITS = HttpLimits(head_timeout_s=2.0, idle_timeout_s=2, body_timeout_s=2.0, max_head_bytes=8 << 10)
 
 
-def dashboard() -> tuple[object, int, str]:
+def dashboard() -> tuple[Any, int, str]:
     from paratrain.metrics.board import JobBoard
     from paratrain.metrics.dashboard import DashboardServer, dashboard_token
 
@@ -40,7 +41,7 @@ def dashboard() -> tuple[object, int, str]:
     return server, server.port, token
 
 
-def serve() -> tuple[object, int, str]:
+def serve() -> tuple[Any, int, str]:
     from paratrain.serve.api import ServeConfig
     from paratrain.serve.app import Endpoint, build_app
     from paratrain.serve.http import HttpServer
@@ -62,7 +63,7 @@ def main() -> None:
     print(json.dumps({"http": port, "rpc": rpc.port, "token": token}), flush=True)
     sys.stdin.read()
     rpc.close()
-    server.close()  # type: ignore[attr-defined]
+    server.close()
 
 
 if __name__ == "__main__":
