@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import pickle
+import re
 import shutil
+import subprocess
 import threading
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from paratrain.checkpoint import (
     save_file,
     staging_dir,
 )
+from paratrain.testing import run_job  # noqa: E402
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -244,3 +249,99 @@ def test_the_kvstore_state_file_is_fsynced_before_it_is_renamed(tmp_path: Path, 
     pid = os.getpid()
     assert events == ["fsync", f"replace .servers.pt.tmp-{pid}"] * 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["servers.pt"]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 256 KiB tmpfs (mounting needs root: skipped otherwise)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_fails_the_checkpoint_in_one_line_and_keeps_the_last_good_one(small_disk: Path) -> None:
+    root = small_disk / "ckpt"
+    _save_step(root, 1)
+    folder = staging_dir(root, 2)
+    with pytest.raises(CheckpointError) as failed:
+        save_file(folder / "model.pt", {"w": torch.zeros(1 << 17)})  # 512 KiB on a 256 KiB disk
+    message = str(failed.value)
+    assert (
+        message == f"checkpoint 2 not written: no space left on tmpfs at {small_disk} ({folder / 'model.pt'})"
+    )
+    assert failed.value.__suppress_context__  # the line above is the whole report, not torch's
+    assert not [p for p in folder.iterdir()]  # its temporary file is gone: the space is free again
+    found = latest(root)
+    assert found is not None and found.step == 1
+    assert torch.equal(load_file(found.file("model.pt"))["w"], torch.full((64,), 1.0))
+
+
+@pytest.mark.parametrize(
+    "code, words",
+    [
+        (errno.ENOSPC, "checkpoint 5 not written: no space left on "),
+        (errno.EDQUOT, "checkpoint 5 not written: disk quota exceeded on "),
+        (errno.EROFS, "checkpoint 5 not written: the file system is read-only: "),
+    ],
+)
+@pytest.mark.parametrize("stage", ["save", "commit"])
+def test_disk_errors_name_the_checkpoint_the_problem_and_the_path(tmp_path, monkeypatch, code, words, stage):
+    _save_step(tmp_path, 4)
+    folder = staging_dir(tmp_path, 5)
+    if stage == "commit":
+        save_file(folder / "model.pt", {"w": torch.ones(4)})
+    real_fsync = os.fsync
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(CheckpointError) as failed:
+        if stage == "save":
+            save_file(folder / "model.pt", {"w": torch.ones(4)})
+        else:
+            commit(tmp_path, 5, {})
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert str(failed.value).startswith(words) and str(tmp_path) in str(failed.value), failed.value
+    assert latest(tmp_path).step == 4
+
+
+DISK_FILLING_JOB = """
+import os, torch, paratrain
+ctx = paratrain.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(100, 100)  # 40 KB of weights: two or three checkpoints fill the disk
+trainer = paratrain.Trainer(
+    model, torch.optim.SGD(model.parameters(), lr=0.01), checkpoint_dir=os.environ["CKPT"],
+    checkpoint_every=2, progress=False,
+)
+x = torch.randn(8, 100)
+for _ in range(200):
+    trainer.step((trainer.model(x) ** 2).mean())
+print("the disk never filled", flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_job_whose_disk_fills_ends_naming_the_checkpoint_and_the_device(small_disk: Path) -> None:
+    """The policy (docs/hardening.md): a checkpoint that cannot be written ends the job, with that
+    line first in the launcher's report; the last good checkpoint is the one a restart finds."""
+    root = small_disk / "ckpt"
+    outcome = run_job(
+        DISK_FILLING_JOB, workers=1, servers=1, env={"CKPT": str(root)}, expect="failure", timeout_s=150
+    )
+    report = outcome.report
+    failed = re.search(r"checkpoint (\d+) not written: no space left on tmpfs at (\S+) \(", report)
+    assert failed is not None and failed.group(2) == str(small_disk), report
+    assert "enforce fail" not in report and "unexpected pos" not in report, report
+    found = latest(root)
+    assert found is not None and found.step < int(failed.group(1)), (found, report)
+    assert load_file(found.file("model.pt"))["model"]["weight"].shape == (100, 100)

@@ -195,7 +195,8 @@ class Scenario:
             "tr[data-role]", "rows => rows.map(r => [r.dataset.role, +r.dataset.rank, r.dataset.state])"
         )
         page.screenshot(path=str(ARTIFACTS / "job.png"))
-        page.goto(self.base + "/workers")
+        with page.expect_navigation():  # no cookie: the link carries the token on (dashboard.html)
+            page.click('nav a[href^="/workers?token="]')
         looks = []
         moving = """() => {
             const s = [...document.querySelectorAll('tr[data-worker] .step')].map(e => +e.textContent);
@@ -213,7 +214,7 @@ class Scenario:
         self.seen["looks"] = looks
         page.screenshot(path=str(ARTIFACTS / "workers.png"), full_page=True)
         for name in ("servers", "keys", "staleness"):
-            page.goto(f"{self.base}/{name}")
+            page.goto(f"{self.base}/{name}?token={self.token}")
             page.wait_for_selector("main section", timeout=WAIT_S * 1000)
             page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
@@ -244,7 +245,7 @@ class Scenario:
         os.kill(pid, signal.SIGKILL)
         if page is None:
             return
-        page.goto(self.base + "/")
+        page.goto(f"{self.base}/?token={self.token}")
         page.wait_for_selector(
             'tr[data-role="worker"][data-rank="1"][data-state="failed"]', timeout=WAIT_S * 1000
         )

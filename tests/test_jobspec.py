@@ -110,6 +110,53 @@ def test_every_mistake_names_line_field_and_what_is_allowed(text, where, allowed
     assert allowed in named[0], named[0]
 
 
+BOMB = "".join(
+    f"l{n}: &l{n} [{', '.join([f'*l{n - 1}' if n else 'x'] * 9)}]\n" for n in range(6)
+)  # 6 levels: 9**6 values once expanded (9 levels took 60 s and 6 GB to refuse)
+TOO_LARGE = [
+    ("aliases", BOMB + BASE, "job.yaml:2: YAML alias *l0 is not allowed in a job spec"),
+    ("a merge", BASE + "resources:\n  worker: &w {cpus: 2}\n  server: {<<: *w}\n", "YAML alias *w"),
+    (
+        "a long argument",
+        BASE.replace('"0.1"', "a" * 5000),
+        "job.yaml:4: entry.args.1: String should have at most 4096",
+    ),
+    (
+        "many arguments",
+        BASE.replace('"0.1"', ", ".join(["a"] * 1000)),
+        "job.yaml:4: entry.args: List should have at most 1000",
+    ),
+    ("a long variable", BASE + f"env: {{X: {'v' * 40000}}}\n", "env.X: String should have at most 32768"),
+    (
+        "a long script",
+        BASE.replace("train.py", "t" * 5000),
+        "job.yaml:3: entry.script: String should have at most 4096",
+    ),
+    (
+        "a long output_dir",
+        BASE.replace("/shared/out", "/o" * 3000),
+        "output_dir: String should have at most 4096",
+    ),
+    ("a large file", BASE + "# " + "x" * (256 << 10) + "\n", "job.yaml: the job spec is over 262144 bytes"),
+]
+
+
+@pytest.mark.parametrize("what, text, message", TOO_LARGE, ids=[row[0] for row in TOO_LARGE])
+def test_a_spec_too_large_or_with_aliases_is_refused_naming_what(what, text, message):
+    with pytest.raises(SpecError) as refused:
+        _spec(text)
+    assert message in str(refused.value), str(refused.value)[:500]
+
+
+def test_a_huge_spec_file_is_refused_without_reading_it_all(tmp_path):
+    path = tmp_path / "job.yaml"
+    with path.open("w") as file:
+        file.write(BASE)
+        file.truncate(50 << 20)  # 50 MB, mostly a hole
+    with pytest.raises(SpecError, match="job.yaml: the job spec is over 262144 bytes"):
+        load_spec(path)
+
+
 def test_every_mistake_is_reported_at_once_in_line_order():
     text = BASE.replace("workers: 2", "workers: 0").replace("servers: 1", "servers: x") + "colour: red\n"
     problems = _problems(text)

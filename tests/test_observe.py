@@ -117,7 +117,10 @@ def test_token_guards_every_route() -> None:
         assert client.get(f"{path}?token=wrong").status_code == 401
     page = client.get(f"/workers?token={token}")
     assert page.status_code == 200 and "paratrain" in page.text
-    assert client.get("/api/state").status_code == 200  # the cookie the page set
+    # No cookie: a browser would send it to every server on the host, any port, any user's.
+    assert "set-cookie" not in page.headers and not client.cookies
+    assert page.headers["referrer-policy"] == "no-referrer"
+    assert client.get("/api/state").status_code == 401
     fresh = TestClient(build_app(_board(), token))
     metrics = fresh.get("/metrics", headers={"Authorization": f"Bearer {token}"})
     assert metrics.status_code == 200 and "paratrain_worker_steps_total" in metrics.text

@@ -21,6 +21,7 @@ from paratrain.cluster.config import JobConfig
 from paratrain.cluster.context import Context
 from paratrain.cluster.scheduler import Scheduler
 from paratrain.cluster.spec import ClusterSpec, spec_from_env
+from paratrain.transport.ports import PortUnavailable, binding
 from paratrain.transport.rpc import RpcServer
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,8 @@ def _schedule(spec: ClusterSpec, config: JobConfig, embedded: bool = False) -> C
     in a worker or server, the process's timeline is that node's."""
     from paratrain.metrics import observe
 
-    scheduler = Scheduler(spec, config)
+    with binding(spec.host, spec.scheduler_port, _scheduler_port_setting(spec)):
+        scheduler = Scheduler(spec, config)
     dashboard = observe.start_dashboard(scheduler, spec.secret, os.environ)
     trace = observe.tracer() if embedded else observe.start_trace(os.environ, "scheduler", 0)
 
@@ -96,12 +98,28 @@ def _schedule(spec: ClusterSpec, config: JobConfig, embedded: bool = False) -> C
     return run
 
 
+def _scheduler_port_setting(spec: ClusterSpec) -> str:
+    """What changes the scheduler's port, said in the error when it is taken."""
+    if os.environ.get("PARATRAIN_SCHEDULER"):
+        return "set PARATRAIN_SCHEDULER to another HOST:PORT"
+    if spec.embedded_scheduler and os.environ.get("MASTER_PORT"):
+        return (
+            "the scheduler listens on MASTER_PORT+1: choose another MASTER_PORT, or set "
+            "PARATRAIN_SCHEDULER=HOST:PORT"
+        )
+    return "set PARATRAIN_SCHEDULER=HOST:PORT to another port"
+
+
 def _start_embedded_scheduler(spec: ClusterSpec, config: JobConfig) -> threading.Thread | None:
     """Where no scheduler process exists (TF_CONFIG, torchrun, Slurm, MPI), one worker or server
     runs it in a thread (see cluster/spec.py)."""
     if not spec.embedded_scheduler:
         return None
-    thread = threading.Thread(target=_schedule(spec, config, embedded=True), name="scheduler", daemon=True)
+    try:
+        run = _schedule(spec, config, embedded=True)
+    except PortUnavailable as exc:  # one line, not a traceback through the user's script; the
+        raise SystemExit(f"paratrain: {exc}") from None  # launcher (torchrun) then stops the others
+    thread = threading.Thread(target=run, name="scheduler", daemon=True)
     thread.start()
     return thread
 

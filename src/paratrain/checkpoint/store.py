@@ -11,12 +11,20 @@ process killed mid-write are removed, never listed) and removes the root's debri
 killed midway (the pointer's temporary file, folders moved aside). Files hold tensors and plain data
 only and are loaded with `weights_only=True`, so loading never runs code from the file.
 
+A disk that fills up (or a quota, or a file system turned read-only) fails the save or the commit
+with one CheckpointError, "checkpoint N not written: no space left on DEVICE (path)", instead of
+what torch's writer says about it ("unexpected pos 704 vs 598", the cause buried in the chain).
+Nothing of the step is committed, so the pointer still names the last good checkpoint; the Trainer
+lets the error end the job (docs/hardening.md says why).
+
 A reader can lose one race: `commit(..., keep=k)` may delete a checkpoint that a reader has just found.
 Readers that must not fail retry `latest()` after a `CheckpointError`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -25,7 +33,7 @@ import re
 import shutil
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
@@ -54,6 +62,11 @@ _LEAF_TYPES = (type(None), bool, int, float, complex, str, bytes, bytearray, tor
 _DICT_TYPES = (dict, OrderedDict, Counter)
 _SEQ_TYPES = (list, tuple, set, torch.Size)
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_DISK_FULL = {
+    errno.ENOSPC: "no space left on",
+    errno.EDQUOT: "disk quota exceeded on",
+    errno.EROFS: "the file system is read-only:",
+}
 
 
 @dataclass(frozen=True)
@@ -79,7 +92,8 @@ class Checkpoint:
 def staging_dir(root: str | os.PathLike[str], step: int) -> Path:
     """The folder every process saves step `step`'s files into; created if missing."""
     path = Path(root) / (_step_name(step) + PARTIAL)
-    path.mkdir(parents=True, exist_ok=True)
+    with _disk_errors(path):
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 
@@ -92,8 +106,9 @@ def save_file(path: str | os.PathLike[str], state: dict) -> None:
     if not isinstance(state, dict):
         raise TypeError(f"checkpoint state for {path} must be a dict, not {type(state).__name__}")
     _check_state(state, "state")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, lambda f: torch.save(state, f))
+    with _disk_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, lambda f: torch.save(state, f))
 
 
 def load_file(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict:
@@ -131,13 +146,15 @@ def commit(root: str | os.PathLike[str], step: int, meta: dict, keep: int | None
         text = json.dumps(full_meta, indent=1, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"commit meta for step {step} is not plain JSON data: {e}")
-    _atomic_write(staging / META, lambda f: f.write(text.encode()))
-    _fsync_dir(staging)
+    with _disk_errors(staging / META):
+        _atomic_write(staging / META, lambda f: f.write(text.encode()))
+        _fsync_dir(staging)
     final = root / name
     _rename_over(staging, final)
     _fsync_dir(root)
-    _atomic_write(root / POINTER, lambda f: f.write(f"{name}\n".encode()))
-    _fsync_dir(root)
+    with _disk_errors(root / POINTER):  # the folder is complete: a reader finds it by its step
+        _atomic_write(root / POINTER, lambda f: f.write(f"{name}\n".encode()))
+        _fsync_dir(root)
     _clean_debris(root)
     logger.info("checkpoint step %d committed at %s (%d files)", step, final, len(full_meta["files"]))
     if keep is not None:
@@ -212,6 +229,45 @@ def _reason(error: BaseException) -> str:
         error = error.__context__
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+@contextlib.contextmanager
+def _disk_errors(path: Path) -> Iterator[None]:
+    """A full disk, a quota or a read-only file system while writing `path`, anywhere in the
+    exception's chain (torch's writer raises its own error over the OSError), as one CheckpointError."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        cause: BaseException | None = exc
+        while cause is not None and not (isinstance(cause, OSError) and cause.errno in _DISK_FULL):
+            cause = cause.__cause__ or cause.__context__
+        problem = _DISK_FULL.get(cause.errno) if isinstance(cause, OSError) and cause.errno else None
+        if problem is None:
+            raise
+        match = next((m for part in path.parts if (m := _STEP_DIR.match(part))), None)
+        what = f"checkpoint {int(match.group(1))}" if match else "checkpoint file"
+        problem = f"{problem} {_device(path)}"
+        raise CheckpointError(f"{what} not written: {problem} ({path})") from None
+
+
+def _device(path: Path) -> str:
+    """The file system holding `path`, as /proc/mounts names it ("/dev/sda1 at /data")."""
+    try:
+        mounts = [line.split()[:2] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return "its device"
+    target = os.path.realpath(path)
+    under = [
+        (point, device)
+        for device, point in mounts
+        if target == point or target.startswith(point.rstrip("/") + "/")
+    ]
+    if not under:
+        return "its device"
+    point, device = max(under, key=lambda pair: len(pair[0]))
+    return f"{device} at {point}"
 
 
 def _check_state(value: Any, where: str) -> None:

@@ -24,6 +24,7 @@ import click
 from paratrain.launch.api import BACKENDS, LaunchConfig
 from paratrain.launch.jobs_cli import COMMANDS as JOB_COMMANDS
 from paratrain.launch.observe_cli import dashboard_config, observe_env, observe_options, trace
+from paratrain.transport.ports import PortUnavailable
 from paratrain.version import __version__
 
 STRATEGY_VAR = "PARATRAIN_STRATEGY"
@@ -200,9 +201,16 @@ def launch(
     if backend == "local":
         from paratrain.launch.local import run_launch
 
-        exit_code = run_launch(
-            config, host=host, dashboard=dashboard_config(observe), elastic=elastic, max_restarts=max_restarts
-        )
+        try:
+            exit_code = run_launch(
+                config,
+                host=host,
+                dashboard=dashboard_config(observe),
+                elastic=elastic,
+                max_restarts=max_restarts,
+            )
+        except PortUnavailable as exc:  # --dashboard-port taken: one line, no traceback
+            raise click.ClickException(str(exc)) from None
         ctx.exit(exit_code)
     if backend == "k8s" and (elastic or max_restarts):
         raise click.UsageError("--elastic and --max-restarts work with --backend local, ray, slurm; not k8s")

@@ -8,6 +8,10 @@ table of fields in docs/jobspec.md (`... --markdown`). A mistake
 is reported as `job.yaml:LINE: field.path: what is wrong (what is allowed)`, every mistake at once;
 a field the models do not know is an error, with the nearest known name suggested.
 
+A spec is bounded before anything reads it deeply: at most MAX_SPEC_BYTES, no YAML aliases (a few
+hundred bytes of nested aliases stand for billions of values), and every string, list and mapping
+field with a size limit named in its error, so that what reaches a command line or a manifest fits.
+
 A spec becomes the LaunchConfig every engine takes plus that engine's options (`launch_config`,
 `engine_options`): there is one launcher, and the spec is only another way of asking it.
 """
@@ -36,6 +40,16 @@ from pydantic import (
 )
 
 from paratrain.launch.api import IDENTITY_VARS, LaunchConfig, check_strategy
+
+MAX_SPEC_BYTES = 256 << 10
+"""Largest job spec file read (a spec is a page of settings; its values all go on command lines)."""
+TEXT_MAX = 4096
+"""Longest string field: a path, a name, an argument (Linux's PATH_MAX)."""
+ENV_VALUE_MAX = 32 << 10
+"""Longest environment variable value."""
+ITEMS_MAX = 1000
+"""Most arguments in entry.args, and most variables in env."""
+Text = Annotated[str, Field(max_length=TEXT_MAX)]
 
 MEMORY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 _MEMORY_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -73,11 +87,11 @@ class _Strict(BaseModel):
 class Entry(_Strict):
     """What every process runs."""
 
-    script: str = Field(min_length=1)
+    script: str = Field(min_length=1, max_length=TEXT_MAX)
     """The Python script, relative to work_dir (or absolute)."""
-    args: list[str] = []
+    args: list[Text] = Field([], max_length=ITEMS_MAX)
     """Its own arguments, passed unparsed, before any directory arguments."""
-    python: str | None = None
+    python: Text | None = None
     """The interpreter (on every host); default: the one running paratrain (on k8s: `python`)."""
 
 
@@ -88,7 +102,7 @@ class RoleResources(_Strict):
     """CPU cores (may be fractional on ray and k8s); also the process's OMP_NUM_THREADS."""
     gpus: Annotated[int, Field(ge=0)] = 0
     """GPUs."""
-    memory: Annotated[str, Field(pattern=MEMORY.pattern)] | None = None
+    memory: Annotated[str, Field(pattern=MEMORY.pattern, max_length=64)] | None = None
     """Memory, a Kubernetes quantity: bytes, or with a unit K, M, G, T, Ki, Mi, Gi, Ti (e.g. 4Gi)."""
 
 
@@ -102,17 +116,17 @@ class Resources(_Strict):
 class RaySettings(_Strict):
     """backend: ray."""
 
-    address: str = Field("auto", min_length=1)
+    address: str = Field("auto", min_length=1, max_length=TEXT_MAX)
     """The Ray cluster: "auto" (the one `ray start` started on this machine) or host:port."""
 
 
 class SlurmSettings(_Strict):
     """backend: slurm."""
 
-    partition: str | None = Field(None, pattern=r"^[A-Za-z0-9_.,:@%+=/-]+$")
+    partition: str | None = Field(None, pattern=r"^[A-Za-z0-9_.,:@%+=/-]+$", max_length=TEXT_MAX)
     """sbatch --partition; default: the cluster's default partition."""
     time: str | None = Field(
-        None, pattern=r"^(\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$"
+        None, pattern=r"^(\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", max_length=64
     )
     """sbatch --time: minutes, h:mm:ss, days-hours, ...; default: from timeout_s, else the partition's."""
     nodes: Annotated[int, Field(ge=1)] | None = None
@@ -122,13 +136,13 @@ class SlurmSettings(_Strict):
 class K8sSettings(_Strict):
     """backend: k8s."""
 
-    image: str | None = Field(None, min_length=1)
+    image: str | None = Field(None, min_length=1, max_length=TEXT_MAX)
     """The container image every pod runs (holds the script and paratrain); needed to submit."""
     namespace: str = Field("default", pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=63)
     """The namespace every object is created in."""
-    output_pvc: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    output_pvc: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
     """The PersistentVolumeClaim mounted read-write at output_dir in every pod (needed to submit)."""
-    data_pvc: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    data_pvc: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
     """The PersistentVolumeClaim mounted read-only at data_dir in every pod (needed with data_dir)."""
 
 
@@ -145,7 +159,7 @@ class JobSpec(_Strict):
     """Server processes (0: a collective job)."""
     evaluator: Annotated[int, Field(ge=0, le=1)] = 0
     """1: an evaluator process that scores each new checkpoint (local and ray backends)."""
-    strategy: str | None = None
+    strategy: Text | None = None
     """The Trainer's strategy (dist_sync, dist_async, collective, ...); default: dist_sync with servers,
     collective without."""
     resources: Resources = Resources()
@@ -155,11 +169,11 @@ class JobSpec(_Strict):
     ray: RaySettings = RaySettings()
     slurm: SlurmSettings = SlurmSettings()
     k8s: K8sSettings = K8sSettings()
-    data_dir: str | None = Field(None, min_length=1)
+    data_dir: str | None = Field(None, min_length=1, max_length=TEXT_MAX)
     """The input data, given to every process (read-only on k8s)."""
-    output_dir: str = Field(min_length=1)
+    output_dir: str = Field(min_length=1, max_length=TEXT_MAX)
     """Checkpoints, metrics and the job's own records (OUTPUT_DIR/jobs/<id>/); shared by every role."""
-    work_dir: str | None = Field(None, min_length=1)
+    work_dir: str | None = Field(None, min_length=1, max_length=TEXT_MAX)
     """The folder processes start in, and the script's base; default: the spec file's folder."""
     dir_args: bool = False
     """UAI Train's convention: append --data_dir, --output_dir, --work_dir, --log_dir and --num_gpus to
@@ -167,7 +181,10 @@ class JobSpec(_Strict):
     checkpoint_every: Annotated[int, Field(ge=0)] = 0
     """The Trainer checkpoints every this many steps into OUTPUT_DIR/checkpoints (0: only when the script
     asks)."""
-    env: dict[Annotated[str, AfterValidator(_check_env_name)], str] = {}
+    env: dict[
+        Annotated[str, Field(max_length=256), AfterValidator(_check_env_name)],
+        Annotated[str, Field(max_length=ENV_VALUE_MAX)],
+    ] = Field({}, max_length=ITEMS_MAX)
     """Extra environment variables for every process."""
     timeout_s: Annotated[float, Field(gt=0)] | None = None
     """Stop the whole job after this many seconds; default: no limit."""
@@ -191,9 +208,15 @@ def load_spec(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None 
     {"backend": "k8s"}) replace top-level fields before checking. Raises SpecError."""
     path = Path(path)
     try:
-        text = path.read_text()
+        with path.open("rb") as file:
+            data = file.read(MAX_SPEC_BYTES + 1)  # not all of a file that is far too large
+        text = data.decode()
     except OSError as exc:
         raise SpecError([f"{path}: cannot read the job spec: {exc.strerror}"]) from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(
+            [f"{path}: the job spec is not UTF-8 text: {exc.reason} at byte {exc.start}"]
+        ) from None
     return parse_spec(text, str(path), base=path.resolve().parent, overrides=overrides)
 
 
@@ -217,8 +240,15 @@ def parse_spec(
 
 
 def _read_yaml(text: str, source: str) -> tuple[Any, dict[tuple, int]]:
-    """The YAML's data and the line of every field and list item (by path); duplicate keys refused."""
+    """The YAML's data and the line of every field and list item (by path); too large a text,
+    aliases and duplicate keys refused."""
+    size = len(text.encode())
+    if size > MAX_SPEC_BYTES:
+        raise SpecError(
+            [f"{source}: the job spec is over {MAX_SPEC_BYTES} bytes (a spec is settings, not data)"]
+        )
     try:
+        _refuse_aliases(text, source)
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -234,6 +264,16 @@ def _read_yaml(text: str, source: str) -> tuple[Any, dict[tuple, int]]:
     if problems:
         raise SpecError(problems)
     return data, lines
+
+
+def _refuse_aliases(text: str, source: str) -> None:
+    """Aliases (`*name`, and merges `<<: *name`) are refused before anything expands them: nested,
+    a few hundred bytes of them stand for billions of values."""
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            line = event.start_mark.line + 1 if event.start_mark is not None else 1
+            alias = f"YAML alias *{event.anchor}"
+            raise SpecError([f"{source}:{line}: {alias} is not allowed in a job spec: write the value out"])
 
 
 def _walk(node: yaml.Node, path: tuple, lines: dict[tuple, int], problems: list[str], source: str) -> None:

@@ -6,10 +6,13 @@
 
 Starlette on uvicorn, in a thread of the scheduler; bound to 127.0.0.1 by default. Every request
 needs the job's dashboard token (an HMAC of the job secret, so whoever holds the secret, the
-launcher, can print it and nobody else can guess it): `?token=` (a page so opened sets a cookie for
-its later requests), an `Authorization: Bearer` header (for Prometheus), or that cookie. Without
-it: 401. The pages poll /api/state once a second; it reads what the heartbeats already brought, so
-a look at the dashboard adds no traffic to the job.
+launcher, can print it and nobody else can guess it): `?token=` or an `Authorization: Bearer`
+header (Prometheus; the pages send it from their own URL). No cookie: a browser sends a cookie to
+every server on the host whatever its port, another user's included, so a cookie holding the token
+would hand it to them. The pages' links carry `?token=` on, and `Referrer-Policy: no-referrer`
+keeps the URL's token out of what a page's links send elsewhere. Without the token: 401. The pages
+poll /api/state once a second; it reads what the heartbeats already brought, so a look at the
+dashboard adds no traffic to the job.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.metrics.board import JobBoard
+from paratrain.transport.http_limits import ConnectionGuard, HttpLimits, guarded_server
+from paratrain.transport.ports import binding
 
 logger = logging.getLogger(__name__)
 
 PAGES = ("/", "/workers", "/servers", "/keys", "/staleness")
-COOKIE = "paratrain_token"
 _PAGE = Path(__file__).with_name("dashboard.html")
 
 
@@ -75,7 +79,7 @@ def build_app(board: JobBoard, token: str) -> Any:
     page = _PAGE.read_text()
 
     def allowed(request: Request) -> bool:
-        given = request.query_params.get("token") or request.cookies.get(COOKIE) or ""
+        given = request.query_params.get("token") or ""
         auth = request.headers.get("authorization", "")
         if auth.lower().startswith("bearer "):
             given = auth[7:].strip()
@@ -88,8 +92,7 @@ def build_app(board: JobBoard, token: str) -> Any:
                     "401: this dashboard needs its token (?token=... as printed at launch)\n", 401
                 )
             response = handler(request)
-            if request.query_params.get("token"):
-                response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+            response.headers["Referrer-Policy"] = "no-referrer"
             return response
 
         return endpoint
@@ -108,15 +111,16 @@ def build_app(board: JobBoard, token: str) -> Any:
 class DashboardServer:
     """uvicorn serving `build_app` on a socket, in a daemon thread."""
 
-    def __init__(self, board: JobBoard, token: str, sock: socket.socket) -> None:
-        import uvicorn
-
+    def __init__(
+        self, board: JobBoard, token: str, sock: socket.socket, limits: HttpLimits | None = None
+    ) -> None:
         self.sock = sock
         self.host, self.port = sock.getsockname()[:2]
-        config = uvicorn.Config(
-            build_app(board, token), log_level="warning", lifespan="off", access_log=False
-        )
-        self._server = uvicorn.Server(config)
+        # The connection policy of every paratrain HTTP server (transport/http_limits.py): a flood of
+        # idle connections here must leave the scheduler's RPC port its descriptors.
+        self.guard = ConnectionGuard(f"dashboard :{self.port}", limits or HttpLimits())
+        app = build_app(board, token)
+        self._server = guarded_server(app, self.guard, log_level="warning", lifespan="off", access_log=False)
         self._thread = threading.Thread(target=self._serve, name="dashboard", daemon=True)
 
     def _serve(self) -> None:
@@ -139,5 +143,7 @@ class DashboardServer:
 
 
 def listen_dashboard(config: DashboardConfig) -> socket.socket:
+    """The dashboard's listening socket; a port taken raises PortUnavailable naming the option."""
     family = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM)[0][0]
-    return socket.create_server((config.host, config.port), family=family, backlog=64)
+    with binding(config.host, config.port, "choose another with --dashboard-port (0: a free one)"):
+        return socket.create_server((config.host, config.port), family=family, backlog=64)

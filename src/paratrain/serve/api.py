@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from paratrain.errors import ParatrainError
+from paratrain.transport.http_limits import HttpLimits
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -114,9 +115,14 @@ class ServeConfig:
     channels_last: bool = True
     """Run a model with 2-D convolutions channels-last (NHWC, oneDNN's fast path on CPU; see
     serve/model.py); False: as the factory built it."""
+    max_pending_body_bytes: int = 256 << 20
+    """Most bytes of request bodies held at once, over every request still arriving or being
+    decoded (503 beyond): with `max_body_bytes` per body, what slow clients can make the server hold."""
+    limits: HttpLimits = HttpLimits()
+    """The connection policy (transport/http_limits.py); its `body_timeout_s` bounds a body's arrival."""
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_body_bytes", "max_request_rows"):
+        for name in ("max_batch", "max_body_bytes", "max_request_rows", "max_pending_body_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ServeConfig.{name}={value!r} must be an int >= 1")
@@ -128,6 +134,8 @@ class ServeConfig:
             raise ValueError(
                 f"ServeConfig.model_name={self.model_name!r} must be letters, digits, '_', '.', '-'"
             )
+        if not isinstance(self.limits, HttpLimits):
+            raise ValueError(f"ServeConfig.limits={self.limits!r} must be an HttpLimits")
         inputs = tuple(self.inputs)
         if not all(isinstance(spec, InputSpec) for spec in inputs):
             raise ValueError(f"ServeConfig.inputs={self.inputs!r} must be InputSpecs")

@@ -10,15 +10,21 @@ holds no thread while its request waits in the batcher, so thousands can wait at
 decodes and checks the request, submits it and awaits its future; the model runs on the batcher's
 thread under `torch.inference_mode`. Each app has its own metrics registry, so several apps (tests,
 a process serving stages) do not collide.
+
+What a client can make the server hold is bounded: a body is read in pieces under its size cap
+(`max_body_bytes`), its deadline (`limits.body_timeout_s`: 408) and a budget for every body held
+at once (`max_pending_body_bytes`: 503), and one larger than OFF_LOOP_BYTES is decoded on a thread,
+so a 16 MB JSON body (seconds of CPU) does not stall every other client's answers on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +50,9 @@ from paratrain.serve.oip import OpenInference
 
 logger = logging.getLogger(__name__)
 
+OFF_LOOP_BYTES = 64 << 10
+"""Bodies larger than this are decoded on a thread; a smaller one decodes in less time than the
+hand-off would cost."""
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -147,6 +156,7 @@ class Predict:
     def __init__(self, batcher: Batcher, config: ServeConfig, metrics: ServeMetrics) -> None:
         self.batcher, self.config, self.metrics = batcher, config, metrics
         self._ok = metrics.requests.labels("200")
+        self.budget = BodyBudget(config.max_pending_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = time.perf_counter()
@@ -167,6 +177,8 @@ class Predict:
             status, error = 500, f"{type(exc).__name__}: {exc}"
         if status != 200:
             body, media_type, extra = json.dumps({"error": error}).encode(), codec.JSON, {}
+            if status in (408, 413, 503):  # the body may be partly unread: the connection cannot go on
+                extra = {"connection": "close"}
         head = [(b"content-type", media_type.encode()), (b"content-length", b"%d" % len(body))]
         head += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in extra.items()]
         await send({"type": "http.response.start", "status": status, "headers": head})
@@ -179,31 +191,81 @@ class Predict:
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise BadRequest(413, f"the body is {length} bytes; the limit is {limit}")
-        body = await _read_body(receive, limit)
-        inputs = codec.decode(body, headers.get("content-type", ""), headers, self.config.inputs)
+        declared = int(length) if length is not None and length.isdigit() else 0
+        with self.budget.holding(declared) as held:
+            timeout_s = self.config.limits.body_timeout_s
+            try:
+                body = await asyncio.wait_for(_read_body(receive, limit, held), timeout_s)
+            except asyncio.TimeoutError:
+                raise BadRequest(408, f"the body did not arrive within {timeout_s} s") from None
+            inputs = await self._decode(body, headers)
         rows = codec.rows_of(inputs)
         if rows > self.config.max_request_rows:
             raise BadRequest(413, f"the request has {rows} rows; the limit is {self.config.max_request_rows}")
         output, step = await self.batcher.predict(inputs)
         return codec.encode(output, headers.get("accept", ""), step)
 
+    async def _decode(self, body: bytes, headers: dict[str, str]) -> dict[str, torch.Tensor]:
+        args = (body, headers.get("content-type", ""), headers, self.config.inputs)
+        if len(body) <= OFF_LOOP_BYTES:
+            return codec.decode(*args)
+        return await asyncio.get_running_loop().run_in_executor(None, codec.decode, *args)
+
+
+class BodyBudget:
+    """Bytes of request bodies held at once (ServeConfig.max_pending_body_bytes); used on the event
+    loop only, so it needs no lock. Bodies up to OFF_LOOP_BYTES are not counted: the connection cap
+    bounds what they hold, and slow large bodies filling the budget must not turn away the small
+    requests of everyone else."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held = limit, 0
+
+    @contextlib.contextmanager
+    def holding(self, size: int) -> Iterator[Callable[[int], None]]:
+        """Holds `size` bytes (the declared length) until the block ends; the block calls what it
+        yields with a body's size so far, to hold more as an undeclared body grows."""
+        taken = 0
+
+        def grow(total: int) -> None:
+            nonlocal taken
+            if total > max(taken, OFF_LOOP_BYTES):
+                self._take(total - taken)
+                taken = total
+
+        try:
+            grow(size)
+            yield grow
+        finally:
+            self.held -= taken
+
+    def _take(self, size: int) -> None:
+        if self.held + size > self.limit:
+            raise BadRequest(
+                503, f"the server holds {self.held} bytes of request bodies (limit {self.limit}): try again"
+            )
+        self.held += size
+
 
 class ClientGone(Exception):
     """The client closed its connection before its request's body arrived: nobody to answer."""
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes:
-    chunks, size = [], 0
+async def _read_body(receive: Receive, limit: int, held: Callable[[int], None]) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone
         chunk = message.get("body", b"")
         if not chunks and not message.get("more_body", False):
+            held(len(chunk))
             return chunk  # the whole body in one piece: no copy
         chunks.append(chunk)
         size += len(chunk)
         if size > limit:
             raise BadRequest(413, f"the body is over the limit of {limit} bytes")
+        held(size)
         if not message.get("more_body", False):
             return b"".join(chunks)

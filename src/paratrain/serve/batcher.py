@@ -57,7 +57,7 @@ RECENT = 8
 FEW_ROWS = 8
 """Batches of fewer rows run on one intra-op thread; larger ones on the threads the server was
 given (torch's default: the machine's cores)."""
-RunBatch = Callable[[Inputs], tuple[torch.Tensor, object]]
+RunBatch = Callable[[Inputs], tuple[torch.Tensor, int | None]]
 """Runs one batch: (output rows, a tag handed to every request of the batch, e.g. the model's step)."""
 
 
@@ -81,7 +81,7 @@ class Outcome:
     """One request's answer (output rows and the batch's tag) or error, before its future has it."""
 
     item: Item
-    result: tuple[torch.Tensor, object] | None = None
+    result: tuple[torch.Tensor, int | None] | None = None
     error: BaseException | None = None
 
     def settle(self) -> None:
@@ -137,7 +137,7 @@ class Batcher:
         self._enqueue(inputs, future, None)
         return future
 
-    async def predict(self, inputs: Inputs) -> tuple[torch.Tensor, object]:
+    async def predict(self, inputs: Inputs) -> tuple[torch.Tensor, int | None]:
         """submit's answer, awaited in the running loop with no thread hand-off of its own."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -255,7 +255,7 @@ class Batcher:
             at += item.rows
         return outcomes
 
-    def _forward(self, inputs: Inputs, rows: int) -> tuple[torch.Tensor, object]:
+    def _forward(self, inputs: Inputs, rows: int) -> tuple[torch.Tensor, int | None]:
         threads = 1 if rows < FEW_ROWS else self._threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)

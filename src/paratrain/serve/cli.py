@@ -175,6 +175,7 @@ def serve(
     from paratrain.serve.api import ServeConfig
     from paratrain.serve.http import HttpServer
     from paratrain.serve.model import load_factory
+    from paratrain.transport.ports import binding
 
     logging.basicConfig(level=logging.INFO, format="paratrain serve: %(message)s")
     if threads is not None:
@@ -210,7 +211,8 @@ def serve(
 
                 kv = join_tables(cache_rows=cache_rows, cache_ttl_s=cache_ttl_s)
             app = model_app(factory, source, config, kv=kv)
-        server = HttpServer(app, host, port)
+        with binding(host, port, "choose another with --port (0: a free one)"):
+            server = HttpServer(app, host, port)
     except ParatrainError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(

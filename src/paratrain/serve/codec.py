@@ -5,22 +5,30 @@ Requests (the Content-Type picks the form):
     application/x-safetensors a safetensors file: one tensor per input ("inputs" for the only one)
     application/octet-stream  the raw bytes of one input, with headers X-Dtype (float32, ...) and
                               X-Shape (comma-separated, rows first)
-Every input is [rows, ...] with the same rows. Answers are JSON ({"outputs", "shape", "dtype",
-"model_step"}) unless the Accept header asks for application/x-safetensors ({"outputs": tensor}) or
+Every input is [rows, ...] with the same rows, of at most MAX_DIMS dimensions (the wire's limit:
+a staged model sends them on). Answers are JSON ({"outputs", "shape", "dtype", "model_step"}) unless
+the Accept header asks for application/x-safetensors ({"outputs": tensor}) or
 application/octet-stream (raw bytes with X-Dtype and X-Shape). Whatever is wrong with a request
 raises BadRequest naming it; nothing a client sends is executed or unpickled.
+
+JSON is strict both ways: `NaN` and `Infinity` are not JSON, so a request holding them is refused
+(400; send such values in a binary form), and an output's non-finite values are written as the
+strings "NaN", "Infinity" and "-Infinity" (as protobuf's JSON mapping writes them), so every answer
+parses with a strict parser.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
 from paratrain.serve.api import DTYPES, BadRequest, InputSpec, dtype_name
+from paratrain.transport.tensors import MAX_DIMS
 
 JSON = "application/json"
 SAFETENSORS = "application/x-safetensors"
@@ -53,6 +61,9 @@ def check(inputs: Inputs, specs: Sequence[InputSpec]) -> None:
     """Every input is [rows, ...] with the same rows; with specs, the names, dtypes and row shapes."""
     if not inputs:
         raise BadRequest(400, "the request carries no inputs")
+    for name, tensor in inputs.items():
+        if tensor.dim() > MAX_DIMS:
+            raise BadRequest(422, f"input {name!r} has {tensor.dim()} dims; the limit is {MAX_DIMS}")
     rows = {name: t.shape[0] if t.dim() else None for name, t in inputs.items()}
     for name, n in rows.items():
         if not n:
@@ -82,7 +93,9 @@ def check(inputs: Inputs, specs: Sequence[InputSpec]) -> None:
 
 def _from_json(body: bytes, specs: Sequence[InputSpec]) -> Inputs:
     try:
-        doc = json.loads(body)
+        doc = json.loads(body, parse_constant=_not_json)
+    except RecursionError:
+        raise BadRequest(400, "the JSON body is nested too deep") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(400, f"the body is not valid JSON: {exc}") from None
     if not isinstance(doc, dict) or "inputs" not in doc:
@@ -95,6 +108,12 @@ def _from_json(body: bytes, specs: Sequence[InputSpec]) -> Inputs:
     }
 
 
+def _not_json(token: str) -> float:
+    raise BadRequest(
+        400, f"the body holds {token}, which is not JSON (send non-finite values in a binary form)"
+    )
+
+
 def _only_name(specs: Sequence[InputSpec]) -> str:
     if len(specs) > 1:
         names = [spec.name for spec in specs]
@@ -105,6 +124,13 @@ def _only_name(specs: Sequence[InputSpec]) -> str:
 def _tensor_from_list(name: str, data: object, dtype: torch.dtype | None) -> torch.Tensor:
     if not isinstance(data, list):
         raise BadRequest(422, f"input {name!r} must be a list (rows first), not {type(data).__name__}")
+    depth, inner = 0, data
+    while isinstance(inner, list) and inner:  # before torch walks it: a list nested 900 deep
+        inner, depth = inner[0], depth + 1
+        if depth > MAX_DIMS:
+            raise BadRequest(
+                422, f"input {name!r} is nested over {MAX_DIMS} deep; the limit is {MAX_DIMS} dims"
+            )
     try:
         tensor = torch.tensor(data)
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
@@ -140,6 +166,8 @@ def _from_raw(body: bytes, headers: Mapping[str, str], specs: Sequence[InputSpec
         raise BadRequest(422, f"X-Shape {shape_text!r} must be comma-separated ints") from None
     if any(n < 0 for n in shape):
         raise BadRequest(422, f"X-Shape {shape_text!r} has a negative size")
+    if len(shape) > MAX_DIMS:
+        raise BadRequest(422, f"X-Shape has {len(shape)} dims; the limit is {MAX_DIMS}")
     size = math.prod(shape) * dtype.itemsize
     if size != len(body):
         raise BadRequest(
@@ -171,6 +199,13 @@ def encode(output: torch.Tensor, accept: str, step: int | None) -> tuple[bytes, 
         headers |= {"X-Dtype": dtype_name(output.dtype), "X-Shape": ",".join(map(str, output.shape))}
         as_numpy = output.view(torch.int16) if output.dtype == torch.bfloat16 else output  # numpy has no bf16
         return as_numpy.numpy().tobytes(), RAW, headers
-    doc = {"outputs": output.tolist(), "shape": list(output.shape), "dtype": dtype_name(output.dtype)}
+    doc: dict[str, object] = {"outputs": output.tolist(), "shape": list(output.shape)}
+    doc["dtype"] = dtype_name(output.dtype)
     doc["model_step"] = step
-    return json.dumps(doc).encode(), JSON, headers
+    text = json.dumps(doc)
+    if output.is_floating_point() and not bool(torch.isfinite(output).all()):
+        text = _NON_FINITE.sub(r'"\1"', text)  # only numbers write these tokens: the doc holds no text
+    return text.encode(), JSON, headers
+
+
+_NON_FINITE = re.compile(r"(-?Infinity|NaN)")

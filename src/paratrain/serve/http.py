@@ -19,10 +19,10 @@ import threading
 import time
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 
 from paratrain.serve.api import ServeError
+from paratrain.transport.http_limits import ConnectionGuard, HttpLimits, guarded_server, h11_protocol
 
 
 class CoalescingTransport:
@@ -57,12 +57,12 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
-def http_protocol() -> type[asyncio.Protocol] | str:
-    """uvicorn's httptools protocol writing through a CoalescingTransport ("auto" without httptools)."""
+def http_protocol() -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol writing through a CoalescingTransport (h11's without httptools)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
-        return "auto"
+        return h11_protocol()
 
     class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -76,25 +76,32 @@ class HttpServer:
     """`app` served by uvicorn on host:port (port 0: a free one)."""
 
     def __init__(
-        self, app: Starlette, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+        self,
+        app: Starlette,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+        limits: HttpLimits | None = None,
     ) -> None:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        # No proxy-header middleware: nothing here reads the client's address, and it is a layer
-        # every request passes through.
-        config = uvicorn.Config(
+        # The connection policy of every paratrain HTTP server (transport/http_limits.py). No
+        # proxy-header middleware: nothing here reads the client's address, and it is a layer every
+        # request passes through.
+        self.guard = ConnectionGuard(f"serve :{self.port}", limits or HttpLimits())
+        self.server = guarded_server(
             app,
-            http=http_protocol(),
+            self.guard,
+            http_protocol(),
             log_level=log_level,
             access_log=False,
             lifespan="on",
             backlog=2048,
             proxy_headers=False,
         )
-        self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     @property

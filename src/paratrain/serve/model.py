@@ -55,6 +55,8 @@ def load_factory(spec: str) -> Factory:
             raise ValueError(f"--model {spec!r}: {path} is not a file")
         name = f"_paratrain_serve_{path.stem}"
         module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ValueError(f"--model {spec!r}: {path} cannot be imported as a module")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
         module_spec.loader.exec_module(module)
@@ -146,7 +148,8 @@ class ModelHolder:
         except RuntimeError as exc:
             raise ServeError(f"the weights in {source} do not fit the factory's model: {exc}") from None
         if self.channels_last and has_convolutions(model):
-            model.to(memory_format=torch.channels_last)
+            # Module.to takes memory_format; torch's type stubs leave it out.
+            model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         logger.info("serving the model of %s (step %s)", source, step)
         return Loaded(model, step, source)
 
@@ -160,11 +163,11 @@ class ModelHolder:
         try:
             output = call(loaded.model)
         except Exception as exc:
-            loaded.model.to(memory_format=torch.contiguous_format)
+            loaded.model.to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
             try:
                 output = call(loaded.model)
             except Exception:
-                loaded.model.to(memory_format=torch.channels_last)
+                loaded.model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
                 raise exc from None
             logger.warning(
                 "the model fails channels-last (%s: %s); serving it contiguous", type(exc).__name__, exc

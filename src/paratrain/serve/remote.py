@@ -33,7 +33,7 @@ from starlette.routing import Route
 
 from paratrain.cluster.spec import client_credentials
 from paratrain.errors import KVStoreError, RemoteError, TransportError
-from paratrain.kvstore.api import KVStoreConfig, SparseAPI, TableConfig, check_key
+from paratrain.kvstore.api import Handle, KVStoreConfig, SparseAPI, TableConfig, check_key
 from paratrain.kvstore.worker.embedding import Route as IdRoute
 from paratrain.kvstore.worker.embedding import TableClient, TableInfo
 from paratrain.serve.api import BadRequest, ServeError
@@ -77,22 +77,14 @@ class RowCache:
                 self._rows.popitem(last=False)
 
 
-class _Pulled:
-    """A pull that is already complete (the Handle surface DistributedEmbedding waits on)."""
-
-    version = None
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        pass
-
-
 class ReadOnlyTables(TableClient):
     """TableClient over the job's servers that reads, through a RowCache per table, and never writes."""
 
     def __init__(
         self, clients: list[RpcClient], cache_rows: int, cache_ttl_s: float, timeout_s: float
     ) -> None:
-        super().__init__(clients, None, KVStoreConfig(), lambda name: None, timeout_s)
+        # No worker rank: a serving process is no worker, and the servers count its reads nowhere.
+        super().__init__(clients, None, KVStoreConfig(), lambda name: None, timeout_s)  # type: ignore[arg-type]
         self.cache_rows, self.cache_ttl_s = cache_rows, cache_ttl_s
         self.caches: dict[Any, RowCache] = {}
         self.counts = {"rows_asked": 0, "rows_pulled": 0}
@@ -108,7 +100,7 @@ class ReadOnlyTables(TableClient):
     def push(self, key: Any, route: IdRoute, grads: torch.Tensor) -> Any:
         raise KVStoreError(f"table {key!r}: a serving process reads the job's tables and never pushes")
 
-    def pull(self, key: Any, route: IdRoute, train: bool) -> tuple[_Pulled, torch.Tensor]:
+    def pull(self, key: Any, route: IdRoute, train: bool) -> tuple[Handle, torch.Tensor]:
         """The rows of route.ids (in route order): fresh ones from the cache, the rest from the servers."""
         if train:
             raise KVStoreError(f"table {key!r}: a serving process cannot train (run the model in eval mode)")
@@ -125,7 +117,7 @@ class ReadOnlyTables(TableClient):
             cache.put(ids[missing], pulled, time.monotonic())
         self.counts["rows_asked"] += len(ids)
         self.counts["rows_pulled"] += len(missing)
-        return _Pulled(), rows
+        return Handle(futures=[], what=f"read of table {key!r}"), rows  # complete: nothing to wait for
 
     def _pull_from_servers(self, key: Any, ids: torch.Tensor) -> torch.Tensor:
         sub = self.route(ids)  # regrouped by server (a no-op order for one server)

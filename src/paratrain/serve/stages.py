@@ -60,9 +60,18 @@ def resolve_source(source: str | Path) -> tuple[Path, int | None]:
     return found.path, found.step
 
 
+def sequential(model: nn.Module) -> nn.Sequential:
+    """The factory's model, which a split into stages needs as an nn.Sequential (pipeline/split.py)."""
+    if not isinstance(model, nn.Sequential):
+        raise ServeError(
+            f"--stages needs a model factory returning an nn.Sequential, not {type(model).__name__}"
+        )
+    return model
+
+
 def stage_of(factory_spec: str, source: Path, stages: int, points: Sequence[int], rank: int) -> nn.Module:
     """The blocks of stage `rank` of the factory's model with the weights of `source`, in eval mode."""
-    model = build(load_factory(factory_spec))
+    model = sequential(build(load_factory(factory_spec)))
     model.load_state_dict(read_state(source)[0])
     split = split_model(model, stages, split_points=points, verbose=False)
     return stage_module(as_blocks(model), split.stages[rank]).eval()
@@ -116,7 +125,7 @@ class StagedModel:
         inputs: Sequence[InputSpec] = (),
     ) -> StagedModel:
         path, step = resolve_source(source)
-        model = build(load_factory(factory_spec))
+        model = sequential(build(load_factory(factory_spec)))
         model.load_state_dict(read_state(path)[0])
         sample = _sample(inputs, micro_batch) if split_points is None else None
         if split_points is None and sample is None:
