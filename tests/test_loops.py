@@ -5,6 +5,10 @@ these are the process-free checks, and one job that shows a clip under ps is not
 """
 
 import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -307,3 +311,25 @@ for _ in range(2):
 def test_a_users_clip_between_backward_and_step_under_ps_is_an_error_naming_the_strategy_field():
     outcome = run_job(USER_CLIP, workers=1, servers=1, expect="failure", timeout_s=120)
     assert "set Strategy.clip_grad_norm instead of clipping in the loop" in outcome.stderr, outcome.stderr
+
+
+# -- the standard recipe as an example ----------------------------------------------------------------
+GPT = Path(__file__).parent.parent / "examples" / "gpt.py"
+GPT_ARGS = ("--steps", "30", "--width", "32", "--context", "32", "--chars", "40000", "--warmup", "5")
+
+
+def _perplexities(lines: list[str]) -> list[float]:
+    return [
+        float(re.search(r"held-out perplexity ([0-9.]+)", line)[1]) for line in lines if "perplexity" in line
+    ]
+
+
+def test_the_gpt_recipe_learns_alone_and_under_collective_alike():
+    alone = subprocess.run(
+        [sys.executable, str(GPT), *GPT_ARGS], capture_output=True, text=True, timeout=300, check=True
+    )
+    [reference] = _perplexities(alone.stdout.splitlines())
+    outcome = run_job(GPT, workers=2, servers=0, args=GPT_ARGS, timeout_s=300)
+    found = _perplexities(outcome.stdout.splitlines())
+    assert len(found) == 2 and reference < 64, (reference, found)  # 256 equally likely bytes: 256
+    assert all(abs(p - reference) <= 0.02 * reference for p in found), (reference, found)
