@@ -16,7 +16,10 @@ steps (or, with the optimizer on the servers, copies the new weights in), and wh
 keeps gradients between micro-steps. LR schedulers made afterwards wrap that step as usual. A forward
 pre-hook on the model tells the engine whether this micro-step's backward must sync (the last one
 does). Engines: LocalEngine (one process, or architecture "local"), CollectiveEngine (DDP or local
-SGD; also the dense half of "hybrid"), PSEngine (train/ps.py).
+SGD; also the dense half of "hybrid"), PSEngine (train/ps.py). Once an engine has aggregated the
+gradient it calls the local step through GradientGate (train/gradients.py: fp16's unscaling and
+overflow skip, clipping); the forward runs under the strategy's autocast (train/precision.py), on
+the worker's device (docs/training.md).
 """
 
 from __future__ import annotations
