@@ -124,6 +124,22 @@ def test_fp16_alone_skips_the_overflowing_step_as_grad_scaler_does(clip):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 
+def test_a_checkpoint_keeps_the_loss_scale(tmp_path):
+    def trainer() -> Trainer:
+        model = _model()
+        strategy = Strategy(precision="fp16")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return Trainer(
+            model, optimizer, strategy=strategy, checkpoint_dir=tmp_path, progress=False, ctx=ALONE
+        )
+
+    first = trainer()
+    for x, y in _batches(2, poison=0):
+        first.step(nn.functional.mse_loss(first.model(x), y))
+    first.save_checkpoint()
+    assert first.gate.scaler.scale == 2.0**15 and trainer().gate.scaler.scale == 2.0**15
+
+
 def test_clipping_in_a_pipeline_alone_spans_every_stage():
     model, reference = _model(), _model()
     trainer = Trainer(

@@ -44,12 +44,12 @@ class Context:
     """How many of the job's processes run on this host: the spec's, else the number of workers."""
 
     def __post_init__(self) -> None:
-        known = self.spec is not None and self.spec.local_rank is not None
+        spec = self.spec if self.spec is not None and self.spec.local_rank is not None else None
         if self.local_rank is None:
-            self.local_rank = self.spec.local_rank if known else self.rank  # type: ignore[union-attr]
+            self.local_rank = spec.local_rank if spec is not None else self.rank
         if self.local_world_size is None:
-            size = self.spec.local_world_size if known else None  # type: ignore[union-attr]
-            self.local_world_size = size or max(self.num_workers, self.local_rank + 1)
+            size = spec.local_world_size if spec is not None else None
+            self.local_world_size = size or max(self.num_workers, (self.local_rank or 0) + 1)
 
     @property
     def device(self) -> Any:

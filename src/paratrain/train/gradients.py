@@ -59,11 +59,13 @@ class GradientGate:
                 norm = summed[1].sqrt().to(norm.device, norm.dtype)
         if self.scaler is not None:
             self.scaler.update(found)
-        if found.item() > 0:
-            self.skipped += 1
-            logger.info("step skipped: the gradient holds inf or NaN (loss scale now %g)", self.scaler.scale)
-            return None
-        if norm is not None:
+            if found.item() > 0:
+                self.skipped += 1
+                logger.info(
+                    "step skipped: the gradient holds inf or NaN (loss scale now %g)", self.scaler.scale
+                )
+                return None
+        if norm is not None and self.clip is not None:
             torch.nn.utils.clip_grads_with_norm_(params, self.clip, norm)
             self.last_norm = float(norm)
         return local_step()
