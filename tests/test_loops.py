@@ -22,6 +22,7 @@ from paratrain.train import Strategy, Trainer, prepare
 from paratrain.train.precision import LossScaler, to_fp32
 
 ALONE = Context("worker", 0, 1, 0)
+CPU = {"ctx": ALONE, "device": "cpu"}  # these tests compare with references on the CPU
 SECRET = {"PARATRAIN_SECRET": "ab" * 16}
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
 
@@ -102,7 +103,7 @@ def test_fp16_alone_skips_the_overflowing_step_as_grad_scaler_does(clip):
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu")
     trainer = Trainer(
-        model, optimizer, strategy=Strategy(precision="fp16", clip_grad_norm=clip), progress=False, ctx=ALONE
+        model, optimizer, strategy=Strategy(precision="fp16", clip_grad_norm=clip), progress=False, **CPU
     )
     for step, (x, y) in enumerate(_batches(5, poison=2)):
         before = copy.deepcopy(model.state_dict())
@@ -129,9 +130,7 @@ def test_a_checkpoint_keeps_the_loss_scale(tmp_path):
         model = _model()
         strategy = Strategy(precision="fp16")
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        return Trainer(
-            model, optimizer, strategy=strategy, checkpoint_dir=tmp_path, progress=False, ctx=ALONE
-        )
+        return Trainer(model, optimizer, strategy=strategy, checkpoint_dir=tmp_path, progress=False, **CPU)
 
     first = trainer()
     for x, y in _batches(2, poison=0):
@@ -148,7 +147,7 @@ def test_clipping_in_a_pipeline_alone_spans_every_stage():
         strategy="collective:pipeline_stages=2,micro_batches=2,clip_grad_norm=0.05",
         loss_fn=nn.functional.mse_loss,
         progress=False,
-        ctx=ALONE,
+        **CPU,
     )
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
     for x, y in _batches(3):
@@ -168,7 +167,7 @@ def test_bf16_runs_the_forward_in_bf16_and_gives_fp32_outputs():
     seen = []
     model[0].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
     trainer = Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="collective:precision=bf16", ctx=ALONE
+        model, torch.optim.SGD(model.parameters(), lr=0.1), strategy="collective:precision=bf16", **CPU
     )
     x, y = _batches(1)[0]
     out = trainer.model(x)
@@ -200,7 +199,7 @@ class _KeywordModel(nn.Module):
 @pytest.mark.parametrize("call", ["kwargs", "dict"])
 def test_samples_are_counted_for_keyword_and_dict_batches(call):
     model = _KeywordModel()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), progress=False, ctx=ALONE)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), progress=False, **CPU)
     for x, y in _batches(3, rows=5):
         batch = {"inputs": x}
         out = trainer.model(**batch) if call == "kwargs" else trainer.model(batch)
@@ -210,19 +209,20 @@ def test_samples_are_counted_for_keyword_and_dict_batches(call):
 
 # -- devices ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("local_rank", "gpus_per_worker", "cuda_devices", "device"),
+    ("local_rank", "local_world_size", "gpus_per_worker", "cuda_devices", "device"),
     [
-        (3, None, 0, "cpu"),  # no GPU
-        (3, 0, 8, "cpu"),  # the launcher gave this worker none
-        (3, 1, 1, "cuda:0"),  # the launcher made only this worker's GPU visible
-        (3, None, 8, "cuda:3"),  # torchrun's way: every GPU visible, one per local rank
-        (5, None, 4, "cuda:1"),  # fewer GPUs than workers on the host: shared out
+        (3, 4, None, 0, "cpu"),  # no GPU
+        (3, 4, 0, 8, "cpu"),  # the launcher gave this worker none
+        (3, 4, 1, 1, "cuda:0"),  # the launcher made only this worker's GPU visible
+        (3, 8, None, 8, "cuda:3"),  # torchrun's way: every GPU visible, one per local rank
+        (0, 1, None, 1, "cuda:0"),  # alone
+        (1, 4, None, 2, "cpu"),  # fewer GPUs than processes: NCCL takes no two ranks on one GPU
     ],
 )
 def test_a_worker_s_device_follows_its_local_rank_and_the_gpus_it_sees(
-    local_rank, gpus_per_worker, cuda_devices, device
+    local_rank, local_world_size, gpus_per_worker, cuda_devices, device
 ):
-    assert device_for(local_rank, gpus_per_worker, cuda_devices) == device
+    assert device_for(local_rank, local_world_size, gpus_per_worker, cuda_devices) == device
 
 
 def _env(text: str) -> dict[str, str]:

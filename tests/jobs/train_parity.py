@@ -172,7 +172,7 @@ while taken < steps:
                         p.copy_(mean)
 
 expected = replica_models[trainer.replica][0].state_dict()
-got = unwrap(trainer.model).state_dict()
+got = {name: value.cpu() for name, value in unwrap(trainer.model).state_dict().items()}  # on any device
 if pipelined:  # this worker trained its stage's parameters only
     mine = {id(p) for p in trainer.pipe.module.parameters()}
     names = {name for name, p in unwrap(trainer.model).named_parameters() if id(p) in mine}
@@ -199,7 +199,7 @@ assert moved > 10 * tol, f"the reference barely moved ({moved}): the check would
 assert diff <= tol, f"worker {ctx.rank}: parameters differ from the reference by {diff} > {tol}"
 if outputs is not None:  # None on a pipeline's other stages
     with torch.no_grad():
-        out_diff = (outputs - forward(replica_models[trainer.replica][0], x_eval)).abs().max().item()
+        out_diff = (outputs.cpu() - forward(replica_models[trainer.replica][0], x_eval)).abs().max().item()
     assert out_diff <= 10 * tol, f"worker {ctx.rank}: eval_step differs from the reference by {out_diff}"
 elif not pipelined or trainer.pipe.is_last_stage:
     raise AssertionError(f"worker {ctx.rank}: eval_step returned None")

@@ -58,7 +58,7 @@ class Context:
 
         gpus = self.spec.gpus_per_worker if self.spec is not None else None
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return torch.device(device_for(self.local_rank or 0, gpus, count))
+        return torch.device(device_for(self.local_rank or 0, self.local_world_size or 1, gpus, count))
 
     @property
     def distributed(self) -> bool:
@@ -83,17 +83,17 @@ class Context:
         return self.link.members()
 
 
-def device_for(local_rank: int, gpus_per_worker: int | None, cuda_devices: int) -> str:
-    """The device of the worker with `local_rank` on its host, where it sees `cuda_devices` GPUs:
-    the CPU without any (or when its launcher gave it none); cuda:0 where the launcher made only
-    this worker's own GPUs visible (gpus_per_worker > 0); else, every GPU of the host being
-    visible to every process (torchrun's way), GPU local_rank (modulo the count, so that a host
-    with fewer GPUs than workers shares them out rather than failing)."""
+def device_for(local_rank: int, local_world_size: int, gpus_per_worker: int | None, cuda_devices: int) -> str:
+    """The device of the worker with `local_rank` among `local_world_size` processes on its host,
+    where it sees `cuda_devices` GPUs: the CPU without any (or when its launcher gave it none);
+    cuda:0 where the launcher made only this worker's own GPUs visible (gpus_per_worker > 0); else,
+    every GPU of the host being visible to every process (torchrun's way), GPU local_rank, or the
+    CPU where the host has fewer GPUs than processes (NCCL refuses two ranks on one GPU)."""
     if cuda_devices == 0 or gpus_per_worker == 0:
         return "cpu"
     if gpus_per_worker is not None:
         return "cuda:0"
-    return f"cuda:{local_rank % cuda_devices}"
+    return f"cuda:{local_rank}" if local_world_size <= cuda_devices else "cpu"
 
 
 _provider: Callable[[], Context] | None = None
