@@ -264,6 +264,22 @@ PARITY = [
     (2, 1, "dist_sync_device", ()),
     (2, 1, "hybrid", ()),
     (4, 0, "collective:pipeline_stages=2,micro_batches=3", ()),  # a 2 x 2 mesh through train_step
+    # AdamW with two parameter groups, a warmup LambdaLR and clipping (the clip is reached: the job
+    # checks), against one process calling clip_grad_norm_ on the global batch's gradient:
+    (2, 0, "collective:clip_grad_norm=0.3", ("recipe", "rel")),
+    (2, 0, "collective:pipeline_stages=2,micro_batches=3,clip_grad_norm=0.3", ("recipe", "rel")),
+    # fp16: step 2 overflows on one worker only; every worker skips it exactly, and the loss scale
+    # and parameters are those of one process with torch.amp.GradScaler (the same fp16 arithmetic,
+    # hence 1e-5). A pipeline's micro-batches round their fp16 weight gradients apart before they
+    # are summed (the reference rounds the batch's once): fp16's unit roundoff 2^-11 = 4.9e-4 per
+    # gradient, so 1e-3 after six steps.
+    (2, 0, "collective:precision=fp16,clip_grad_norm=0.3", ("recipe", "rel", "inject=2")),
+    (2, 1, "ps:update_on=worker,precision=fp16,clip_grad_norm=0.3", ("recipe", "rel", "inject=2")),
+    (2, 0, "collective:pipeline_stages=2,micro_batches=3,precision=fp16", ("recipe", "inject=2", "tol=1e-3")),
+    # bf16 against an fp32 reference: bf16 keeps 8 significant bits (unit roundoff 2^-9 = 2e-3
+    # per rounding, several per gradient), and six AdamW steps moved the parameters 0.3% from the
+    # fp32 run's (measured 2.9e-3 of each tensor's largest value), so 1e-2.
+    (2, 0, "collective:precision=bf16,clip_grad_norm=0.3", ("recipe", "rel", "ref32", "tol=1e-2")),
 ]
 
 

@@ -2,7 +2,11 @@
 
 argv: strategy steps [options]   options: compile, tol=X, ckpt=DIR, stop=N (checkpoint every step,
 stop after step N: the next run with the same ckpt resumes), loss=mse|ce, delay=S (sleep S seconds
-after each step, so that a test can kill a process in the middle of training)
+after each step, so that a test can kill a process in the middle of training), recipe (AdamW with
+two parameter groups, no weight decay on biases, and a warmup LambdaLR), rel (tol is relative to
+each tensor's largest value), inject=N (replica 0's batch of step N holds an inf: with fp16 that
+step must be skipped everywhere, exactly, and the loss scale halve), ref32 (the reference runs in
+fp32 whatever the strategy's precision)
 
 The reference simulates the workers in one process: W replicas of the same model, each computing the
 gradient of its own ShardedLoader batches (split into the strategy's micro-batches), then: averaged
@@ -10,6 +14,7 @@ and stepped (sync data parallel: one model on the global batch), or stepped alon
 H steps (local SGD), or never averaged (architecture "local").
 """
 
+import math
 import sys
 import time
 
@@ -27,6 +32,10 @@ opts = dict(a.partition("=")[::2] for a in sys.argv[3:])
 strategy = Strategy.parse(strategy_name)
 W, k = ctx.num_workers, strategy.accumulation_steps  # the global batch is 12 samples
 tol = float(opts.get("tol", "1e-5"))
+inject = int(opts.get("inject", -1))
+AUTOCAST = (
+    None if "ref32" in opts else {"bf16": torch.bfloat16, "fp16": torch.float16}.get(strategy.precision)
+)
 
 g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(150, 8, generator=g), torch.randn(150, 3, generator=g))
@@ -35,7 +44,26 @@ data = TensorDataset(torch.randn(150, 8, generator=g), torch.randn(150, 3, gener
 def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
-    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    if "recipe" not in opts:
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    groups = [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
+    return model, torch.optim.AdamW(groups, lr=0.02)
+
+
+def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+    if "recipe" not in opts:
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+
+
+def poisoned(x: torch.Tensor, step: int, replica: int) -> torch.Tensor:
+    if step != inject or replica != 0:
+        return x
+    x = x.clone()
+    x[0, 0] = float("inf")
+    return x
 
 
 def train_micro(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: callable) -> None:
@@ -65,6 +93,7 @@ trainer = Trainer(
     checkpoint_every=1 if ckpt else 0,
     progress=False,
 )
+sched = schedule(optimizer)
 resumed_at = trainer.steps
 if "delay" in opts:  # a test that kills this run checks where it started
     print(f"starting at step {resumed_at}", flush=True)
@@ -72,10 +101,18 @@ for _ in trainer.epochs(100):
     for x, y in trainer.loader:
         if trainer.steps >= stop:
             break
+        x, before = poisoned(x, trainer.steps, trainer.replica), None
+        if trainer.steps == inject:
+            before = {name: p.detach().clone() for name, p in unwrap(trainer.model).named_parameters()}
         if pipelined:
             trainer.train_step(x, y)  # the pipeline cuts the batch into micro-batches itself
         else:
             train_micro(trainer.model, x, y, trainer.step)
+        if before is not None:  # the overflowing step left every parameter as it was
+            after = dict(unwrap(trainer.model).named_parameters())
+            assert all(torch.equal(before[name], after[name]) for name in before), "step not skipped"
+        if sched is not None:
+            sched.step()
         time.sleep(float(opts.get("delay", 0)))
     if trainer.steps >= stop:
         break
@@ -88,6 +125,18 @@ if stop < steps:
 
 # -- the reference --------------------------------------------------------------------------------
 replica_models = [build() for _ in range(replicas)]
+scalers = [torch.amp.GradScaler("cpu", enabled=strategy.precision == "fp16") for _ in replica_models]
+schedules = [schedule(opt) for _, opt in replica_models]
+norms = []
+
+
+def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if AUTOCAST is None:
+        return model(x)
+    with torch.autocast("cpu", dtype=AUTOCAST):
+        return model(x).float()
+
+
 loaders = [ShardedLoader(data, BATCH, num_replicas=replicas, rank=r, shuffle=True) for r in range(replicas)]
 taken = 0
 while taken < steps:
@@ -95,9 +144,11 @@ while taken < steps:
         if taken == steps:
             break
         grads = []
-        for (m, opt), (x, y) in zip(replica_models, batches, strict=True):
+        for r, ((m, opt), (x, y), scaler) in enumerate(zip(replica_models, batches, scalers, strict=True)):
             opt.zero_grad()
-            train_micro(m, x, y, lambda loss: (loss / k).backward())
+            x = poisoned(x, taken, r)
+            for xm, ym in zip(x.chunk(k), y.chunk(k), strict=True):
+                scaler.scale(nn.functional.mse_loss(forward(m, xm), ym) / k).backward()
             grads.append([p.grad.clone() for p in m.parameters()])
         taken += 1
         if strategy.architecture != "local" and not strategy.local_sgd_period:
@@ -105,8 +156,14 @@ while taken < steps:
             for m, _ in replica_models:
                 for p, gm in zip(m.parameters(), mean, strict=True):
                     p.grad.copy_(gm)
-        for _, opt in replica_models:
-            opt.step()
+        for (m, opt), scaler, sched in zip(replica_models, scalers, schedules, strict=True):
+            scaler.unscale_(opt)
+            if strategy.clip_grad_norm is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), strategy.clip_grad_norm)))
+            scaler.step(opt)
+            scaler.update()
+            if sched is not None:
+                sched.step()
         if strategy.local_sgd_period and taken % strategy.local_sgd_period == 0:
             with torch.no_grad():
                 for ps in zip(*(m.parameters() for m, _ in replica_models), strict=True):
@@ -115,18 +172,34 @@ while taken < steps:
                         p.copy_(mean)
 
 expected = replica_models[trainer.replica][0].state_dict()
-got = unwrap(trainer.model).state_dict()
+got = {name: value.cpu() for name, value in unwrap(trainer.model).state_dict().items()}  # on any device
 if pipelined:  # this worker trained its stage's parameters only
     mine = {id(p) for p in trainer.pipe.module.parameters()}
     names = {name for name, p in unwrap(trainer.model).named_parameters() if id(p) in mine}
     expected = {name: value for name, value in expected.items() if name in names}
-diff = max((got[name] - value).abs().max().item() for name, value in expected.items())
-moved = max((value - build()[0].state_dict()[name]).abs().max().item() for name, value in expected.items())
+
+
+def error(got: torch.Tensor, value: torch.Tensor) -> float:
+    scale = value.abs().max().item() if "rel" in opts else 1.0
+    return (got - value).abs().max().item() / scale
+
+
+diff = max(error(got[name], value) for name, value in expected.items())
+if strategy.clip_grad_norm is not None:  # else the check would not show that clipping matches
+    reached = max(n for n in norms if math.isfinite(n))
+    assert reached > strategy.clip_grad_norm, f"the gradient never reached the clip: {reached}"
+if inject >= 0:
+    assert trainer.gate.skipped == 1, f"worker {ctx.rank}: {trainer.gate.skipped} steps skipped, not 1"
+    assert trainer.gate.scaler.scale == scalers[0].get_scale(), (
+        trainer.gate.scaler.scale,
+        scalers[0].get_scale(),
+    )
+moved = max(error(build()[0].state_dict()[name], value) for name, value in expected.items())
 assert moved > 10 * tol, f"the reference barely moved ({moved}): the check would prove nothing"
 assert diff <= tol, f"worker {ctx.rank}: parameters differ from the reference by {diff} > {tol}"
 if outputs is not None:  # None on a pipeline's other stages
     with torch.no_grad():
-        out_diff = (outputs - replica_models[trainer.replica][0](x_eval)).abs().max().item()
+        out_diff = (outputs.cpu() - forward(replica_models[trainer.replica][0], x_eval)).abs().max().item()
     assert out_diff <= 10 * tol, f"worker {ctx.rank}: eval_step differs from the reference by {out_diff}"
 elif not pipelined or trainer.pipe.is_last_stage:
     raise AssertionError(f"worker {ctx.rank}: eval_step returned None")

@@ -15,6 +15,14 @@ paratrain's own variables (what `paratrain launch` sets):
     PARATRAIN_HOST          the address this process binds and advertises (default 127.0.0.1)
     PARATRAIN_LAUNCHER_PID  set by the local launcher: exit if that process goes away
     PARATRAIN_SCHEDULER_FD  set by the local launcher: an inherited, already listening socket
+    PARATRAIN_GPUS_PER_WORKER  set by a launcher that gave each worker GPUs of its own (it made only
+                            those visible, CUDA_VISIBLE_DEVICES): the worker trains on cuda:0; 0 is
+                            the CPU. Unset: every GPU of the host is visible to every process.
+
+A worker's place on its host (every convention): LOCAL_RANK and LOCAL_WORLD_SIZE as torchrun sets
+them; else Slurm's SLURM_LOCALID (with SLURM_STEP_TASKS_PER_NODE and SLURM_NODEID), Open MPI's
+OMPI_COMM_WORLD_LOCAL_RANK/_SIZE, MPICH's MPI_LOCALRANKID/MPI_LOCALNRANKS; else unknown (the
+Context then takes the worker's rank among the job's workers, as on one host).
 
 Other launchers' conventions are accepted too; the first whose marker is set wins, in this order:
 
@@ -96,6 +104,12 @@ class ClusterSpec:
     rank 0 under the others, whatever its role)."""
     launcher_pid: int | None = None
     scheduler_fd: int | None = None
+    local_rank: int | None = None
+    """This process's index among the processes of its host (LOCAL_RANK); None: unknown."""
+    local_world_size: int | None = None
+    """How many processes of the job run on this host (LOCAL_WORLD_SIZE); None: unknown."""
+    gpus_per_worker: int | None = None
+    """GPUs the launcher made visible to this worker alone; None: every GPU of the host is visible."""
 
     def __post_init__(self) -> None:
         _check_choice("role", self.role, ROLES)
@@ -111,6 +125,12 @@ class ClusterSpec:
             )
         if len(self.secret) < MIN_SECRET_BYTES:
             raise ValueError(f"secret is {len(self.secret)} bytes; it must be at least {MIN_SECRET_BYTES}")
+        if self.local_world_size is not None:
+            _check_range("local_world_size", self.local_world_size, 1)
+        if self.local_rank is not None:
+            _check_range("local_rank", self.local_rank, 0, (self.local_world_size or self.local_rank + 1) - 1)
+        if self.gpus_per_worker is not None:
+            _check_range("gpus_per_worker", self.gpus_per_worker, 0)
 
     @property
     def scheduler_address(self) -> str:
@@ -156,6 +176,7 @@ def spec_to_env(spec: ClusterSpec) -> dict[str, str]:
     """The PARATRAIN_* variables that make spec_from_env return this spec (used by the launcher).
     The secret goes out as hex. Omit rank when None, launcher_pid/scheduler_fd when None.
 
+    The local rank and size go out as LOCAL_RANK and LOCAL_WORLD_SIZE, as torchrun names them.
     The result reads back with source="paratrain" whatever spec.source was. paratrain's variables
     cannot say embedded_scheduler, so such a spec raises ValueError.
     """
@@ -173,6 +194,9 @@ def spec_to_env(spec: ClusterSpec) -> dict[str, str]:
         "PARATRAIN_RANK": spec.rank,
         "PARATRAIN_LAUNCHER_PID": spec.launcher_pid,
         "PARATRAIN_SCHEDULER_FD": spec.scheduler_fd,
+        "LOCAL_RANK": spec.local_rank,
+        "LOCAL_WORLD_SIZE": spec.local_world_size,
+        "PARATRAIN_GPUS_PER_WORKER": spec.gpus_per_worker,
     }
     env.update({name: str(value) for name, value in optional.items() if value is not None})
     return env
@@ -193,7 +217,49 @@ def _finish(env: Mapping[str, str], place: _Place, source: str) -> ClusterSpec:
         embedded_scheduler=place.embedded_scheduler,
         launcher_pid=_optional_int(env, "PARATRAIN_LAUNCHER_PID", 1),
         scheduler_fd=_optional_int(env, "PARATRAIN_SCHEDULER_FD", 0),
+        **_local_place(env),
+        gpus_per_worker=_optional_int(env, "PARATRAIN_GPUS_PER_WORKER", 0),
     )
+
+
+# Where each launcher says a process's place on its host: (local rank, local size) variables.
+_LOCAL_PLACES = (
+    ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("SLURM_LOCALID", None),
+)
+
+
+def _local_place(env: Mapping[str, str]) -> dict[str, int | None]:
+    """local_rank and local_world_size from the first launcher's variables that are set (see the
+    module docstring); None for what none of them says."""
+    for rank_var, size_var in _LOCAL_PLACES:
+        local_rank = _optional_int(env, rank_var, 0)
+        if local_rank is None:
+            continue
+        size = _optional_int(env, size_var, 1) if size_var else _slurm_tasks_here(env)
+        if size is not None and local_rank >= size:
+            raise ValueError(f"{rank_var}={local_rank} is out of range for {size_var or 'this node'}={size}")
+        return {"local_rank": local_rank, "local_world_size": size}
+    return {"local_rank": None, "local_world_size": None}
+
+
+def _slurm_tasks_here(env: Mapping[str, str]) -> int | None:
+    """This node's task count from SLURM_STEP_TASKS_PER_NODE (`2(x3),1`: 2 on each of the first
+    three nodes, then 1) at SLURM_NODEID; None where either is missing."""
+    text, node = _get(env, "SLURM_STEP_TASKS_PER_NODE"), _optional_int(env, "SLURM_NODEID", 0)
+    if text is None or node is None:
+        return None
+    counts: list[int] = []
+    for item in text.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if not match:
+            raise ValueError(f"SLURM_STEP_TASKS_PER_NODE={text!r} is not a Slurm task count list")
+        counts += [int(match[1])] * int(match[2] or 1)
+    if node >= len(counts):
+        raise ValueError(f"SLURM_NODEID={node} is out of range for SLURM_STEP_TASKS_PER_NODE={text!r}")
+    return counts[node]
 
 
 # ---- the conventions ---------------------------------------------------------------------------

@@ -14,17 +14,19 @@ from paratrain.data.criteo import read_criteo, write_synthetic_criteo, zipf_rank
 from paratrain.data.digits import digits
 from paratrain.data.loader import ShardedLoader
 from paratrain.data.sampler import ShardSampler
-from paratrain.data.split import local_devices, merge, split_and_load
+from paratrain.data.split import first_rows, local_devices, merge, split_and_load, to_device
 
 __all__ = [
     "CIFAR10",
     "ShardSampler",
     "ShardedLoader",
     "digits",
+    "first_rows",
     "local_devices",
     "merge",
     "read_criteo",
     "split_and_load",
+    "to_device",
     "write_cifar10_binary",
     "write_synthetic_criteo",
     "zipf_ranks",

@@ -23,6 +23,7 @@ from torch.utils.data import (
 )
 
 from paratrain.data.sampler import ShardSampler, check_identity, check_int, require_keys
+from paratrain.data.split import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ class ShardedLoader:
         )
         self._batches = 0
         self._generation = 0
+        self.device: Any = None
+        """Where batches go before they are yielded (a torch.device; None: where the DataLoader
+        made them). The Trainer sets its device here."""
         logger.debug(
             "rank %d/%d: %d samples, %d batches of %d per epoch",
             rank,
@@ -151,7 +155,7 @@ class ShardedLoader:
             if generation != self._generation:
                 raise RuntimeError("this ShardedLoader iterator was retired by a newer iter(loader)")
             self._batches += 1
-            yield batch
+            yield batch if self.device is None else to_device(batch, self.device)
         if generation == self._generation:
             self._next_epoch()
 

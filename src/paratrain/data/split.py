@@ -45,6 +45,22 @@ def split_and_load(batch: Any, devices: Sequence[Device], *, dim: int = 0) -> li
     ]
 
 
+def to_device(batch: Any, device: Device) -> Any:
+    """`batch` (a tensor, or nested tuples / lists / dicts of tensors) with every tensor on `device`;
+    other leaves as they are. Copies from pinned memory to a GPU do not block."""
+    target = torch.device(device)
+    return _map(batch, lambda t: t.to(target, non_blocking=True))
+
+
+def first_rows(batch: Any) -> int | None:
+    """The size along dim 0 of the first tensor in `batch` that has a dim 0 (its batch size, by
+    the usual convention), or None where it holds none."""
+    for tensor in _tensors(batch):
+        if tensor.dim() > 0:
+            return int(tensor.shape[0])
+    return None
+
+
 def merge(parts: Sequence[Any], dim: int = 0) -> Any:
     """The inverse of split_and_load: tensors concatenated along `dim` on the first part's device.
 

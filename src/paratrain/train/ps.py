@@ -27,6 +27,12 @@ A worker pushes grad / accumulation_steps. In sync and bounded modes the servers
 over the workers that pushed to it (KVStoreConfig.average: the round counts them), so one server step
 equals one single-process step on the global batch, whatever the number of workers in the round. In
 async mode each push is applied on its own: one worker's step.
+
+A gradient changed after its push (the user's own clip_grad_norm_ between backward and step, any
+other in-place change, a new .grad) would be silently lost: the servers have the pushed one, and
+with update_on="worker" the pulled mean overwrites it. step() finds such a change by the tensor's
+version counter (bumped by every in-place op, at no cost to read) and raises an error that names
+Strategy.clip_grad_norm, which clips the aggregated gradient where that is possible.
 """
 
 from __future__ import annotations
@@ -113,6 +119,8 @@ class PSEngine:
         self._bucket_size = 0
         self._sent: set[int] = set()
         self._in_flight: list[Any] = []
+        self._pushed: dict[int, tuple[int, int]] = {}
+        """Per key that backward pushed: (id, version) of its .grad when backward produced it."""
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.communication_s = self.waiting_s = 0.0
         """Seconds handing buckets to the kvstore / waiting for their rounds (train/observe.py)."""
@@ -125,6 +133,7 @@ class PSEngine:
         if not self.sync_now or self.sends_updates:
             return  # an accumulation micro-step (or top-k's updates): the gradient stays in .grad
         i = self.index[id(param)]
+        self._pushed[i] = (id(param.grad), param.grad._version)
         if i in self._sent:
             return  # a second backward through the same step: sent with step()'s check below
         self._bucket.append(i)
@@ -168,6 +177,7 @@ class PSEngine:
             return self._step_update(local_step)
         if self.on_server:
             self._check_hyperparameters(optimizer)
+        self._check_unchanged()
         self._bucket.extend(
             i for i in range(len(self.params)) if i not in self._sent and i not in self._bucket
         )
@@ -222,6 +232,22 @@ class PSEngine:
                 else:
                     p.copy_(self.before[i] - value.to(p.device))
         return result
+
+    def _check_unchanged(self) -> None:
+        """ValueError if a gradient changed since its push (see the module docstring)."""
+        for i, then in self._pushed.items():
+            grad = self.params[i].grad
+            now = None if grad is None else (id(grad), grad._version)
+            if now != then:
+                self._pushed.clear()
+                raise ValueError(
+                    f"the gradient of {self.keys[i]!r} changed after backward pushed it to the servers "
+                    "(torch.nn.utils.clip_grad_norm_ or another change between backward and step?); "
+                    "the change would be lost: with architecture='ps' set Strategy.clip_grad_norm "
+                    "instead of clipping in the loop"
+                    + (" (it needs update_on='worker')" if self.on_server else "")
+                )
+        self._pushed.clear()
 
     def _check_hyperparameters(self, optimizer: torch.optim.Optimizer) -> None:
         now = server_hyperparameters(optimizer)

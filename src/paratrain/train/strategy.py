@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 ARCHITECTURES = ("local", "collective", "ps", "hybrid")
 UPDATE_ON = ("server", "worker")
 COMPRESSIONS = (None, "2bit", "topk", "fp16", "bf16", "powersgd")
+PRECISIONS = ("32", "bf16", "fp16")
 SCHEDULES = ("1f1b", "gpipe")
 ENV_VAR = "PARATRAIN_STRATEGY"
 
@@ -76,11 +77,23 @@ class Strategy:
     """1f1b or gpipe."""
     bucket_mb: float = 25.0
     """Gradients are sent in buckets of about this size as backward produces them."""
+    precision: str = "32"
+    """32, bf16 or fp16: the forward runs under torch.autocast in that dtype (weights, gradients
+    and optimizer state stay fp32). fp16 scales the loss dynamically as torch.amp.GradScaler does:
+    a step whose aggregated gradient holds inf or NaN is skipped on every worker and the scale
+    halves (train/precision.py)."""
+    clip_grad_norm: float | None = None
+    """Clip the aggregated gradient to this global L2 norm before each optimizer step: what
+    torch.nn.utils.clip_grad_norm_ gives in one process on the global batch (a pipeline's norm
+    spans every stage). Under ps with update_on='server' a clip_grad_norm_ of the user's own
+    between backward and step cannot reach the servers, and raises an error."""
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
             return ValueError(f"Strategy.{field}={getattr(self, field)!r} {why}")
 
+        if self.precision in (32, "fp32", "float32"):  # what a user may write for the default
+            object.__setattr__(self, "precision", "32")
         for field, allowed in (
             ("architecture", ARCHITECTURES),
             ("consistency", CONSISTENCIES),
@@ -88,6 +101,7 @@ class Strategy:
             ("aggregation", AGGREGATIONS),
             ("compression", COMPRESSIONS),
             ("pipeline_schedule", SCHEDULES),
+            ("precision", PRECISIONS),
         ):
             value = getattr(self, field)
             if value not in allowed:
@@ -112,6 +126,11 @@ class Strategy:
             raise bad("compression_ratio", "must be a number in (0, 1]")
         if not isinstance(self.error_feedback, bool):
             raise bad("error_feedback", "must be a bool")
+        clip = self.clip_grad_norm
+        if clip is not None and (
+            isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
+        ):
+            raise bad("clip_grad_norm", "must be a number > 0, or None for no clipping")
         ps = self.architecture == "ps"
         if self.staleness and self.consistency != "bounded":
             raise bad("staleness", f"needs consistency='bounded', not {self.consistency!r}")
@@ -135,6 +154,37 @@ class Strategy:
             )
         if self.pipeline_stages > 1 and self.accumulation_steps > 1:
             raise bad("accumulation_steps", "is micro_batches in a pipeline; set that instead")
+        self._check_loop_features()
+
+    def _check_loop_features(self) -> None:
+        """Loss scaling and clipping need the aggregated gradient on the workers before they step."""
+        sends_updates = self.compression == "topk"
+        if self.precision == "fp16" and self.compression is not None:
+            raise ValueError(
+                f"Strategy.precision='fp16' with compression={self.compression!r}: a loss-scaled "
+                "gradient that overflows would enter the compression's error feedback; use "
+                "precision='bf16' (no loss scaling) or no compression"
+            )
+        # A pipeline's stages step their own optimizers (the servers only sum their replicas).
+        on_servers = self.distributed_optimizer and not sends_updates and self.pipeline_stages == 1
+        if self.precision == "fp16" and on_servers:
+            raise ValueError(
+                "Strategy.precision='fp16' with the optimizer on the servers (architecture='ps', "
+                "update_on='server') is not supported yet: the servers cannot skip an overflowing "
+                "round; use precision='bf16', or update_on='worker'"
+            )
+        if self.clip_grad_norm is not None and on_servers:
+            raise ValueError(
+                f"Strategy.clip_grad_norm={self.clip_grad_norm!r} with the optimizer on the servers "
+                "(architecture='ps', update_on='server') is not supported yet: the servers would "
+                "have to agree on the norm first; use update_on='worker' (the aggregated gradient "
+                "is clipped on every worker) or architecture='collective'"
+            )
+        if self.clip_grad_norm is not None and sends_updates:
+            raise ValueError(
+                f"Strategy.clip_grad_norm={self.clip_grad_norm!r} with compression='topk': each "
+                "worker steps on its own gradient, so there is no aggregated gradient to clip"
+            )
 
     def replace(self, **changes: Any) -> Strategy:
         return dataclasses.replace(self, **changes)
@@ -203,6 +253,8 @@ def _convert(field: str, text: str) -> Any:
             return int(text)
         if kind == "float":
             return float(text)
+        if kind == "float | None":
+            return None if text in ("", "none", "None") else float(text)
         if kind == "bool":
             return {"true": True, "1": True, "false": False, "0": False}[text.lower()]
     except KeyError:

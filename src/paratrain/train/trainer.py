@@ -16,7 +16,10 @@ steps (or, with the optimizer on the servers, copies the new weights in), and wh
 keeps gradients between micro-steps. LR schedulers made afterwards wrap that step as usual. A forward
 pre-hook on the model tells the engine whether this micro-step's backward must sync (the last one
 does). Engines: LocalEngine (one process, or architecture "local"), CollectiveEngine (DDP or local
-SGD; also the dense half of "hybrid"), PSEngine (train/ps.py).
+SGD; also the dense half of "hybrid"), PSEngine (train/ps.py). Once an engine has aggregated the
+gradient it calls the local step through GradientGate (train/gradients.py: fp16's unscaling and
+overflow skip, clipping); the forward runs under the strategy's autocast (train/precision.py), on
+the worker's device (docs/training.md).
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from torch.utils.data import DataLoader
 
 from paratrain import checkpoint
 from paratrain.cluster.context import current
-from paratrain.data import ShardedLoader
+from paratrain.data import ShardedLoader, first_rows, to_device
 from paratrain.metrics import MetricsLogger, NullMetrics, Progress, open_loggers
+from paratrain.train.gradients import GradientGate
 from paratrain.train.jobdirs import job_defaults
 from paratrain.train.observe import StepObserver
+from paratrain.train.precision import DTYPES, Autocast, LossScaler
 from paratrain.train.strategy import (
     Strategy,
     idle_servers_warning,
@@ -173,10 +178,9 @@ class _BeforeForward:
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = weakref.ref(trainer)
 
-    def __call__(self, module: nn.Module, args: tuple) -> None:
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         trainer = self.trainer()
-        if trainer is not None:
-            trainer._before_forward(module, args)
+        return None if trainer is None else trainer._before_forward(module, args, kwargs)
 
     def __deepcopy__(self, memo: dict) -> _BeforeForward:
         return self
@@ -212,7 +216,8 @@ class Trainer:
     In a submitted job (`paratrain submit`) checkpoint_dir and metrics_dir default to
     OUTPUT_DIR/checkpoints and OUTPUT_DIR/metrics, checkpoint_every to the spec's. With
     `trace_dir` (or `paratrain launch --trace DIR`), each worker writes a Chrome-trace timeline of
-    its steps there (train/observe.py)."""
+    its steps there (train/observe.py). `device`: where the model and every batch go (default: the
+    worker's, ctx.device: its GPU where it has one, else the CPU)."""
 
     def __init__(
         self,
@@ -233,9 +238,19 @@ class Trainer:
         seed: int = 0,
         ctx: Any = None,
         trace_dir: str | Path | None = None,
+        device: str | torch.device | None = None,
     ) -> None:
         self.ctx = current(ctx)
         self.strategy = resolve_strategy(strategy, self.ctx.num_servers, self.ctx.distributed)
+        self.device = torch.device(device) if device is not None else self.ctx.device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL and the default CUDA stream follow it
+        model.to(self.device)  # the same Parameter objects: the optimizer keeps them
+        dtype = DTYPES[self.strategy.precision]
+        self.autocast = Autocast(self.device.type, dtype) if dtype is not None else None
+        scaler = LossScaler() if self.strategy.precision == "fp16" else None
+        self.gate = GradientGate(scaler, self.strategy.clip_grad_norm)
+        """Unscaling, the overflow check and clipping of the aggregated gradient (train/gradients.py)."""
         self.loss_fn = loss_fn
         self.pipelined = self.strategy.pipeline_stages > 1
         if self.pipelined and loss_fn is None:
@@ -289,6 +304,12 @@ class Trainer:
         self._bind_model()
         _make_distributed(optimizer, self)
         self.sparse = sparse_modules(model)
+        if self.sparse and self.gate.active:
+            raise ValueError(
+                f"Strategy.clip_grad_norm={self.strategy.clip_grad_norm!r} and precision="
+                f"{self.strategy.precision!r}: the model's embedding tables push their gradients to "
+                "the servers during backward, where they can be neither clipped nor unscaled yet"
+            )
         if self.strategy.architecture == "hybrid":
             self._bind_tables()
         lead = self.rank == 0
@@ -304,7 +325,9 @@ class Trainer:
     def _bind_model(self) -> None:
         """Train the engine's model (again, when an elastic engine rebuilt it on a new group)."""
         self.model = self.engine.model
-        self.model.register_forward_pre_hook(_BeforeForward(self))
+        self.model.register_forward_pre_hook(_BeforeForward(self), with_kwargs=True)
+        if self.autocast is not None and not self.pipelined:  # a pipeline's blocks get it instead
+            self.autocast.attach(self.model)
         self.observe.attach(self.model)
 
     def _engine(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
@@ -344,7 +367,12 @@ class Trainer:
         if loader is None or isinstance(loader, ShardedLoader):
             return loader
         if isinstance(loader, DataLoader):
-            return ShardedLoader.from_loader(loader, self.replicas, self.replica, seed, elastic=self.elastic)
+            loader = ShardedLoader.from_loader(
+                loader, self.replicas, self.replica, seed, elastic=self.elastic
+            )
+        if isinstance(loader, ShardedLoader):
+            loader.device = self.device
+            return loader
         raise TypeError(f"loader must be a torch DataLoader or a ShardedLoader, not {type(loader).__name__}")
 
     # -- the training loop ------------------------------------------------------------------------
@@ -396,13 +424,15 @@ class Trainer:
         if self.loss_fn is None:
             raise ValueError("train_step needs Trainer(loss_fn=...)")
         if not self.pipelined:
-            loss = self.loss_fn(self.model(inputs), targets)
+            loss = self.loss_fn(self.model(inputs), to_device(targets, self.device))
             self.step(loss)
             return loss.detach()
         if self.pipe is None:
             self._build_pipeline(inputs)
         self._samples += inputs.shape[0]
         loss = self.pipe.step(inputs, targets)
+        if loss is not None and self.gate.scaler is not None:
+            loss = loss / self.gate.scaler.scale  # the pipeline's loss_fn scaled it for backward
         if loss is not None:
             self._scalars["loss"] = loss.detach()
         self.optimizer.step()
@@ -426,13 +456,25 @@ class Trainer:
     def _build_pipeline(self, inputs: torch.Tensor) -> None:
         """Cut the model into stages (balanced on a micro-batch of the first batch) and keep only this
         stage's parameters in the optimizer (the same Parameter objects: the stage holds the blocks)."""
-        from paratrain.pipeline import pipeline_for
+        from paratrain.pipeline import as_blocks, pipeline_for
 
         config = pipeline_config(self.strategy)
         sample = inputs[: max(1, inputs.shape[0] // config.micro_batches)]
+        blocks = as_blocks(unwrap(self.model))
+        if self.autocast is not None:
+            for i, block in enumerate(blocks):  # fp32 between blocks only where the loss is taken
+                Autocast(self.autocast.device_type, self.autocast.dtype, i == len(blocks) - 1).attach(block)
+        scaler = self.gate.scaler
         self.pipe = pipeline_for(
-            unwrap(self.model), config, loss_fn=self.loss_fn, sample_input=sample, ctx=self.ctx
+            unwrap(self.model),
+            config,
+            loss_fn=self.loss_fn if scaler is None else scaler.scaled(self.loss_fn),
+            sample_input=sample,
+            ctx=self.ctx,
+            device=self.device,
         )
+        if self.ctx.num_workers > 1 and self.gate.active:
+            self.gate.agree = self._agree_over_stages
         mine = {id(p) for p in self.pipe.module.parameters()}
         for group in self.optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in mine]
@@ -440,11 +482,21 @@ class Trainer:
             self.optimizer.load_state_dict(self._pending_optimizer_state)
             self._pending_optimizer_state = None
 
+    def _agree_over_stages(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over a pipeline's stages (all-reduced over every worker, divided by the
+        replicas, which hold the same averaged gradients): GradientGate.agree."""
+        import torch.distributed as dist
+
+        comm = values.to(self.device) if dist.get_backend() == "nccl" else values.clone()
+        dist.all_reduce(comm)
+        return comm.cpu() / self.replicas
+
     def step(self, loss: torch.Tensor) -> None:
         """backward, optimizer step (every accumulation_steps calls) and zero_grad; logs the loss."""
+        scaler = self.gate.scaler
         try:
             with self.observe.backward():
-                loss.backward()
+                (loss if scaler is None else scaler.scale_loss(loss)).backward()
         except Exception as error:
             if not (hasattr(self.engine, "recover") and self.engine.recover(self, error)):
                 raise
@@ -457,11 +509,16 @@ class Trainer:
         """Scalars for the progress line and the metrics of the next optimizer step."""
         self._scalars.update(scalars)
 
-    def _before_forward(self, module: nn.Module, args: tuple) -> None:
-        if module is self.model and torch.is_grad_enabled() and module.training:
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if module is not self.model:
+            return None
+        if torch.is_grad_enabled() and module.training:
             self.engine.set_sync(self._micro == self.strategy.accumulation_steps - 1)
-            if args and isinstance(args[0], torch.Tensor) and args[0].dim():
-                self._samples += args[0].shape[0]
+            # model(x), model(batch_dict) or model(**batch): the first tensor's rows are the samples
+            self._samples += first_rows((args, kwargs)) or 0
+        if self.device.type == "cpu":
+            return None
+        return to_device(args, self.device), to_device(kwargs, self.device)
 
     def _optimizer_step(self, local_step: Any) -> Any:
         k = self.strategy.accumulation_steps
@@ -477,6 +534,9 @@ class Trainer:
                     for p in group["params"]:
                         if p.grad is not None:
                             p.grad.div_(k)
+        if self.gate.active:
+            base_step = local_step
+            local_step = lambda: self.gate.step(self.optimizer, base_step)  # noqa: E731
         with self.observe.optimizer():
             result = self.engine.step(self.optimizer, local_step)
         self.steps += 1
@@ -486,6 +546,7 @@ class Trainer:
         return result
 
     def _after_step(self) -> None:
+        self._scalars.update(self.gate.scalars())
         scalars = {k: float(v) for k, v in self._scalars.items()}
         samples, self._samples = self._samples * self.replicas, 0
         self.progress.update(steps=1, samples=samples, **scalars)
@@ -519,6 +580,8 @@ class Trainer:
             "loader": self.loader.state_dict() if self.loader is not None else None,
             "rng": {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])},
         }
+        if self.gate.scaler is not None:
+            worker["loss_scale"] = self.gate.scaler.state_dict()
         own = self._per_worker_model()
         if own or self.rank == 0:
             state = {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -551,6 +614,8 @@ class Trainer:
         else:
             self.optimizer.load_state_dict(optimizer)
         self.steps = worker["steps"]
+        if self.gate.scaler is not None and "loss_scale" in worker:
+            self.gate.scaler.load_state_dict(worker["loss_scale"])
         if self.loader is not None and worker["loader"] is not None:
             self.loader.load_state_dict(worker["loader"])
         torch.set_rng_state(worker["rng"]["torch"])
