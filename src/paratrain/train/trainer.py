@@ -281,7 +281,7 @@ class Trainer:
         self.engine = self._engine(model, optimizer)
         if found is not None:
             self.engine.restore(found.path)
-            logger.info("resumed from %s at step %d", found.path, self.steps)
+            self._log_resume(found.path)
         self.observe = StepObserver(self.ctx, self.strategy, trace_dir)
         self._bind_model()
         _make_distributed(optimizer, self)
@@ -550,6 +550,13 @@ class Trainer:
         torch.set_rng_state(worker["rng"]["torch"])
         python = random.getstate()
         random.setstate((python[0], tuple(worker["rng"]["python"]), python[2]))
+
+    def _log_resume(self, path: Path) -> None:
+        """Say once per job (worker 0; a warning, which the default logging shows) that this run
+        continues another: a stale checkpoint_dir would otherwise resume without a word."""
+        where = f" (epoch {self.loader.epoch}, batch {self.loader.batches_done})" if self.loader else ""
+        log = logger.warning if self.rank == 0 else logger.info
+        log("resumed from checkpoint %s at step %d%s", path, self.steps, where)
 
     def close(self) -> None:
         """Stop the progress line, flush metrics, leave the servers' rounds."""
