@@ -33,7 +33,7 @@ STRATEGIES = [("alone", None), ("dist_sync", 1), ("collective", 0), ("hybrid", 1
 
 
 def _run(strategy: str, servers: int | None, *args: str) -> list[str]:
-    """worker 0's output lines (alone: the process's)."""
+    """worker 0's output lines (alone: the process's); checks that a resumed run says so once."""
     if servers is None:
         done = subprocess.run(
             [sys.executable, str(JOB), strategy, *args],
@@ -43,9 +43,21 @@ def _run(strategy: str, servers: int | None, *args: str) -> list[str]:
             timeout=240,
         )
         assert done.returncode == 0, done.stderr
+        _check_resume_notice(done.stderr, args, "")
         return done.stdout.splitlines()
     outcome = run_job(JOB, workers=2, servers=servers, args=(strategy, *args), env=ENV, timeout_s=240)
+    _check_resume_notice(outcome.stderr, args, "[worker 0] ")
     return outcome.lines("worker", 0, "stdout")
+
+
+def _check_resume_notice(stderr: str, args: tuple[str, ...], prefix: str) -> None:
+    """One line (worker 0's, with the launcher's prefix once) names the checkpoint and its step."""
+    said = [line for line in stderr.splitlines() if "resumed from checkpoint" in line]
+    if "straight" in args[0]:
+        assert said == [], said
+        return
+    assert len(said) == 1 and said[0].startswith(prefix) and said[0].count("[worker") == (1 if prefix else 0)
+    assert re.search(r"resumed from checkpoint \S+/step-\d{8} at step \d+ \(epoch \d, batch \d\)", said[0])
 
 
 def _interrupt(strategy: str, servers: int | None, ckpt: Path, at: int) -> None:

@@ -572,6 +572,15 @@ def prepare(
     **options: Any,
 ) -> tuple:
     """(model, optimizer, loader) ready for an unchanged training loop, or (model, optimizer) without a
-    loader. `options` are the Trainer's (strategy=..., ...)."""
+    loader. `options` are the Trainer's (strategy=..., ...). A pipeline strategy is refused here,
+    before anything starts: its stages need the loss and the step (Trainer.train_step)."""
+    ctx = current(options.get("ctx"))
+    stages = resolve_strategy(options.get("strategy"), ctx.num_servers, ctx.distributed).pipeline_stages
+    if stages > 1:
+        raise ValueError(
+            f"Strategy.pipeline_stages={stages} cannot run under paratrain.prepare(): an unchanged loop "
+            "calls the whole model; use Trainer(model, optimizer, loader, loss_fn=...) and "
+            "trainer.train_step(inputs, targets)"
+        )
     trainer = Trainer(model, optimizer, loader, **options)
     return (trainer.model, trainer.optimizer) + ((trainer.loader,) if loader is not None else ())
