@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -201,6 +202,18 @@ def test_a_script_runs_alone_without_a_launcher(tmp_path):
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "role='worker', rank=0, num_workers=1, num_servers=0" in done.stdout
+
+
+def test_docs_describe_every_field_and_method_of_the_context_init_returns():
+    import dataclasses
+
+    from paratrain.node import Context
+
+    page = (Path(__file__).parent.parent / "docs" / "context.md").read_text()
+    documented = set(re.findall(r"^\| `(\w+)", page, re.MULTILINE))
+    public = {f.name for f in dataclasses.fields(Context)}
+    public |= {name for name in vars(Context) if not name.startswith("_")}
+    assert public == documented, (public - documented, documented - public)
 
 
 def test_under_torchrun_a_missing_secret_is_said_once_in_one_line():
