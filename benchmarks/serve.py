@@ -2,7 +2,7 @@
 plain loop calling the model one request at a time.
 
     python benchmarks/serve.py [--requests 10000] [--seconds 2] [--rounds 7] [--concurrency 1,8,32]
-                               [--plot serve.png]
+                               [--http auto|httptools|h11] [--plot serve.png]
 
 The model: a small CNN (conv 1->32, conv 32->64, 3x3, each with ReLU and 2x2 max-pooling, fc
 3136->1024->10) on one 1x28x28 image per request, served from a checkpoint by `paratrain serve` in a
@@ -116,9 +116,9 @@ def model_cpu_ms_per_image(batch: int, runs: int = 30, channels_last: bool = Fal
     return 1e3 * statistics.median(times) / batch
 
 
-def start_server(mode: str, checkpoint_dir: str, port: int) -> tuple[int, subprocess.Popen]:
+def start_server(mode: str, checkpoint_dir: str, port: int, http: str) -> tuple[int, subprocess.Popen]:
     argv = [sys.executable, "-c", "from paratrain.launch.cli import main; main()", "serve"]
-    argv += ["--model", f"{os.path.abspath(__file__)}:small_cnn", "--port", str(port)]
+    argv += ["--model", f"{os.path.abspath(__file__)}:small_cnn", "--port", str(port), "--http", http]
     argv += ["--input", "inputs:float32:1x28x28", "--reload-interval", "0", *MODES[mode], checkpoint_dir]
     proc = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -266,6 +266,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="time per figure and round (at most)")
     parser.add_argument("--concurrency", default="1,8,32", help="client counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=7, help="rounds of every figure (the median counts)")
+    parser.add_argument(
+        "--http",
+        choices=("auto", "httptools", "h11"),
+        default="auto",
+        help="the server's HTTP parser (paratrain serve --http; the clients parse with httptools)",
+    )
     parser.add_argument("--plot", metavar="PATH", help="also save a chart (needs matplotlib)")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -287,7 +293,7 @@ def main() -> None:
         loops = []
         try:
             for mode in MODES:  # both serve all along; the one not under load waits in epoll
-                servers[mode] = start_server(mode, folder, free_port())
+                servers[mode] = start_server(mode, folder, free_port(), args.http)
             for i in range(args.rounds):
                 loops.append(plain_loop(args.requests, args.seconds))
                 for c in levels:  # the modes back to back, first one then the other: a busy spell of
@@ -314,8 +320,8 @@ def main() -> None:
 def report(args, anchor: dict, results: dict, levels: list[int]) -> None:  # noqa: ANN001
     load_avg = os.getloadavg()[0]
     print(
-        f"small CNN, 1 image/request, server 1 torch thread, {os.cpu_count()} cores shared with the "
-        f"clients (load average {load_avg:.1f} at the end); up to {args.requests} answers or "
+        f"small CNN, 1 image/request, server parser {args.http}, 1 torch thread, {os.cpu_count()} cores "
+        f"shared with the clients (load average {load_avg:.1f} at the end); up to {args.requests} answers or "
         f"{args.seconds:g} s per run, {args.rounds} rounds (req/s and x off: the median of the rounds; "
         f"latencies: of all rounds' requests)"
     )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets everything up, then runs the main job: a distributed run on local processes.
+# Sets up what the main job needs (scripts/setup.sh), then runs it: a distributed run on local processes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs paratrain with its development tools (the `dev` extra: test
-# tools, docs tools, every optional dependency). torch is pinned to the CPU build this project is tested
-# with; users may run paratrain on any recent torch.
+# Creates .venv (if missing) and installs paratrain with what the main job needs (scripts/main.sh:
+# examples/digits.py reads scikit-learn's bundled digits). torch is pinned to the CPU build this
+# project is tested with; users may run paratrain on any recent torch. The tests' tools and system
+# packages are scripts/setup_test.sh's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-bash scripts/setup_slurm.sh  # system packages the Slurm tests need (as root; quick when present)
-bash scripts/setup_chromium.sh  # the browser the dashboard tests drive (as root; quick when present)
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check \
-        "torch==2.13.0" -e ".[dev]" > .venv/pip.log 2>&1; then
+        "torch==2.13.0" -e ".[examples]" > .venv/pip.log 2>&1; then
     cat .venv/pip.log
     echo "setup: pip install failed (log above)" >&2
     exit 1

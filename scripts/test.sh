@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Sets everything up, then runs the linter, the type checker, the docs build and the whole test suite.
+# Sets everything up for the tests (scripts/setup_test.sh), then runs the linter, the type checker, the
+# docs build and the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup_test.sh
 .venv/bin/ruff check src tests benchmarks examples docs/examples docs/hooks.py
 .venv/bin/ruff format --check src tests benchmarks examples docs/examples docs/hooks.py
 .venv/bin/mypy  # the packages listed in pyproject.toml's [tool.mypy]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -201,6 +202,38 @@ def test_a_script_runs_alone_without_a_launcher(tmp_path):
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "role='worker', rank=0, num_workers=1, num_servers=0" in done.stdout
+
+
+def test_docs_describe_every_field_and_method_of_the_context_init_returns():
+    import dataclasses
+
+    from paratrain.node import Context
+
+    page = (Path(__file__).parent.parent / "docs" / "reference" / "context.md").read_text()
+    documented = set(re.findall(r"^\| `(\w+)", page, re.MULTILINE))
+    public = {f.name for f in dataclasses.fields(Context)}
+    public |= {name for name in vars(Context) if not name.startswith("_")}
+    assert public == documented, (public - documented, documented - public)
+
+
+def test_under_torchrun_a_missing_secret_is_said_once_in_one_line():
+    """Every process torchrun starts has the same mistake: the first of the host says it, in one
+    line and no traceback; the others fail quietly."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PARATRAIN_", "DMLC_"))}
+    env.update(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29400")
+    said = []
+    for local_rank in ("0", "1"):
+        done = subprocess.run(
+            [sys.executable, "-c", "import paratrain; paratrain.init()"],
+            env={**env, "LOCAL_RANK": local_rank},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 1, done.stderr
+        said.append(done.stderr.splitlines())
+    assert len(said[0]) == 1 and said[0][0].startswith("paratrain: PARATRAIN_SECRET is not set"), said
+    assert said[1] == []
 
 
 def test_torchrun_convention_runs_the_scheduler_inside_worker_0(tmp_path):

@@ -219,6 +219,39 @@ def test_break_after_the_last_batch_moves_to_the_next_epoch():
     assert batches(resumed) == epochs[1]
 
 
+def test_a_state_saved_after_an_epochs_last_batch_resumes_at_the_next_epoch():
+    """A checkpoint on an epoch's last step: the Trainer's epochs count that epoch as done."""
+    loader = ShardedLoader(indices(40), 10, num_replicas=2, rank=0)
+    for i, _ in enumerate(loader):
+        if i == len(loader) - 1:
+            break
+    resumed = ShardedLoader(indices(40), 10, num_replicas=2, rank=0)
+    resumed.load_state_dict(loader.state_dict())
+    assert (resumed.epoch, resumed.batches_done) == (1, 0)
+
+
+def test_iterating_draws_nothing_from_torchs_global_rng():
+    """A model's dropout masks follow the global RNG; a resumed run's first iter(loader) would
+    otherwise shift them by one draw."""
+    loader = ShardedLoader(indices(20), 4, seed=3)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    next(iter(loader))
+    batches(loader)
+    batches(loader)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_from_loader_shuffles_by_the_loaders_generator():
+    def order(seed: int | None) -> list[list[int]]:
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        loader = DataLoader(indices(40), batch_size=5, shuffle=True, generator=generator)
+        return batches(ShardedLoader.from_loader(loader, 2, 0))
+
+    assert order(7) == order(7)
+    assert order(7) != order(8) and order(7) != order(None)
+
+
 def test_loader_rejects_bad_state_and_arguments():
     loader = ShardedLoader(indices(20), 4)
     with pytest.raises(ValueError, match="batch_size"):

@@ -163,6 +163,23 @@ def test_every_mistake_is_reported_at_once_in_line_order():
     assert [p.split(":")[1] for p in problems] == ["5", "6", "13"], problems
 
 
+def test_numeric_script_arguments_need_no_quotes():
+    spec = _spec(BASE.replace('args: [--lr, "0.1"]', "args: [--lr, 0.1, --epochs, 3]"))
+    assert spec.entry.args == ["--lr", "0.1", "--epochs", "3"]
+    jsonschema.validate(yaml.safe_load(BASE.replace('"0.1"', "0.1")), json_schema())
+    (problem,) = _problems(BASE.replace('"0.1"', "yes"))
+    assert problem.startswith("job.yaml:4: entry.args.1:") and "valid string (got True)" in problem
+
+
+def test_jobs_help_says_which_jobs_it_lists():
+    from click.testing import CliRunner
+
+    from paratrain.launch.cli import main
+
+    shown = " ".join(CliRunner().invoke(main, ["jobs", "--help"]).output.split())
+    assert "every job this user submitted on this machine, as noted in ~/.paratrain/jobs" in shown
+
+
 def test_the_schema_in_docs_is_generated_from_the_models_and_accepts_the_example():
     assert SCHEMA.read_text() == json_schema_text(), (
         "regenerate: python -m paratrain.launch.jobspec > docs/..."

@@ -130,6 +130,21 @@ def test_local_store_sums_device_lists_and_runs_the_optimizer():
         kv.pull("nope", out=out)
 
 
+@pytest.mark.parametrize("call", ["push", "pull", "pushpull"])
+def test_a_plain_python_list_is_refused_with_a_type_error_saying_what_was_expected(call):
+    kv = create("local")
+    kv.init("w", torch.zeros(3))
+    plain = [1.0, 2.0, 3.0]
+    args = {"push": (plain,), "pull": (), "pushpull": (plain,)}[call]
+    out = {"out": plain} if call != "push" else {}
+    expected = "the value for key 'w' must be a tensor \\(or a list of tensors, one per local device\\)"
+    with pytest.raises(TypeError, match=expected + ", not a list holding a float"):
+        getattr(kv, call)("w", *args, **out)
+    out = torch.empty(3)
+    kv.pull("w", out=out)  # nothing was pushed
+    assert out.tolist() == [0.0, 0.0, 0.0]
+
+
 def test_local_store_state_round_trip(tmp_path):
     kv = create("local")
     kv.init([0, 1], [torch.ones(4), torch.zeros(2, 2)])

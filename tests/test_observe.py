@@ -189,6 +189,35 @@ def test_trainer_trace_dir_writes_a_timeline_and_telemetry(tmp_path: Path) -> No
     assert report["steps"] == before + 3 and report["loss"] is not None and report["strategy"] == "local"
 
 
+def test_a_prepared_loop_records_its_backward_ranges_as_the_trainer_does(tmp_path: Path) -> None:
+    import torch
+    from torch import nn
+
+    from paratrain.metrics.trace import close_tracer
+    from paratrain.node import Context
+    from paratrain.train import prepare
+
+    model = nn.Linear(4, 1)
+    model, optimizer = prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), ctx=Context("worker", 0, 1, 0), trace_dir=tmp_path
+    )
+    try:
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            optimizer.step()
+        with torch.no_grad():
+            model(torch.randn(2, 4))  # no backward follows: no range
+    finally:
+        close_tracer()
+    _, events = read_trace(tmp_path / "trace-worker0.json")
+    names = [e["name"] for e in events]
+    assert names.count("backward") == names.count("optimizer step") == 3 and names.count("forward") == 4
+    forwards = [e for e in events if e["name"] == "forward"]
+    backwards = [e for e in events if e["name"] == "backward"]
+    assert all(f["ts"] + f["dur"] <= b["ts"] for f, b in zip(forwards, backwards, strict=False))
+
+
 class FakeConn:
     """The connection of a FakeRequest: hashable, as the server keys its reply senders by it."""
 

@@ -237,6 +237,17 @@ def test_an_abort_notice_written_inside_a_traceback_is_left_out_of_it(where):
     ]
 
 
+def test_torchs_rank_prefix_is_dropped_and_its_tracebacks_fold():
+    """torch.distributed's excepthook writes "[rankN]: " before each line of a traceback."""
+    lines = [("worker 0", f"[rank0]: {line}") for line in TRACEBACK]
+    lines += [("worker 1", f"[rank1]: {line}") for line in TRACEBACK]
+    assert _shown(lines) == [
+        *(f"[worker 0] {line}" for line in TRACEBACK),
+        f"[worker 1] (the same traceback as worker 0, ending: {TRACEBACK[-1]})",
+    ]
+    assert _exception_line([f"[rank1]: {line}" for line in TRACEBACK]) == TRACEBACK[-1]
+
+
 def test_different_tracebacks_are_each_printed():
     other = [*TRACEBACK[:-1], "RuntimeError: something else"]
     shown = _shown([("worker 0", line) for line in TRACEBACK] + [("worker 1", line) for line in other])

@@ -3,7 +3,7 @@
 The `slurm` fixture starts munged, slurmctld and slurmd from a temporary config (one node: this
 machine under its own hostname; state, spool, logs and the munge key in a temporary directory;
 ports chosen free) and stops them afterwards, checking that no process of that cluster is left. It
-installs nothing: `scripts/setup.sh` installs Debian's slurm-wlm and munge when run as root. Where
+installs nothing: `scripts/setup_test.sh` installs Debian's slurm-wlm and munge when run as root. Where
 they are missing the Slurm tests skip with that reason, except in CI (CI=true), where they fail.
 """
 
@@ -80,7 +80,7 @@ class SlurmCluster:
 def _missing() -> str | None:
     absent = [name for name in (*DAEMONS, *CLIENTS) if shutil.which(name) is None]
     if absent:
-        return f"{', '.join(absent)} not installed: scripts/setup.sh installs slurm-wlm and munge as root"
+        return f"{', '.join(absent)} not installed: scripts/setup_test.sh installs them as root"
     if os.geteuid() != 0:
         return "slurmd must run as root to start tasks"
     return None

@@ -237,6 +237,18 @@ def test_a_pipeline_strategy_trains_through_train_step_alone():
         )
 
 
+def test_prepare_refuses_a_pipeline_strategy_before_anything_starts():
+    model, _ = _model_and_data()
+    with pytest.raises(ValueError, match=r"pipeline_stages=2 cannot run under paratrain.prepare\(\)"):
+        prepare(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            strategy="collective:pipeline_stages=2",
+            loss_fn=nn.functional.mse_loss,
+            ctx=ALONE,
+        )
+
+
 def test_a_checkpoint_from_another_number_of_workers_is_refused(tmp_path):
     model, data = _model_and_data()
     trainer = Trainer(

@@ -40,7 +40,7 @@ def init(config: JobConfig | None = None) -> Context:
         if _context is not None:
             return _context
         config = config or JobConfig()
-        spec = spec_from_env()
+        spec = _read_spec()
         if spec is None:
             _context = Context("worker", 0, 1, 0, config=config)
             return _context
@@ -53,6 +53,22 @@ def init(config: JobConfig | None = None) -> Context:
             sys.exit(_serve(spec, config))
         _context = _join_as_worker(spec, config)
         return _context
+
+
+_LOCAL_RANKS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+
+
+def _read_spec() -> ClusterSpec | None:
+    """spec_from_env, where a mistake in the environment (no secret, say) ends the process with one
+    line: every process that torchrun, srun or mpirun started has the same mistake, and as many
+    tracebacks of it bury the line that says what to do. Under those launchers only the first
+    process of each host says it; the others exit with status 1 as well, quietly."""
+    try:
+        return spec_from_env()
+    except ValueError as exc:
+        foreign = "PARATRAIN_LAUNCHER_PID" not in os.environ  # paratrain's launcher names each child
+        first = all(os.environ.get(name, "0") in ("", "0") for name in _LOCAL_RANKS)
+        sys.exit(f"paratrain: {exc}" if first or not foreign else 1)
 
 
 def _freeze_before_shutdown() -> None:
@@ -70,10 +86,9 @@ def _setup_logging(spec: ClusterSpec) -> None:
     if root.handlers:
         return  # the script configured logging itself
     rank = "?" if spec.rank is None else spec.rank
-    logging.basicConfig(
-        level=logging.WARNING,
-        format=f"%(asctime)s %(levelname)s [{spec.role} {rank}] %(name)s: %(message)s",
-    )
+    # paratrain's launchers (local, Ray) put "[role rank] " before every line a child writes.
+    who = "" if spec.launcher_pid is not None else f"[{spec.role} {rank}] "
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s")
 
 
 def _schedule(spec: ClusterSpec, config: JobConfig, embedded: bool = False) -> Callable[[], int]:

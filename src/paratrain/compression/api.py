@@ -13,9 +13,10 @@ KINDS = ("2bit", "topk", "fp16", "bf16", "powersgd")
 class CompressionConfig:
     type: str
     """2bit, topk, fp16, bf16 or powersgd (collective only)."""
-    threshold: float = 0.5
+    threshold: float = 0.02
     """2bit: an element is sent as +threshold where it is >= threshold, -threshold where it is
-    <= -threshold, else 0 (MXNet's rule); the rest stays in the error feedback."""
+    <= -threshold, else 0 (MXNet's rule); the rest stays in the error feedback. It should be near
+    the gradient elements' size: MXNet's 0.5 is far above most models' (docs/concepts/threshold.md)."""
     ratio: float = 0.01
     """topk: the fraction of each tensor's elements sent (at least one): those of largest |value|."""
     rank: int = 1

@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -22,7 +23,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from paratrain.data.sampler import ShardSampler, check_identity, check_int, require_keys
+from paratrain.data.sampler import ShardSampler, check_identity, check_int, epoch_seed, require_keys
 from paratrain.data.split import to_device
 
 logger = logging.getLogger(__name__)
@@ -80,8 +81,19 @@ class ShardedLoader:
             drop_remainder=drop_remainder,
             elastic=elastic,
         )
+        # Every iter(DataLoader) draws the base seed of its worker processes from `generator`, or
+        # from torch's global RNG without one. That draw would shift the global RNG (a model's
+        # dropout masks) by one at every epoch's start and again at a resume's first iteration, so a
+        # resumed run would not continue the uninterrupted one. Seeded per (seed, epoch, rank), the
+        # loader's own generator also gives every epoch the same worker seeds in both runs.
+        self._generator = torch.Generator()
         self.dataloader = DataLoader(
-            dataset, batch_size=batch_size, sampler=self.sampler, drop_last=drop_last, **dataloader_kwargs
+            dataset,
+            batch_size=batch_size,
+            sampler=self.sampler,
+            drop_last=drop_last,
+            generator=self._generator,
+            **dataloader_kwargs,
         )
         self._batches = 0
         self._generation = 0
@@ -110,8 +122,11 @@ class ShardedLoader:
     ) -> ShardedLoader:
         """The same data set, batch size, collate_fn, workers etc. as `loader`, sharded for `rank`.
 
-        Shuffles iff `loader` used a RandomSampler. Raises ValueError for what cannot be resharded:
-        an IterableDataset, a custom batch_sampler, or a sampler other than Sequential/RandomSampler.
+        Shuffles iff `loader` used a RandomSampler. A `generator=` of `loader` seeds the shuffle and
+        the worker processes: its initial_seed() is mixed into `seed` (its current state is not
+        read, so a resumed run shuffles as the first did). Raises ValueError for what cannot be
+        resharded: an IterableDataset, a custom batch_sampler, or a sampler other than
+        Sequential/RandomSampler.
         """
         if isinstance(loader.dataset, IterableDataset):
             raise ValueError("cannot shard an IterableDataset by index; shard it in its __iter__ instead")
@@ -124,6 +139,8 @@ class ShardedLoader:
         kwargs = {name: getattr(loader, name) for name in _CARRIED if hasattr(loader, name)}
         if kwargs.get("num_workers", 0) > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor
+        if loader.generator is not None:
+            seed = epoch_seed(seed, loader.generator.initial_seed())
         return cls(
             loader.dataset,
             loader.batch_size,
@@ -151,6 +168,7 @@ class ShardedLoader:
 
     def _iterate(self, generation: int) -> Iterator[Any]:
         self.sampler.position = min(self._batches * self.batch_size, self.sampler.num_samples)
+        self._generator.manual_seed(epoch_seed(epoch_seed(self.sampler.seed, self.epoch), self.sampler.rank))
         for batch in self.dataloader:
             if generation != self._generation:
                 raise RuntimeError("this ShardedLoader iterator was retired by a newer iter(loader)")
@@ -211,6 +229,11 @@ class ShardedLoader:
             epoch, batches = (epoch + 1 if batches else epoch), 0
         if batches > len(self):
             raise ValueError(f"batches must be <= {len(self)} (batches per epoch), got {batches}")
+        if batches == len(self) > 0:
+            # Saved after an epoch's last batch, before its loop ended (a checkpoint on the epoch's
+            # last step): resume at the next epoch, so that `epoch` (and Trainer.epochs) count the
+            # finished one as done.
+            epoch, batches = epoch + 1, 0
         self.sampler.set_epoch(epoch)
         self._batches = batches
         self._generation += 1

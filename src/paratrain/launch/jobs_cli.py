@@ -193,7 +193,8 @@ def _refresh(record: jobs.JobRecord) -> jobs.JobRecord:
 @click.command(name="jobs")
 @click.argument("output_dir", required=False, type=click.Path(file_okay=False))
 def list_jobs(output_dir: str | None) -> None:
-    """List the jobs under OUTPUT_DIR/jobs (default: every job submitted from here)."""
+    """List the jobs under OUTPUT_DIR/jobs (default: every job this user submitted on this machine,
+    as noted in ~/.paratrain/jobs, or $PARATRAIN_HOME/jobs)."""
     records = [_refresh(record) for record in jobs.list_jobs(output_dir)]
     if not records:
         where = f"{output_dir}/jobs" if output_dir else f"{jobs.paratrain_home() / 'jobs'}"

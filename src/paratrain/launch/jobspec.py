@@ -32,10 +32,12 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
 )
 
@@ -78,6 +80,21 @@ def _check_env_name(key: str) -> str:
     return key
 
 
+def _number_as_text(value: Any) -> Any:
+    """A script argument written as a YAML number (`--epochs, 3`), as the text the script gets."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+ScriptArg = Annotated[
+    str,
+    BeforeValidator(_number_as_text),
+    Field(max_length=TEXT_MAX),
+    WithJsonSchema({"type": ["string", "number"]}),
+]
+
+
 class _Strict(BaseModel):
     """Unknown fields are errors; values are not coerced across types (no "2" for 2)."""
 
@@ -89,8 +106,8 @@ class Entry(_Strict):
 
     script: str = Field(min_length=1, max_length=TEXT_MAX)
     """The Python script, relative to work_dir (or absolute)."""
-    args: list[Text] = Field([], max_length=ITEMS_MAX)
-    """Its own arguments, passed unparsed, before any directory arguments."""
+    args: list[ScriptArg] = Field([], max_length=ITEMS_MAX)
+    """Its own arguments, passed unparsed, before any directory arguments (numbers as written)."""
     python: Text | None = None
     """The interpreter (on every host); default: the one running paratrain (on k8s: `python`)."""
 

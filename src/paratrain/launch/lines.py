@@ -6,6 +6,10 @@ the scheduler aborted the job: ...", and often the same traceback from every wor
 bad line. Folded, those abort notices are left out (the launcher's report names who stopped and why)
 and a traceback that another process already printed becomes one line naming it, so the cause is
 printed once, first. Only what is printed changes: every line still reaches the child's stderr tail.
+
+torch.distributed, once its process group exists, prefixes every line of an uncaught exception's
+traceback with the process's rank ("[rank1]: Traceback ..."): that prefix is dropped (`unprefixed`),
+as the launcher's own prefix says who wrote the line, so the traceback folds as any other.
 """
 
 from __future__ import annotations
@@ -17,9 +21,16 @@ ABORT_NOTICE = re.compile(
     r"aborting the job: |paratrain: job aborted: |paratrain: \w+ stopping: the scheduler aborted the job: "
 )
 """A line in which a process says it stops because the scheduler aborted the job (a consequence)."""
+TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+"""What torch.distributed's excepthook puts before every line of a traceback."""
 TRACEBACK = "Traceback (most recent call last):"
 MAX_TRACEBACK_LINES = 400
 """A traceback longer than this is printed as it comes (a deep recursion), not held back."""
+
+
+def unprefixed(line: str) -> str:
+    """`line` without torch.distributed's "[rankN]: " (module docstring)."""
+    return TORCH_RANK_PREFIX.sub("", line, count=1)
 
 
 class Fold:
@@ -58,6 +69,7 @@ class ChildLines:
         self._held: list[str] = []
 
     def feed(self, line: str) -> list[str]:
+        line = unprefixed(line)
         if self._held:
             return self._hold(line)
         at = line.find(TRACEBACK)

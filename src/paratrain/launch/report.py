@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from paratrain.cluster.spec import EXIT_ABORTED
-from paratrain.launch.lines import Fold
+from paratrain.launch.lines import Fold, unprefixed
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,9 @@ _EXCEPTION = re.compile(r"^(?!paratrain: )[A-Za-z_][\w.]*(?:: |$)")  # not parat
 
 def _exception_line(tail: Sequence[str]) -> str | None:
     """The exception that ended the last traceback in a stderr tail ("ValueError: ..."), or None:
-    the last unindented line, in the form of an exception, right after an indented frame line."""
+    the last unindented line, in the form of an exception, right after an indented frame line
+    (torch.distributed's "[rankN]: " before each line does not count)."""
+    tail = [unprefixed(line) for line in tail]
     for i in range(len(tail) - 1, 0, -1):
         if tail[i - 1].startswith("  ") and _EXCEPTION.match(tail[i]):
             return tail[i]

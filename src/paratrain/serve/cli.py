@@ -25,6 +25,14 @@ def _check_extra(command: str) -> None:
             )
 
 
+def _source(path: str) -> str:
+    """A checkpoint, a checkpoint root, a .safetensors file, or a job's output folder: its
+    checkpoints/ (as `paratrain checkpoints` and load_latest read it)."""
+    from paratrain.checkpoint.reader import checkpoint_root
+
+    return str(checkpoint_root(path))
+
+
 def _inputs(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple:
     from paratrain.serve.api import InputSpec
 
@@ -144,6 +152,15 @@ def _points(ctx: click.Context, param: click.Parameter, value: str | None) -> tu
     show_default=True,
     help="Run a model with 2-D convolutions channels-last (NHWC: oneDNN's fast path on CPU).",
 )
+@click.option(
+    "--http",
+    "parser",
+    type=click.Choice(["auto", "httptools", "h11"]),
+    default="auto",
+    show_default=True,
+    help="The HTTP parser: httptools (fast, in uvicorn[standard]), h11 (pure Python), or auto "
+    "(httptools where installed).",
+)
 @click.argument("source", type=click.Path(exists=True))
 def serve(
     model_spec: str,
@@ -164,11 +181,12 @@ def serve(
     cache_ttl_s: float,
     threads: int | None,
     channels_last: bool,
+    parser: str,
     source: str,
 ) -> None:
-    """Serve the model of SOURCE (a checkpoint, an output folder: its newest checkpoint, reloaded
-    when a newer one appears, or a .safetensors file) over HTTP: POST /predict, GET /healthz,
-    GET /metrics, and the Open Inference Protocol (KServe v2) under /v2."""
+    """Serve the model of SOURCE (a checkpoint; a checkpoint root or a job's output folder: its
+    newest checkpoint, reloaded when a newer one appears; or a .safetensors file) over HTTP:
+    POST /predict, GET /healthz, GET /metrics, and the Open Inference Protocol (KServe v2) under /v2."""
     import torch
 
     _check_extra("paratrain serve")
@@ -178,6 +196,7 @@ def serve(
     from paratrain.transport.ports import binding
 
     logging.basicConfig(level=logging.INFO, format="paratrain serve: %(message)s")
+    source = _source(source)
     if threads is not None:
         torch.set_num_threads(threads)
     try:
@@ -212,7 +231,7 @@ def serve(
                 kv = join_tables(cache_rows=cache_rows, cache_ttl_s=cache_ttl_s)
             app = model_app(factory, source, config, kv=kv)
         with binding(host, port, "choose another with --port (0: a free one)"):
-            server = HttpServer(app, host, port)
+            server = HttpServer(app, host, port, parser=parser)
     except ParatrainError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(
@@ -227,13 +246,14 @@ def serve(
 @click.argument("checkpoint_path", metavar="CHECKPOINT", type=click.Path(exists=True))
 @click.argument("out", type=click.Path(dir_okay=False))
 def export(checkpoint_path: str, out: str) -> None:
-    """Write the model weights of CHECKPOINT (a folder, or an output folder's newest) to OUT, a
+    """Write the model weights of CHECKPOINT (a folder, or the newest of a checkpoint root or a job's
+    output folder) to OUT, a
     .safetensors file that loads with no code execution."""
     _check_extra("paratrain export")
     from paratrain.serve.weights import export as export_weights
 
     try:
-        path = export_weights(checkpoint_path, out)
+        path = export_weights(_source(checkpoint_path), out)
     except (ParatrainError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"wrote {path}")

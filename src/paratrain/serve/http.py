@@ -57,11 +57,23 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
-def http_protocol() -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol writing through a CoalescingTransport (h11's without httptools)."""
+PARSERS = ("auto", "httptools", "h11")
+"""HTTP parsers a server may use: httptools (fast; in `uvicorn[standard]`), h11 (pure Python), or
+auto (httptools where installed, else h11)."""
+
+
+def http_protocol(parser: str = "auto") -> type[asyncio.Protocol]:
+    """uvicorn's protocol for `parser` (PARSERS): httptools writing through a CoalescingTransport,
+    or uvicorn's h11 protocol."""
+    if parser not in PARSERS:
+        raise ValueError(f"parser={parser!r} is not one of {', '.join(PARSERS)}")
+    if parser == "h11":
+        return h11_protocol()
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
+        if parser == "httptools":
+            raise ServeError("parser='httptools' needs httptools: pip install 'uvicorn[standard]'") from None
         return h11_protocol()
 
     class CoalescingHttpToolsProtocol(HttpToolsProtocol):
@@ -73,7 +85,8 @@ def http_protocol() -> type[asyncio.Protocol]:
 
 
 class HttpServer:
-    """`app` served by uvicorn on host:port (port 0: a free one)."""
+    """`app` served by uvicorn on host:port (port 0: a free one), parsing HTTP with `parser`
+    (PARSERS)."""
 
     def __init__(
         self,
@@ -82,9 +95,13 @@ class HttpServer:
         port: int = 0,
         log_level: str = "warning",
         limits: HttpLimits | None = None,
+        parser: str = "auto",
     ) -> None:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose `proto` says
+        # TCP. Without it, uvicorn's h11 protocol (two sends per answer: headers, then body) waits
+        # for the client's delayed ACK before the body goes out: about 40 ms on every answer.
+        self.sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
@@ -95,7 +112,7 @@ class HttpServer:
         self.server = guarded_server(
             app,
             self.guard,
-            http_protocol(),
+            http_protocol(parser),
             log_level=log_level,
             access_log=False,
             lifespan="on",

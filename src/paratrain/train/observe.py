@@ -13,11 +13,14 @@ and only without compression, which has its own hook).
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from paratrain.metrics.telemetry import worker_telemetry
 from paratrain.metrics.trace import open_tracer, tracer
@@ -34,6 +37,8 @@ class StepObserver:
         self.tracer = tracer()
         self._step_start = time.perf_counter()
         self._forward_start = 0.0
+        self._in_backward = False
+        """Whether Trainer.step's own backward range is open (then the hooks add none)."""
 
     def attach(self, model: nn.Module) -> None:
         """Forward ranges from hooks on the model; all-reduce ranges on a DDP model."""
@@ -47,12 +52,38 @@ class StepObserver:
     def forward_begin(self, *_: Any) -> None:
         self._forward_start = self.tracer.begin()
 
-    def forward_end(self, *_: Any) -> None:
+    def forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._forward_start:
             self.tracer.add("forward", self._forward_start, self.tracer.begin() - self._forward_start)
+        if module.training and torch.is_grad_enabled():
+            self._watch_backward(output)
 
-    def backward(self) -> AbstractContextManager[None]:
-        return self.tracer.range("backward")
+    def _watch_backward(self, output: Any) -> None:
+        """A backward range for a loop that calls loss.backward() itself (`prepare`): from the
+        first gradient reaching the model's output to the end of that backward pass (autograd
+        runs a queued callback there)."""
+        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        began: list[float] = []
+
+        def ended() -> None:
+            self.tracer.add("backward", began[0], self.tracer.begin() - began[0])
+
+        def begin(grad: torch.Tensor) -> None:
+            if not began and not self._in_backward:
+                began.append(self.tracer.begin())
+                torch.autograd.Variable._execution_engine.queue_callback(ended)
+
+        for tensor in tensors:
+            tensor.register_hook(begin)
+
+    @contextmanager
+    def backward(self) -> Iterator[None]:
+        self._in_backward = True
+        try:
+            with self.tracer.range("backward"):
+                yield
+        finally:
+            self._in_backward = False
 
     def optimizer(self) -> AbstractContextManager[None]:
         return self.tracer.range("optimizer step")

@@ -60,9 +60,9 @@ class Strategy:
     """2bit, topk, fp16, bf16 (collective and ps) or powersgd (collective): gradients travel
     compressed, with error feedback (paratrain.compression). topk sends the optimizer's updates
     instead: every worker steps its own optimizer (CompressionConfig.sends_updates)."""
-    compression_threshold: float = 0.5
+    compression_threshold: float = 0.02
     """2bit: a worker's mean gradient element is sent as +-threshold where |element| >= threshold,
-    else 0; the rest waits in the error feedback."""
+    else 0; the rest waits in the error feedback. How to choose it: docs/concepts/threshold.md."""
     compression_ratio: float = 0.01
     """topk: the fraction of each update's elements sent (those of largest magnitude)."""
     compression_rank: int = 1

@@ -299,7 +299,7 @@ class Trainer:
         self.engine = self._engine(model, optimizer)
         if found is not None:
             self.engine.restore(found.path)
-            logger.info("resumed from %s at step %d", found.path, self.steps)
+            self._log_resume(found.path)
         self.observe = StepObserver(self.ctx, self.strategy, trace_dir)
         self._bind_model()
         _make_distributed(optimizer, self)
@@ -622,6 +622,13 @@ class Trainer:
         python = random.getstate()
         random.setstate((python[0], tuple(worker["rng"]["python"]), python[2]))
 
+    def _log_resume(self, path: Path) -> None:
+        """Say once per job (worker 0; a warning, which the default logging shows) that this run
+        continues another: a stale checkpoint_dir would otherwise resume without a word."""
+        where = f" (epoch {self.loader.epoch}, batch {self.loader.batches_done})" if self.loader else ""
+        log = logger.warning if self.rank == 0 else logger.info
+        log("resumed from checkpoint %s at step %d%s", path, self.steps, where)
+
     def close(self) -> None:
         """Stop the progress line, flush metrics, leave the servers' rounds."""
         self.progress.close()
@@ -636,6 +643,15 @@ def prepare(
     **options: Any,
 ) -> tuple:
     """(model, optimizer, loader) ready for an unchanged training loop, or (model, optimizer) without a
-    loader. `options` are the Trainer's (strategy=..., ...)."""
+    loader. `options` are the Trainer's (strategy=..., ...). A pipeline strategy is refused here,
+    before anything starts: its stages need the loss and the step (Trainer.train_step)."""
+    ctx = current(options.get("ctx"))
+    stages = resolve_strategy(options.get("strategy"), ctx.num_servers, ctx.distributed).pipeline_stages
+    if stages > 1:
+        raise ValueError(
+            f"Strategy.pipeline_stages={stages} cannot run under paratrain.prepare(): an unchanged loop "
+            "calls the whole model; use Trainer(model, optimizer, loader, loss_fn=...) and "
+            "trainer.train_step(inputs, targets)"
+        )
     trainer = Trainer(model, optimizer, loader, **options)
     return (trainer.model, trainer.optimizer) + ((trainer.loader,) if loader is not None else ())

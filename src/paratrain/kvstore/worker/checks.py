@@ -113,12 +113,19 @@ def as_lists(keys: Keys, values: Any = None) -> tuple[list, list]:
         raise ValueError(f"{len(keys)} keys but {len(values)} values")
     for key in keys:
         check_key(key)
-    return keys, [_summed(v) for v in values]
+    return keys, [_summed(key, v) for key, v in zip(keys, values, strict=True)]
 
 
-def _summed(value: Any) -> Any:
+def _summed(key: Any, value: Any) -> Any:
     """A list of tensors for one key (one per local device) is summed first, as MXNet does."""
     if isinstance(value, (list, tuple)):
+        wrong = next((v for v in value if not isinstance(v, torch.Tensor)), None)
+        if wrong is not None or not value:
+            what = f"a list holding a {type(wrong).__name__}" if value else "an empty list"
+            raise TypeError(
+                f"the value for key {key!r} must be a tensor (or a list of tensors, one per local "
+                f"device), not {what}"
+            )
         total = value[0].detach().to("cpu", copy=True)
         for v in value[1:]:
             total += v.detach().to("cpu")
