@@ -152,7 +152,7 @@ def pushpull_turns(
 def hosts_turns(args: argparse.Namespace) -> dict[int, list[float]]:
     """pushpull_turns with every process on a simulated host of its own (the scheduler beside
     worker 0), links shaped to --rate each way."""
-    from paratrain.launch.local import Placement
+    from paratrain.launch.engines.local.job import Placement
     from paratrain.testing_hosts import LinkShape, SimulatedHosts
 
     shape = LinkShape(args.rate)

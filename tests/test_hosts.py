@@ -12,7 +12,7 @@ import pytest
 from conftest import DIGITS_SYNC_ARGS, DIGITS_SYNC_ENV
 from test_examples import accuracy
 
-from paratrain.launch.local import LocalJobConfig, Placement
+from paratrain.launch.engines.local.job import LocalJobConfig, Placement
 from paratrain.testing import LinkShape, SimulatedHosts, hosts_unavailable, place_on_hosts, run_job
 
 JOBS = Path(__file__).parent / "jobs"

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 
 from paratrain.cluster.spec import EXIT_ABORTED
 from paratrain.launch.cli import main
-from paratrain.launch.local import LocalJobConfig, _first_failure
+from paratrain.launch.engines.local.job import LocalJobConfig, _first_failure
 from paratrain.testing import (
     assert_all_gone,
     free_port,

@@ -23,10 +23,10 @@ import pytest
 import ray
 
 from paratrain.launch.api import LaunchConfig
-from paratrain.launch.ray import RayOptions, role_threads, run_ray
-from paratrain.launch.ray_placement import NodeInfo, RayJobError, node_labels, plan_groups
-from paratrain.launch.ray_process import RoleProcess
-from paratrain.launch.ray_supervise import Interrupts, RayChild, Supervisor, first_line
+from paratrain.launch.engines.ray.driver import RayOptions, role_threads, run_ray
+from paratrain.launch.engines.ray.placement import NodeInfo, RayJobError, node_labels, plan_groups
+from paratrain.launch.engines.ray.process import RoleProcess
+from paratrain.launch.engines.ray.supervise import Interrupts, RayChild, Supervisor, first_line
 from paratrain.launch.report import Printer
 from paratrain.launch.restarts import Restarts
 from paratrain.testing import assert_all_gone
@@ -235,7 +235,7 @@ def test_a_keepers_child_dies_with_the_thread_that_started_it():
     """What happens to a child when its actor dies: PR_SET_PDEATHSIG from the exec wrapper."""
     script = (  # the child has become the target (it printed) before its starter is killed
         "import time\n"
-        "from paratrain.launch.ray_process import RoleProcess\n"
+        "from paratrain.launch.engines.ray.process import RoleProcess\n"
         "target = 'import time; print(1, flush=True); time.sleep(60)'\n"
         "k = RoleProcess(); pid = k.start([None, '-c', target], {})\n"
         "assert k.poll(30)['lines'] == [(1, '1')]\n"

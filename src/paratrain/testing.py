@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from paratrain.launch.local import ChildFailure, LocalJobConfig, Placement, run_local_job
+from paratrain.launch.engines.local.job import ChildFailure, LocalJobConfig, Placement, run_local_job
 from paratrain.metrics.dashboard import DashboardConfig
 from paratrain.testing_hosts import LinkShape, SimulatedHosts, hosts_unavailable, shaping_unavailable
 

@@ -35,7 +35,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from paratrain.launch.local import Placement
+    from paratrain.launch.engines.local.job import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class SimulatedHosts:
 
     def placement(self, i: int) -> Placement:
         """Where the local launcher starts a process that runs on host i."""
-        from paratrain.launch.local import Placement  # the launcher, only where a job is placed
+        from paratrain.launch.engines.local.job import Placement  # the launcher, only where a job is placed
 
         return Placement(self.address(i), tuple(self.prefix(i)), self.env(i))
 

@@ -198,7 +198,7 @@ def launch(
         "gpus_per_worker": gpus_per_worker,
     }
     if backend == "local":
-        from paratrain.launch.local import run_launch
+        from paratrain.launch.engines.local.job import run_launch
 
         exit_code = run_launch(
             config, host=host, dashboard=dashboard_config(observe), elastic=elastic, max_restarts=max_restarts
@@ -207,15 +207,15 @@ def launch(
     if backend == "k8s" and (elastic or max_restarts):
         raise click.UsageError("--elastic and --max-restarts work with --backend local, ray, slurm; not k8s")
     if backend == "ray":
-        from paratrain.launch.ray import RayOptions, run_ray_job
+        from paratrain.launch.engines.ray.driver import RayOptions, run_ray_job
 
         ctx.exit(run_ray_job(config, RayOptions(address=address, **resources)))
     if backend == "slurm":
-        from paratrain.launch.slurm import SlurmOptions, run_slurm_job
+        from paratrain.launch.engines.slurm.sbatch import SlurmOptions, run_slurm_job
 
         slurm = SlurmOptions(partition=partition, time=time_limit, nodes=nodes, dry_run=dry_run, **resources)
         ctx.exit(run_slurm_job(config, slurm))
-    from paratrain.launch.k8s import K8sOptions, run_k8s_job
+    from paratrain.launch.engines.k8s.manifests import K8sOptions, run_k8s_job
 
     if image is None and not dry_run:
         raise click.UsageError("--backend k8s needs --image (the container image every pod runs)")

@@ -59,7 +59,7 @@ def run_command(cmd: list[str], stdin: str | None = None) -> str:
 
 
 def slurm_options(spec: JobSpec, job_id: str, folder: Path, dry_run: bool) -> Any:
-    from paratrain.launch.slurm import SlurmOptions
+    from paratrain.launch.engines.slurm.sbatch import SlurmOptions
 
     return SlurmOptions(
         partition=spec.slurm.partition,
@@ -76,8 +76,8 @@ def slurm_options(spec: JobSpec, job_id: str, folder: Path, dry_run: bool) -> An
 
 def slurm_script(spec: JobSpec, config: LaunchConfig, options: Any) -> str:
     """The engine's sbatch script, with the job's memory and its folders checked before srun."""
+    from paratrain.launch.engines.slurm.sbatch import sbatch_script
     from paratrain.launch.jobspec import memory_bytes
-    from paratrain.launch.slurm import sbatch_script
 
     lines = sbatch_script(config, options).splitlines()
     last_directive = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH "))
@@ -136,7 +136,7 @@ def slurm_lines(text: str, role: str | None, rank: int) -> str:
 
 
 def k8s_options(spec: JobSpec, job_id: str, dry_run: bool) -> Any:
-    from paratrain.launch.k8s import K8sOptions
+    from paratrain.launch.engines.k8s.manifests import K8sOptions
 
     return K8sOptions(
         image=spec.k8s.image or "IMAGE",
@@ -152,7 +152,7 @@ def k8s_options(spec: JobSpec, job_id: str, dry_run: bool) -> Any:
 
 def k8s_manifests(spec: JobSpec, config: LaunchConfig, options: Any) -> list[dict]:
     """The engine's manifests, with the job's volumes, memory and working directory in every pod."""
-    from paratrain.launch.k8s import build_manifests
+    from paratrain.launch.engines.k8s.manifests import build_manifests
 
     manifests = build_manifests(config, options, options.name, secrets.token_bytes(32))
     for manifest in manifests:
@@ -189,7 +189,7 @@ def _add_to_pod(spec: JobSpec, pod: dict, job_name: str) -> None:
 
 
 def k8s_apply(options: Any, text: str) -> None:
-    from paratrain.launch.k8s import _apply
+    from paratrain.launch.engines.k8s.manifests import _apply
 
     error = _apply(options, text)
     if error is not None:

@@ -28,9 +28,9 @@ from typing import IO, Any, cast
 import yaml
 
 from paratrain.launch.api import IDENTITY_VARS, LaunchConfig
+from paratrain.launch.engines.ray.process import _WRAPPER
 from paratrain.launch.jobs import EXIT_INTERRUPTED, EXIT_TERMINATED, JobRecord, read_record, update_record
 from paratrain.launch.jobspec import JobSpec, launch_config
-from paratrain.launch.ray_process import _WRAPPER
 from paratrain.launch.report import JobResult
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def _record_end(folder: Path, record: JobRecord, exit_code: int, report: str) ->
 
 
 def _run_local(config: LaunchConfig, logs: LogFiles) -> JobResult:
-    from paratrain.launch.local import LocalJobConfig, run_local_job
+    from paratrain.launch.engines.local.job import LocalJobConfig, run_local_job
 
     local = LocalJobConfig(
         script=config.script,
@@ -165,7 +165,7 @@ def _run_ray(spec: JobSpec, config: LaunchConfig, logs: LogFiles) -> JobResult:
     """The job on Ray, once every node has been seen to hold data_dir and output_dir."""
     import ray
 
-    from paratrain.launch.ray import RayOptions, run_ray
+    from paratrain.launch.engines.ray.driver import RayOptions, run_ray
 
     options = RayOptions(
         address=spec.ray.address,
@@ -227,7 +227,7 @@ class Evaluator:
             PYTHONUNBUFFERED="1",
         )
         env.setdefault("OMP_NUM_THREADS", "1")
-        # Through ray_process's wrapper: the evaluator dies with this driver, even a SIGKILLed one.
+        # Through the Ray engine's process wrapper: the evaluator dies with this driver, even a SIGKILLed one.
         python = shutil.which(config.python) or config.python  # the wrapper execs an absolute path
         wrapper = [python, "-c", _WRAPPER, str(os.getpid()), python]
         self.proc = subprocess.Popen(

@@ -109,7 +109,7 @@ def _dry_run(spec: JobSpec, config: LaunchConfig, job_id: str, folder: Path) -> 
         click.echo(job_cluster.slurm_script(spec, config, options), nl=False)
         return 0
     if spec.backend == "k8s":
-        from paratrain.launch.k8s import manifests_yaml
+        from paratrain.launch.engines.k8s.manifests import manifests_yaml
 
         options = job_cluster.k8s_options(spec, job_id, dry_run=True)
         click.echo(manifests_yaml(job_cluster.k8s_manifests(spec, config, options)), nl=False)
@@ -132,7 +132,7 @@ def _hand_over(spec: JobSpec, config: LaunchConfig, record: jobs.JobRecord, fold
         jobs.update_record(folder, cluster_id=cluster_id)
     elif spec.backend == "k8s":
         options = job_cluster.k8s_options(spec, record.id, dry_run=False)
-        from paratrain.launch.k8s import manifests_yaml
+        from paratrain.launch.engines.k8s.manifests import manifests_yaml
 
         job_cluster.k8s_apply(options, manifests_yaml(job_cluster.k8s_manifests(spec, config, options)))
         jobs.update_record(folder, cluster_id=f"{record.id}/{spec.k8s.namespace}")

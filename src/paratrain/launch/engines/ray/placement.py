@@ -19,7 +19,7 @@ from paratrain.errors import ParatrainError
 
 if TYPE_CHECKING:
     from paratrain.launch.api import LaunchConfig
-    from paratrain.launch.ray import RayOptions
+    from paratrain.launch.engines.ray.driver import RayOptions
 
 
 class RayJobError(ParatrainError):

@@ -3,13 +3,13 @@
 `Supervisor` holds the job's `RayChild`ren (one per process, each with its actor and node) and
 long-polls their actors (`ray.wait` on the pending polls, one thread): it prints each line prefixed
 `[role rank @node] `, keeps the stderr tail, and ends the job as the local engine does
-(launch/local.py is the model): success when every worker exits 0 and then the scheduler and
+(launch/engines/local/job.py is the model): success when every worker exits 0 and then the scheduler and
 servers by themselves; the first failure, a process lost with its node included, stops everything
 (SIGTERM to each process group through its actor, then SIGKILL), and report.py's report names
 role, rank, node and cause. In an elastic job (`Restarts`, restarts.py) a worker that dies or is
 lost with its node does not stop the job; while restarts are left the driver starts it again
-(`restart`, given by ray.py) and waits for that start alongside the polls. SIGINT and SIGTERM to
-the driver are counted by `Interrupts`, which every wait checks at least every POLL_S. ray.py
+(`restart`, given by driver.py) and waits for that start alongside the polls. SIGINT and SIGTERM to
+the driver are counted by `Interrupts`, which every wait checks at least every POLL_S. driver.py
 starts the processes and builds the result.
 """
 
@@ -26,8 +26,8 @@ from typing import Any
 
 from paratrain.cluster.spec import EXIT_ABORTED
 from paratrain.launch.children import STDERR_TAIL_LINES
+from paratrain.launch.engines.ray.placement import NodeInfo
 from paratrain.launch.lines import ChildLines
-from paratrain.launch.ray_placement import NodeInfo
 from paratrain.launch.report import (
     ChildFailure,
     ChildRecord,

@@ -1,0 +1,1 @@
+"""The engines of `paratrain launch --backend ...`: one package per engine."""

@@ -1,0 +1,1 @@
+"""The k8s engine."""
