@@ -481,8 +481,9 @@ def _descendants(root: int) -> list[int]:
 def test_a_submitted_job_runs_on_ray_with_its_folders_checked_on_every_node(cluster, tmp_path, monkeypatch):
     """The job platform's driver (job_driver.drive, as `paratrain submit` runs it) on the cluster:
     the job's folders are seen on both nodes, each process's output lands in its own log."""
-    from paratrain.launch import jobs
-    from paratrain.launch.job_driver import drive, missing_on_ray_nodes
+    from paratrain.launch import engines, jobs
+    from paratrain.launch.engines.ray import missing_on_ray_nodes
+    from paratrain.launch.job_driver import drive
     from paratrain.launch.jobspec import parse_spec
 
     monkeypatch.setenv("PARATRAIN_HOME", str(tmp_path / "home"))
@@ -494,7 +495,7 @@ def test_a_submitted_job_runs_on_ray_with_its_folders_checked_on_every_node(clus
     )
     spec = parse_spec(text, "job.yaml", base=tmp_path)
     job_id = jobs.new_job_id(spec.name)
-    record = jobs.open_job(spec, job_id, jobs.job_folder(spec.output_dir, job_id, "ray"))
+    record = jobs.open_job(spec, job_id, engines.get("ray").job_folder(spec.output_dir, job_id))
     assert drive(Path(record.folder)) == 0
     record = jobs.read_record(record.folder)
     assert record.state == "succeeded" and record.exit_code == 0, record.failure

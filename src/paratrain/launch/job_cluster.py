@@ -20,6 +20,8 @@ import subprocess
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from paratrain.errors import LaunchError
+
 if TYPE_CHECKING:  # pydantic is imported only by the commands that read a spec
     from paratrain.launch.api import LaunchConfig
     from paratrain.launch.jobspec import JobSpec
@@ -37,21 +39,17 @@ _SLURM_STATES = {
 }
 
 
-class ClusterError(RuntimeError):
-    """A cluster command failed or is missing; the message says which and what it said."""
-
-
 def run_command(cmd: list[str], stdin: str | None = None) -> str:
-    """The stdout of `cmd`; ClusterError naming the command and its stderr when it fails."""
+    """The stdout of `cmd`; LaunchError naming the command and its stderr when it fails."""
     if shutil.which(cmd[0]) is None:
-        raise ClusterError(f"{cmd[0]} is not on PATH (the job's cluster is asked with it)")
+        raise LaunchError(f"{cmd[0]} is not on PATH (the job's cluster is asked with it)")
     try:
         done = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=_CLUSTER_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise ClusterError(f"{shlex.join(cmd)} did not answer within {_CLUSTER_TIMEOUT_S} s") from None
+        raise LaunchError(f"{shlex.join(cmd)} did not answer within {_CLUSTER_TIMEOUT_S} s") from None
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip()
-        raise ClusterError(f"{shlex.join(cmd)} exited with code {done.returncode}: {said}")
+        raise LaunchError(f"{shlex.join(cmd)} exited with code {done.returncode}: {said}")
     return done.stdout
 
 
@@ -107,12 +105,12 @@ def slurm_state(cluster_id: str) -> str | None:
     """pending, running, succeeded, failed or stopped, as squeue or sacct say; None when neither knows."""
     try:
         text = run_command(["squeue", "-h", "-j", cluster_id, "-o", "%T"]).strip()
-    except ClusterError:
+    except LaunchError:
         text = ""  # squeue forgets a finished job (and refuses an id it forgot)
     if not text:
         try:
             text = run_command(["sacct", "-X", "-n", "-P", "-o", "State", "-j", cluster_id]).strip()
-        except ClusterError:
+        except LaunchError:
             return None
     if not text:
         return None
@@ -193,7 +191,7 @@ def k8s_apply(options: Any, text: str) -> None:
 
     error = _apply(options, text)
     if error is not None:
-        raise ClusterError(error)
+        raise LaunchError(error)
 
 
 def _selector(cluster_id: str) -> list[str]:

@@ -1,6 +1,6 @@
-"""How a local job ended, described: the records of its processes and the text of its report.
+"""How a job ended, described: the records of its processes and the text of its report.
 
-The launcher (local.py) supervises the processes and hands their exits here. This module names exit
+The engines that supervise processes themselves (local, ray) hand their exits here. This module names exit
 codes and signals, picks the first failure that is a cause (an exit with EXIT_ABORTED is a
 consequence of another node's failure) and writes the report printed about a failure or interruption.
 It starts, waits for and stops nothing.
@@ -115,6 +115,36 @@ def _named_by_scheduler(children: Sequence[Any]) -> tuple[Any, str] | None:
                 if (cause.role, cause.rank) == (named[1], int(named[2])):
                     return cause, f"was named by the scheduler: {found[1]}"
     return None
+
+
+def blame(
+    outcome: str,
+    failed: Sequence[Any],
+    still_running: Sequence[Any],
+    children: Sequence[Any],
+    timeout_s: float | None,
+    exit_grace_s: float,
+) -> ChildFailure:
+    """The process a supervising engine (local, ray) blames for an outcome other than ok or
+    interrupted. "failed": the first failed exit that is a cause (`_first_failure`), or, when every
+    exit was EXIT_ABORTED, the process the scheduler's abort reason names. "timeout": a worker still
+    running (they are what the job waits for), else any. "grace": the first process that did not exit
+    after every worker finished. Each child has role, rank, returncode, failure_reason, stderr_tail
+    and `failure(reason)`."""
+    if outcome == "failed":
+        child = _first_failure(failed)
+        named = _named_by_scheduler(children) if child.returncode == EXIT_ABORTED else None
+        if named is not None:  # every exit was a consequence: the scheduler knows the cause
+            return named[0].failure(named[1])
+        assert child.failure_reason is not None
+        return child.failure(child.failure_reason)
+    left = still_running or children
+    if outcome == "timeout":
+        workers = [c for c in left if c.role == "worker"]
+        reason = f"was still running when the job timed out after {timeout_s} s"
+        return (workers or left)[0].failure(reason)
+    reason = f"did not exit within {exit_grace_s} s after every worker finished"
+    return left[0].failure(reason)
 
 
 def interrupted_exit_code(signum: int | None) -> int:

@@ -45,9 +45,8 @@ from paratrain.launch.report import (
     Printer,
     _exit_reason,
     _failure_report,
-    _first_failure,
     _interrupted_report,
-    _named_by_scheduler,
+    blame,
     interrupted_exit_code,
     write_outcome,
 )
@@ -472,20 +471,8 @@ class _Job:
         return JobResult(1, failure, report, children, self.scheduler_address)
 
     def _failure(self, outcome: str) -> ChildFailure:
-        if outcome == "failed":
-            child = _first_failure(self.failed)
-            named = _named_by_scheduler(self.children) if child.returncode == EXIT_ABORTED else None
-            if named is not None:  # every exit was a consequence: the scheduler knows the cause
-                return named[0].failure(named[1])
-            assert child.failure_reason is not None
-            return child.failure(child.failure_reason)
-        left = self.still_running or self.children
-        if outcome == "timeout":
-            workers = [c for c in left if c.role == "worker"]
-            reason = f"was still running when the job timed out after {self.config.timeout_s} s"
-            return (workers or left)[0].failure(reason)
-        reason = f"did not exit within {self.config.exit_grace_s} s after every worker finished"
-        return left[0].failure(reason)
+        cfg = self.config
+        return blame(outcome, self.failed, self.still_running, self.children, cfg.timeout_s, cfg.exit_grace_s)
 
 
 def _describe(cfg: LocalJobConfig, scheduler_address: str) -> str:
@@ -531,11 +518,7 @@ def _interrupt_handlers(events: queue.SimpleQueue[Any]) -> Iterator[None]:
 
 
 def run_launch(
-    config: LaunchConfig,
-    host: str = "127.0.0.1",
-    dashboard: DashboardConfig | None = None,
-    elastic: bool = False,
-    max_restarts: int = 0,
+    config: LaunchConfig, host: str = "127.0.0.1", dashboard: DashboardConfig | None = None
 ) -> int:
     """`paratrain launch --backend local`: the job as processes of this machine; its exit status.
     The children's output is folded: their abort notices and repeated tracebacks are left out."""
@@ -550,8 +533,8 @@ def run_launch(
         python=config.python,
         dashboard=dashboard,
         server_losses=config.server_losses,
-        elastic=elastic,
-        max_restarts=max_restarts,
+        elastic=config.elastic,
+        max_restarts=config.max_restarts,
     )
     return run_local_job(local, fold=True).exit_code
 

@@ -33,9 +33,8 @@ from paratrain.launch.report import (
     ChildRecord,
     Printer,
     _exit_reason,
-    _first_failure,
-    _named_by_scheduler,
     _signal_name,
+    blame,
 )
 from paratrain.launch.restarts import Restarts
 
@@ -403,20 +402,9 @@ class Supervisor:
 
     def failure(self, outcome: str) -> ChildFailure:
         """The process to blame for an outcome other than ok or interrupted."""
-        if outcome == "failed":
-            child = _first_failure(self.failed)
-            named = _named_by_scheduler(self.children) if child.returncode == EXIT_ABORTED else None
-            if named is not None:  # every exit was a consequence: the scheduler knows the cause
-                return named[0].failure(named[1])
-            assert child.failure_reason is not None
-            return child.failure(child.failure_reason)
-        left = self.still_running or self.children
-        if outcome == "timeout":
-            workers = [c for c in left if c.role == "worker"]
-            reason = f"was still running when the job timed out after {self.timeout_s} s"
-            return (workers or left)[0].failure(reason)
-        reason = f"did not exit within {self.exit_grace_s} s after every worker finished"
-        return left[0].failure(reason)
+        return blame(
+            outcome, self.failed, self.still_running, self.children, self.timeout_s, self.exit_grace_s
+        )
 
 
 def _lost_reason(child: RayChild, exc: Exception) -> str:
