@@ -60,7 +60,7 @@ _KILL_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
-class Placement:
+class ProcessHost:
     """Where one process of a job runs, when not on this machine's `LocalJobConfig.host`: the
     address it binds and advertises, a command prefix that puts it there (such as
     `ip netns exec ns3`: the prefix must exec the command, so that its pid is the process's), and
@@ -100,7 +100,7 @@ class LocalJobConfig:
     server_losses: int = 0
     """Servers that may die without failing the job: with replicated servers
     (JobConfig.replication), replication - 1; their backups serve their slices."""
-    placements: Mapping[str, Sequence[Placement]] = field(default_factory=dict)
+    placements: Mapping[str, Sequence[ProcessHost]] = field(default_factory=dict)
     """Per role ("scheduler", "server", "worker"), where each rank runs (simulated hosts in tests);
     a role or rank not listed runs here at `host`. A placed scheduler binds `scheduler_port`
     itself, where the launcher cannot bind for it."""
@@ -142,10 +142,10 @@ class LocalJobConfig:
             if role not in counts or len(places) > counts[role]:
                 raise ValueError(f"placements[{role!r}] names {len(places)} places for {counts.get(role)}")
 
-    def place(self, role: str, rank: int) -> Placement:
+    def place(self, role: str, rank: int) -> ProcessHost:
         """Where that process runs."""
         places = self.placements.get(role, ())
-        return places[rank] if rank < len(places) else Placement(self.host)
+        return places[rank] if rank < len(places) else ProcessHost(self.host)
 
     def _strings(self) -> Iterator[tuple[str, Any]]:
         for i, arg in enumerate(self.args):
