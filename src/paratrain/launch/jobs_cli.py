@@ -24,7 +24,7 @@ import click
 from paratrain.errors import LaunchError
 from paratrain.launch import engines, jobs
 
-if TYPE_CHECKING:  # pydantic is imported by `submit` alone: `paratrain launch` starts as fast as before
+if TYPE_CHECKING:  # pydantic is imported by `submit` alone, so that `paratrain launch` starts fast
     from paratrain.launch.engines.api import Engine, LogSource
 
 _POLL_S = 0.5

@@ -42,7 +42,7 @@ def decode_header(header: torch.Tensor) -> tuple[torch.dtype, list[int]]:
 
 
 def send_activation(tensor: torch.Tensor, dst: int, pending: Pending) -> None:
-    """Starts sending `tensor` (header first) to global rank `dst`; appends the works to `pending`."""
+    """Starts sending `tensor` (header first) to worker rank `dst`; appends the works to `pending`."""
     header = encode_header(tensor)
     payload = tensor.detach().to(_comm_device(tensor.device)).contiguous()
     pending.append((dist.isend(header, dst, tag=ACTIVATION_TAG), header))
@@ -50,7 +50,7 @@ def send_activation(tensor: torch.Tensor, dst: int, pending: Pending) -> None:
 
 
 def recv_activation(src: int, device: torch.device) -> torch.Tensor:
-    """The next activation global rank `src` sent, on `device`."""
+    """The next activation worker rank `src` sent, on `device`."""
     header = torch.empty(2 + MAX_DIMS, dtype=torch.int64)
     dist.recv(header, src, tag=ACTIVATION_TAG)
     dtype, shape = decode_header(header)
@@ -65,7 +65,7 @@ def send_gradient(tensor: torch.Tensor, dst: int, pending: Pending) -> None:
 
 
 def recv_gradient(like: torch.Tensor, src: int) -> torch.Tensor:
-    """The next gradient global rank `src` sent for an activation shaped like `like`."""
+    """The next gradient worker rank `src` sent for an activation shaped like `like`."""
     buffer = torch.empty(like.shape, dtype=like.dtype, device=_comm_device(like.device))
     dist.recv(buffer, src, tag=GRADIENT_TAG)
     return buffer.to(like.device)

@@ -36,7 +36,7 @@ class StagePlacement:
     replica: int
     replicas: int
     ranks: tuple[int, ...]
-    """Global ranks of this replica's pipeline, by stage."""
+    """The worker ranks of this replica's pipeline, by stage."""
 
     @property
     def rank(self) -> int:
