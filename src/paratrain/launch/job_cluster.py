@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from paratrain.errors import LaunchError
+from paratrain.launch.quoting import quote
 
 if TYPE_CHECKING:  # pydantic is imported only by the commands that read a spec
     from paratrain.launch.api import LaunchConfig
@@ -74,7 +75,7 @@ def slurm_options(spec: JobSpec, job_id: str, folder: Path, dry_run: bool) -> An
 
 def slurm_script(spec: JobSpec, config: LaunchConfig, options: Any) -> str:
     """The engine's sbatch script, with the job's memory and its folders checked before srun."""
-    from paratrain.launch.engines.slurm.sbatch import sbatch_script
+    from paratrain.launch.engines.slurm.sbatch import sbatch_directive, sbatch_script
     from paratrain.launch.jobspec import memory_bytes
 
     lines = sbatch_script(config, options).splitlines()
@@ -82,15 +83,16 @@ def slurm_script(spec: JobSpec, config: LaunchConfig, options: Any) -> str:
     memory = [r.memory for r in (spec.resources.worker, spec.resources.server) if r.memory]
     if memory:
         per_cpu = max(memory_bytes(m) for m in memory) / options.cpus_per_task
-        lines.insert(last_directive + 1, f"#SBATCH --mem-per-cpu={math.ceil(per_cpu / 2**20)}M")
-    folders = " ".join(shlex.quote(d) for d in (spec.work_dir, spec.data_dir, spec.output_dir) if d)
+        lines.insert(last_directive + 1, sbatch_directive("mem-per-cpu", f"{math.ceil(per_cpu / 2**20)}M"))
+    dirs = {"work_dir": spec.work_dir, "data_dir": spec.data_dir, "output_dir": spec.output_dir}
+    folders = " ".join(quote(d, "bash", name) for name, d in dirs.items() if d)
     check = [
         "# The job's folders must be on a file system every node sees; this node, at least, must see them.",
         f"for folder in {folders}; do",
         '  [ -d "$folder" ] || { echo "paratrain: $folder is not on $(hostname): the job\'s folders must be'
         ' on a shared file system" >&2; exit 1; }',
         "done",
-        f"cd {shlex.quote(spec.work_dir or '.')}",
+        f"cd {quote(spec.work_dir or '.', 'bash', 'work_dir')}",
     ]
     at = lines.index("set -eu") + 1
     return "\n".join(lines[:at] + check + lines[at:]) + "\n"

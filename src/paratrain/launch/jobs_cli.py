@@ -62,13 +62,18 @@ def submit(ctx: click.Context, dry_run: bool, backend: str | None, follow: bool,
     elif problems:
         click.echo("\n".join(f"{spec_file}: {p}" for p in problems), err=True)
         ctx.exit(2)
+    try:
+        text = engine.dry_run(spec, config, job_id, folder)  # also what a submission would write
+    except ValueError as exc:  # a value the engine's script or manifests cannot carry
+        click.echo(f"{spec_file}: {exc}", err=True)
+        ctx.exit(2)
     if dry_run:
-        click.echo(engine.dry_run(spec, config, job_id, folder), nl=False)
+        click.echo(text, nl=False)
         ctx.exit(0)
     record = jobs.open_job(spec, job_id, folder, make_output_dir=engine.paths_here)
     try:
         engine.hand_over(spec, config, record, folder)
-    except LaunchError as exc:
+    except (LaunchError, ValueError) as exc:
         jobs.update_record(folder, state="failed", ended=time.time(), failure=f"paratrain: {exc}\n")
         click.echo(f"paratrain: job {job_id} could not be submitted: {exc}", err=True)
         ctx.exit(1)
