@@ -21,7 +21,9 @@ MAX_DIMS = 8
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
 ACTIVATION_TAG, GRADIENT_TAG = 1, 2
 
-Pending = list[tuple[dist.Work, torch.Tensor]]
+Pending = list[tuple[dist.Work | None, torch.Tensor]]
+"""Sends in flight and their buffers (kept alive until sent); isend's work is None when this rank
+is not in the group, which never happens between stages of one pipeline."""
 """Sends in flight with the tensors they read, which must stay alive until the work is done."""
 
 
@@ -73,7 +75,8 @@ def recv_gradient(like: torch.Tensor, src: int) -> torch.Tensor:
 
 def wait_all(pending: Pending) -> None:
     for work, _ in pending:
-        work.wait()
+        if work is not None:
+            work.wait()
     pending.clear()
 
 
