@@ -147,6 +147,27 @@ def blame(
     return left[0].failure(reason)
 
 
+def workers_running(children: Sequence[Any]) -> bool:
+    return any(c.running for c in children if c.role == "worker")
+
+
+def early_exit_deadline(early: Sequence[Any], exit_grace_s: float) -> float | None:
+    """When a scheduler or server that exited 0 while workers still ran (`early`) fails the job:
+    unless the workers too exit 0 within exit_grace_s, as a worker may tell the scheduler it is done
+    and still be tearing down when the scheduler exits. None while no such exit happened."""
+    times = [c.exit_time for c in early if c.exit_time is not None]
+    return min(times) + exit_grace_s if times else None
+
+
+def only_replacements_left(children: Sequence[Any]) -> bool:
+    """In an elastic job: the scheduler ended the job (it exited 0) and every worker still running
+    is a replacement (one that had joined would have kept the scheduler going), which finds the
+    scheduler gone and exits by itself."""
+    done = any(c.role == "scheduler" and c.returncode == 0 for c in children)
+    running = [c for c in children if c.role == "worker" and c.running]
+    return done and all(c.replacement for c in running)
+
+
 def interrupted_exit_code(signum: int | None) -> int:
     """The launcher's exit status after SIGINT or SIGTERM: 128 + the signal's number, the status a
     shell gives a process that signal ended (so a batch system sees which one it was)."""

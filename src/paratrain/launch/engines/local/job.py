@@ -47,7 +47,10 @@ from paratrain.launch.report import (
     _failure_report,
     _interrupted_report,
     blame,
+    early_exit_deadline,
     interrupted_exit_code,
+    only_replacements_left,
+    workers_running,
     write_outcome,
 )
 from paratrain.launch.restarts import Restarts
@@ -287,14 +290,10 @@ class _Job:
         return self._await_rest()
 
     def _workers_running(self) -> bool:
-        return any(c.running for c in self.children if c.role == "worker")
+        return workers_running(self.children)
 
     def _early_exit_deadline(self) -> float | None:
-        """A scheduler or server that exits 0 while workers still run fails the job, unless the
-        workers too exit 0 within exit_grace_s: a worker may tell the scheduler it is done and
-        still be tearing down when the scheduler exits."""
-        times = [c.exit_time for c in self.early if c.exit_time is not None]
-        return min(times) + self.config.exit_grace_s if times else None
+        return early_exit_deadline(self.early, self.config.exit_grace_s)
 
     def _await_rest(self) -> str:
         """Every worker exited 0: the scheduler and servers now exit by themselves."""
@@ -370,13 +369,7 @@ class _Job:
         return self.restarts.on
 
     def _only_replacements_left(self) -> bool:
-        """The scheduler ended the job and every worker still running is a replacement (one that had
-        joined would have kept the scheduler going)."""
-        if not self._elastic() or self.ending:
-            return False
-        done = any(c.role == "scheduler" and c.returncode == 0 for c in self.children)
-        running = [c for c in self.children if c.role == "worker" and c.running]
-        return done and all(c.replacement for c in running)
+        return self._elastic() and not self.ending and only_replacements_left(self.children)
 
     def _end_before_joining(self) -> None:
         """The job finished (its scheduler exited 0) while replacements run: one that joined is

@@ -35,6 +35,9 @@ from paratrain.launch.report import (
     _exit_reason,
     _signal_name,
     blame,
+    early_exit_deadline,
+    only_replacements_left,
+    workers_running,
 )
 from paratrain.launch.restarts import Restarts
 
@@ -179,13 +182,10 @@ class Supervisor:
         return self._await_rest()
 
     def _workers_running(self) -> bool:
-        return any(c.running for c in self.children if c.role == "worker")
+        return workers_running(self.children)
 
     def _early_exit_deadline(self) -> float | None:
-        """A scheduler or server that exits 0 while workers still run fails the job, unless the
-        workers too exit 0 within exit_grace_s (as in the local engine)."""
-        times = [c.exit_time for c in self.early if c.exit_time is not None]
-        return min(times) + self.exit_grace_s if times else None
+        return early_exit_deadline(self.early, self.exit_grace_s)
 
     def _await_rest(self) -> str:
         """Every worker exited 0: the scheduler and servers now exit by themselves."""
@@ -327,13 +327,7 @@ class Supervisor:
             self.restart(child)
 
     def _only_replacements_left(self) -> bool:
-        """The scheduler ended the job and every worker still running is a replacement (one that had
-        joined would have kept the scheduler going): they find it gone and exit by themselves."""
-        if not self.restarts.on or self.ending:
-            return False
-        done = any(c.role == "scheduler" and c.returncode == 0 for c in self.children)
-        running = [c for c in self.children if c.role == "worker" and c.running]
-        return done and all(c.replacement for c in running)
+        return self.restarts.on and not self.ending and only_replacements_left(self.children)
 
     def _show(self, child: RayChild, stream: int, line: str | None) -> None:
         """Prints one line of a child (None: its output ended), folded if the printer folds."""
