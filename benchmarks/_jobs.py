@@ -68,7 +68,7 @@ def run_role_job(
     each process runs (LocalJobConfig.placements; default all here). `dashboard`: the scheduler
     serves the dashboard, read every second while the job runs (DashboardWatcher).
     `server_losses`: servers that may die without failing the job (replicated servers)."""
-    from paratrain.launch.local import LocalJobConfig, run_local_job
+    from paratrain.launch.engines.local.job import LocalJobConfig, run_local_job
     from paratrain.metrics.dashboard import DashboardConfig
 
     config = LocalJobConfig(

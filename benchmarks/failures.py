@@ -76,7 +76,7 @@ def stall_s(output: str) -> float:
 
 
 def run(args: argparse.Namespace, freeze: bool) -> float | None:
-    from paratrain.launch.local import LocalJobConfig, run_local_job
+    from paratrain.launch.engines.local.job import LocalJobConfig, run_local_job
 
     role = ["--paratrain-role", "--heartbeat-timeout", str(args.heartbeat_timeout)]
     config = LocalJobConfig(

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> tuple[float, float] | None:
     """(stall, ordinary step) in seconds, or None if the job failed."""
     from failures import RESULT
 
-    from paratrain.launch.local import LocalJobConfig, run_local_job
+    from paratrain.launch.engines.local.job import LocalJobConfig, run_local_job
 
     config = LocalJobConfig(
         script=__file__,

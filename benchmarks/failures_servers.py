@@ -152,7 +152,7 @@ def pushpull_turns(
 def hosts_turns(args: argparse.Namespace) -> dict[int, list[float]]:
     """pushpull_turns with every process on a simulated host of its own (the scheduler beside
     worker 0), links shaped to --rate each way."""
-    from paratrain.launch.local import Placement
+    from paratrain.launch.engines.local.job import ProcessHost
     from paratrain.testing_hosts import LinkShape, SimulatedHosts
 
     shape = LinkShape(args.rate)
@@ -166,7 +166,7 @@ def hosts_turns(args: argparse.Namespace) -> dict[int, list[float]]:
     )
     with SimulatedHosts(4, shape=shape) as hosts:
 
-        def placed(indices: list[int]) -> list[Placement]:
+        def placed(indices: list[int]) -> list[ProcessHost]:
             return [hosts.placement(i) for i in indices]
 
         places = {"scheduler": placed([0]), "worker": placed([0, 1]), "server": placed([2, 3])}

@@ -185,10 +185,10 @@ def modes(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def measure(args: argparse.Namespace, workers: int) -> dict[str, float | str]:
     """One row: the paratrain jobs and the Gloo job on 2 x `workers` fresh hosts."""
-    from paratrain.launch.local import Placement
+    from paratrain.launch.engines.local.job import ProcessHost
     from paratrain.testing_hosts import LinkShape, SimulatedHosts
 
-    def placed(hosts: SimulatedHosts, indices: range | list[int]) -> list[Placement]:
+    def placed(hosts: SimulatedHosts, indices: range | list[int]) -> list[ProcessHost]:
         return [hosts.placement(i) for i in indices]
 
     script = os.path.abspath(__file__)

@@ -120,7 +120,7 @@ def throughput_role(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------- driver
 def run_job(args: argparse.Namespace, role: str, workers: int) -> list[list[str]]:
     """The PIPEBENCH records the job's workers printed (comma-separated fields), [] if it failed."""
-    from paratrain.launch.local import LocalJobConfig, run_local_job
+    from paratrain.launch.engines.local.job import LocalJobConfig, run_local_job
 
     role_args = [role, "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width)]
     role_args += ["--rows", str(args.rows), "--depth", str(args.depth), "--batch", str(args.batch)]

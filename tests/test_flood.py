@@ -269,7 +269,7 @@ def wait_for(path: Path, job: threading.Thread, limit_s: float = 90.0) -> None:
 def test_a_flood_of_unauthenticated_connections_costs_a_running_job_nothing(tmp_path, monkeypatch):
     # The secret is the launcher's: the test learns it by giving the launcher its own generator.
     secret = b"s" * 32
-    monkeypatch.setattr("paratrain.launch.local.secrets.token_bytes", lambda n: secret[:n])
+    monkeypatch.setattr("paratrain.launch.engines.local.job.secrets.token_bytes", lambda n: secret[:n])
     outcomes: list = []
     job = threading.Thread(
         target=lambda: outcomes.append(

@@ -12,7 +12,7 @@ import pytest
 from conftest import DIGITS_SYNC_ARGS, DIGITS_SYNC_ENV
 from test_examples import accuracy
 
-from paratrain.launch.local import LocalJobConfig, Placement
+from paratrain.launch.engines.local.job import LocalJobConfig, ProcessHost
 from paratrain.testing import LinkShape, SimulatedHosts, hosts_unavailable, place_on_hosts, run_job
 
 JOBS = Path(__file__).parent / "jobs"
@@ -33,7 +33,7 @@ needs_hosts = pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hos
         (lambda: SimulatedHosts(2, rate="1gbit", shape=LinkShape("1gbit")), "rate or shape, not both"),
         (
             lambda: LocalJobConfig(
-                "x.py", num_workers=1, placements={"worker": [Placement("a"), Placement("b")]}
+                "x.py", num_workers=1, placements={"worker": [ProcessHost("a"), ProcessHost("b")]}
             ),
             r"placements\['worker'\] names 2 places for 1",
         ),

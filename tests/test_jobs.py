@@ -65,6 +65,7 @@ def _wait_for(what: str, check, timeout_s: float = WAIT_S):
     raise AssertionError(f"waited {timeout_s} s for {what}")
 
 
+@pytest.mark.jobs  # `paratrain submit` starts the job's driver
 def test_the_cifar10_example_runs_as_a_job_with_an_evaluator(tmp_path):
     write_cifar10_binary(tmp_path / "data", train_per_file=26, test=40)  # 4 steps of 2 x 16
     spec = yaml.safe_load((ROOT / "examples" / "cifar10.yaml").read_text())

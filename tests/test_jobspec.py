@@ -21,7 +21,7 @@ import yaml
 from click.testing import CliRunner
 
 from paratrain import checkpoint
-from paratrain.launch import job_cluster, jobs
+from paratrain.launch import engines, job_cluster, jobs
 from paratrain.launch.cli import main
 from paratrain.launch.job_driver import LogFiles
 from paratrain.launch.jobspec import (
@@ -308,7 +308,7 @@ def test_log_files_keep_each_process_apart_and_the_whole_in_order(tmp_path):
 def test_job_records_are_found_by_id_listed_and_a_dead_driver_is_noticed(tmp_path, monkeypatch):
     monkeypatch.setenv("PARATRAIN_HOME", str(tmp_path / "home"))
     job_id = jobs.new_job_id("demo")
-    folder = jobs.job_folder(str(tmp_path / "out"), job_id, "local")
+    folder = engines.get("local").job_folder(str(tmp_path / "out"), job_id)
     dead = subprocess.Popen([sys.executable, "-c", ""])
     dead.wait()
     record = jobs.JobRecord(id=job_id, name="demo", backend="local", folder=str(folder), state="running")

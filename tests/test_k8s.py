@@ -23,7 +23,7 @@ import yaml
 
 from paratrain.cluster.spec import spec_from_env
 from paratrain.launch.api import LaunchConfig
-from paratrain.launch.k8s import (
+from paratrain.launch.engines.k8s.manifests import (
     INDEX_FIELD,
     JOB_LABEL,
     ROLE_LABEL,

@@ -26,7 +26,8 @@ from click.testing import CliRunner
 
 from paratrain.cluster.spec import EXIT_ABORTED
 from paratrain.launch.cli import main
-from paratrain.launch.local import LocalJobConfig, _first_failure
+from paratrain.launch.engines.local.job import LocalJobConfig
+from paratrain.launch.report import _first_failure
 from paratrain.testing import (
     assert_all_gone,
     free_port,
@@ -41,6 +42,8 @@ PARATRAIN = str(Path(sys.executable).parent / "paratrain")
 PRELUDE = '''
 import os, signal, sys, time
 from pathlib import Path
+
+from paratrain.system import process_alive
 
 ROLE = os.environ["PARATRAIN_ROLE"]
 RANK = int(os.environ["PARATRAIN_RANK"])
@@ -65,11 +68,7 @@ def wait_for(*names, limit_s=30.0):
 
 
 def wait_until_gone(pid):
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
+    while process_alive(pid):
         time.sleep(0.01)
 
 

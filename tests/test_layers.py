@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "paratrain"
 
 # Bottom first, as docs/architecture.md lists them; node.py and __init__.py are the top.
 LAYERS = [
-    ("version", "errors"),
+    ("version", "errors", "system"),
     ("transport",),
     ("compression",),
     ("cluster",),

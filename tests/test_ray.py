@@ -23,10 +23,10 @@ import pytest
 import ray
 
 from paratrain.launch.api import LaunchConfig
-from paratrain.launch.ray import RayOptions, role_threads, run_ray
-from paratrain.launch.ray_placement import NodeInfo, RayJobError, node_labels, plan_groups
-from paratrain.launch.ray_process import RoleProcess
-from paratrain.launch.ray_supervise import Interrupts, RayChild, Supervisor, first_line
+from paratrain.launch.engines.ray.driver import RayOptions, role_threads, run_ray
+from paratrain.launch.engines.ray.placement import NodeInfo, RayJobError, node_labels, plan_groups
+from paratrain.launch.engines.ray.process import RoleProcess
+from paratrain.launch.engines.ray.supervise import Interrupts, RayChild, Supervisor, first_line
 from paratrain.launch.report import Printer
 from paratrain.launch.restarts import Restarts
 from paratrain.testing import assert_all_gone
@@ -235,7 +235,7 @@ def test_a_keepers_child_dies_with_the_thread_that_started_it():
     """What happens to a child when its actor dies: PR_SET_PDEATHSIG from the exec wrapper."""
     script = (  # the child has become the target (it printed) before its starter is killed
         "import time\n"
-        "from paratrain.launch.ray_process import RoleProcess\n"
+        "from paratrain.launch.engines.ray.process import RoleProcess\n"
         "target = 'import time; print(1, flush=True); time.sleep(60)'\n"
         "k = RoleProcess(); pid = k.start([None, '-c', target], {})\n"
         "assert k.poll(30)['lines'] == [(1, '1')]\n"
@@ -481,8 +481,9 @@ def _descendants(root: int) -> list[int]:
 def test_a_submitted_job_runs_on_ray_with_its_folders_checked_on_every_node(cluster, tmp_path, monkeypatch):
     """The job platform's driver (job_driver.drive, as `paratrain submit` runs it) on the cluster:
     the job's folders are seen on both nodes, each process's output lands in its own log."""
-    from paratrain.launch import jobs
-    from paratrain.launch.job_driver import drive, missing_on_ray_nodes
+    from paratrain.launch import engines, jobs
+    from paratrain.launch.engines.ray import missing_on_ray_nodes
+    from paratrain.launch.job_driver import drive
     from paratrain.launch.jobspec import parse_spec
 
     monkeypatch.setenv("PARATRAIN_HOME", str(tmp_path / "home"))
@@ -494,7 +495,7 @@ def test_a_submitted_job_runs_on_ray_with_its_folders_checked_on_every_node(clus
     )
     spec = parse_spec(text, "job.yaml", base=tmp_path)
     job_id = jobs.new_job_id(spec.name)
-    record = jobs.open_job(spec, job_id, jobs.job_folder(spec.output_dir, job_id, "ray"))
+    record = jobs.open_job(spec, job_id, engines.get("ray").job_folder(spec.output_dir, job_id))
     assert drive(Path(record.folder)) == 0
     record = jobs.read_record(record.folder)
     assert record.state == "succeeded" and record.exit_code == 0, record.failure

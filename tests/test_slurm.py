@@ -27,7 +27,13 @@ from pathlib import Path
 import pytest
 
 from paratrain.launch.api import LaunchConfig
-from paratrain.launch.slurm import SlurmOptions, run_slurm_job, sbatch_script, supervised_task, task_roles
+from paratrain.launch.engines.slurm.sbatch import (
+    SlurmOptions,
+    run_slurm_job,
+    sbatch_script,
+    supervised_task,
+    task_roles,
+)
 from paratrain.testing import free_port
 
 JOBS = Path(__file__).parent / "jobs"

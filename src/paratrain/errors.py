@@ -83,6 +83,11 @@ class JobAbortedError(ClusterError):
     """The scheduler ended the job because some node failed; the message names it."""
 
 
+class LaunchError(ParatrainError):
+    """A job could not be started, asked about or stopped: a cluster's command failed or is
+    missing, its driver did not start, or its cluster could not hold it."""
+
+
 class KVStoreError(ParatrainError):
     """A key-value store operation failed (unknown key, shape mismatch, server refused)."""
 

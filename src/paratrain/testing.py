@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from paratrain.launch.local import ChildFailure, LocalJobConfig, Placement, run_local_job
+from paratrain.launch.engines.local.job import ChildFailure, LocalJobConfig, ProcessHost, run_local_job
 from paratrain.metrics.dashboard import DashboardConfig
+from paratrain.system import process_alive
 from paratrain.testing_hosts import LinkShape, SimulatedHosts, hosts_unavailable, shaping_unavailable
 
 __all__ = [
@@ -180,7 +181,7 @@ def place_on_hosts(count: int, servers: int, workers: int) -> dict[str, list[int
     }
 
 
-def _placements(hosts: SimulatedHosts, place: Mapping[str, Sequence[int]]) -> dict[str, list[Placement]]:
+def _placements(hosts: SimulatedHosts, place: Mapping[str, Sequence[int]]) -> dict[str, list[ProcessHost]]:
     return {role: [hosts.placement(i) for i in indices] for role, indices in place.items()}
 
 
@@ -207,23 +208,13 @@ def _check_expectation(outcome: JobOutcome, expect: str | None) -> None:
         )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return False  # the pid now belongs to another user's process: ours is gone
-    return True
-
-
 def assert_all_gone(pids: Iterable[int], wait_s: float = _GONE_WAIT_S) -> None:
     """Asserts that none of `pids` is alive, polling up to `wait_s`; kills and names survivors."""
     deadline = time.monotonic() + wait_s
-    survivors = [pid for pid in pids if _alive(pid)]
+    survivors = [pid for pid in pids if process_alive(pid)]
     while survivors and time.monotonic() < deadline:
         time.sleep(0.05)
-        survivors = [pid for pid in survivors if _alive(pid)]
+        survivors = [pid for pid in survivors if process_alive(pid)]
     if survivors:
         for pid in survivors:
             try:

@@ -34,8 +34,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from paratrain.system import process_alive
+
 if TYPE_CHECKING:
-    from paratrain.launch.local import Placement
+    from paratrain.launch.engines.local.job import ProcessHost
 
 logger = logging.getLogger(__name__)
 
@@ -128,11 +130,11 @@ class SimulatedHosts:
         must use (Gloo would otherwise look up the hostname, which names no namespace's address)."""
         return {"PARATRAIN_HOST": self.address(i), "GLOO_SOCKET_IFNAME": "eth0"}
 
-    def placement(self, i: int) -> Placement:
+    def placement(self, i: int) -> ProcessHost:
         """Where the local launcher starts a process that runs on host i."""
-        from paratrain.launch.local import Placement  # the launcher, only where a job is placed
+        from paratrain.launch.engines.local.job import ProcessHost  # the launcher, only where a job is placed
 
-        return Placement(self.address(i), tuple(self.prefix(i)), self.env(i))
+        return ProcessHost(self.address(i), tuple(self.prefix(i)), self.env(i))
 
     def run(self, i: int, cmd: Sequence[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
         """Runs `cmd` on host i to its end (check=True, output captured as text)."""
@@ -198,22 +200,12 @@ def remove_stale() -> list[str]:
     stale = []
     for name in listed:
         match = _NAME.match(name)
-        if match and not _pid_alive(int(match[1])):
+        if match and not process_alive(int(match[1])):
             stale.append(name)
             _delete(name)
     if stale:
         logger.warning("removed network namespaces of an earlier run: %s", ", ".join(stale))
     return stale
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _delete(name: str) -> None:

@@ -19,13 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+from paratrain.system import process_alive
 
 
 class ServerDeaths:
@@ -68,7 +62,7 @@ class ServerDeaths:
             raise TimeoutError(
                 f"the restarted server was not back, or server {self.second} not dead, in time"
             )
-        if self.back.is_set() and not _alive(int(self.second_pid.read_text())):
+        if self.back.is_set() and not process_alive(int(self.second_pid.read_text())):
             self._seen.append(step)
         return len(self._seen) < 2  # ROUNDS more rounds after worker 0 saw the second death
 

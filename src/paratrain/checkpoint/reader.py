@@ -23,8 +23,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from paratrain.checkpoint.store import Checkpoint, _atomic_write, latest, list_checkpoints, load_file
+from paratrain.checkpoint.store import Checkpoint, latest, list_checkpoints, load_file
 from paratrain.errors import CheckpointError
+from paratrain.system import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def write_evaluation(found: Checkpoint, results: dict) -> Path:
     """Writes `results` (plain JSON data) as evaluation.json into the checkpoint's folder, atomically."""
     text = json.dumps({**results, "time": time.time()}, indent=1, sort_keys=True, allow_nan=False)
     path = found.path / EVALUATION
-    _atomic_write(path, lambda f: f.write(text.encode()))
+    atomic_write(path, text)
     return path
 
 

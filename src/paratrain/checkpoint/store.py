@@ -33,14 +33,15 @@ import re
 import shutil
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from paratrain.errors import CheckpointError
+from paratrain.system import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def save_file(path: str | os.PathLike[str], state: dict) -> None:
     _check_state(state, "state")
     with _disk_errors(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, lambda f: torch.save(state, f))
+        atomic_write(path, lambda f: torch.save(state, f))
 
 
 def load_file(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict:
@@ -147,13 +148,13 @@ def commit(root: str | os.PathLike[str], step: int, meta: dict, keep: int | None
     except (TypeError, ValueError) as e:
         raise ValueError(f"commit meta for step {step} is not plain JSON data: {e}")
     with _disk_errors(staging / META):
-        _atomic_write(staging / META, lambda f: f.write(text.encode()))
+        atomic_write(staging / META, lambda f: f.write(text.encode()))
         _fsync_dir(staging)
     final = root / name
     _rename_over(staging, final)
     _fsync_dir(root)
     with _disk_errors(root / POINTER):  # the folder is complete: a reader finds it by its step
-        _atomic_write(root / POINTER, lambda f: f.write(f"{name}\n".encode()))
+        atomic_write(root / POINTER, lambda f: f.write(f"{name}\n".encode()))
         _fsync_dir(root)
     _clean_debris(root)
     logger.info("checkpoint step %d committed at %s (%d files)", step, final, len(full_meta["files"]))
@@ -285,20 +286,6 @@ def _check_state(value: Any, where: str) -> None:
             f"{where} is a {kind.__module__}.{kind.__qualname__}; a checkpoint holds only tensors, "
             "dicts, lists, tuples, numbers, strings, bytes and None"
         )
-
-
-def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Write through `write` to a temporary file beside `path`, fsync it, then rename it onto `path`."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _fsync_dir(path: Path) -> None:

@@ -64,8 +64,8 @@ def init_torch_distributed(ctx: Context, backend: str = "gloo", timeout_s: float
 
 
 def rank_map(members: Iterable[int]) -> dict[int, int]:
-    """Worker rank -> rank in the all-reduce group: the members in order of worker rank."""
-    return {worker: rank for rank, worker in enumerate(sorted(set(members)))}
+    """Worker rank -> group_rank, its index in the all-reduce group: the members in order of rank."""
+    return {worker: group_rank for group_rank, worker in enumerate(sorted(set(members)))}
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ def _flat_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 @torch.no_grad()
 def broadcast_parameters(module: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
-    """Every rank's parameters and buffers become global rank `src`'s (one flat broadcast per dtype)."""
+    """Every rank's parameters and buffers become worker rank `src`'s (its rank in the world, as
+    torch.distributed takes `src` even with a `group`); one flat broadcast per dtype."""
     for same in _flat_groups([t.data for t in [*module.parameters(), *module.buffers()]]):
         flat = torch.cat([t.reshape(-1) for t in same])
         dist.broadcast(flat, src, group=group)

@@ -52,9 +52,12 @@ class TwoBit(Codec):
 
     def encode(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> list[torch.Tensor]:
         out = torch.empty((x.numel() + 3) // 4, dtype=torch.uint8)
-        feedback = residual is not None
         kernels.encode_2bit(
-            x.numpy(), (residual if feedback else x).numpy(), self.threshold, feedback, out.numpy()
+            x.numpy(),
+            (x if residual is None else residual).numpy(),
+            self.threshold,
+            residual is not None,
+            out.numpy(),
         )
         return [out]
 

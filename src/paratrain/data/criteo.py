@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from paratrain.system import atomic_write
+
 logger = logging.getLogger(__name__)
 
 NUM_DENSE, NUM_CATEGORICAL = 13, 26
@@ -126,7 +128,4 @@ def write_synthetic_criteo(
     dense_text = np.where(dense_missing, "", counts.int().numpy().astype(str))
     columns = [labels.astype(str), *dense_text.T, *cat_text]
     lines = ["\t".join(fields) for fields in zip(*columns, strict=True)]
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="ascii") as f:
-        f.write("\n".join(lines) + ("\n" if lines else ""))
-    os.replace(tmp, path)
+    atomic_write(path, "\n".join(lines) + ("\n" if lines else ""))

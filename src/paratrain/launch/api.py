@@ -1,8 +1,8 @@
 """What every engine of `paratrain launch --backend ...` is given, and what they share.
 
 `LaunchConfig` is the job as the user asked for it, whatever runs it: the script, its arguments,
-how many workers and servers, the strategy, extra environment. Each engine (`local.py`, `ray.py`,
-`slurm.py`, `k8s.py`) takes a LaunchConfig plus its own `*Options` and starts every role where that
+how many workers and servers, the strategy, extra environment. Each engine (engines/: what one must
+do is engines/api.py) takes a LaunchConfig plus its own `*Options` and starts every role where that
 engine puts processes. The helpers here are what engines would otherwise each write again: the
 strategy checked before anything starts, and each process's share of its host's cores.
 """
@@ -16,8 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
-
-BACKENDS = ("local", "ray", "slurm", "k8s")
 
 # paratrain's identity variables: an engine sets them for each process, and a value inherited from
 # the launching shell, or given in a job's env, would describe some other job's process.

@@ -21,7 +21,9 @@ from typing import Any
 
 import click
 
-from paratrain.launch.api import BACKENDS, LaunchConfig
+from paratrain.launch import engines
+from paratrain.launch.api import LaunchConfig
+from paratrain.launch.engines.api import LaunchArgs
 from paratrain.launch.jobs_cli import COMMANDS as JOB_COMMANDS
 from paratrain.launch.observe_cli import dashboard_config, observe_env, observe_options, trace
 from paratrain.transport.ports import PortUnavailable
@@ -45,8 +47,8 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
 )
 @click.option(
     "--backend",
-    type=click.Choice(BACKENDS),
-    default="local",
+    type=engines.EngineChoice(),
+    default=engines.DEFAULT,
     show_default=True,
     help="Where the processes run: this machine, a Ray cluster, Slurm (sbatch) or Kubernetes.",
 )
@@ -171,8 +173,12 @@ def launch(
     logging.basicConfig(level=logging.INFO, format="paratrain: %(message)s")
     if script.startswith("-"):  # an option this command does not know, read as the script's path
         raise _no_such_option(ctx, script)
-    if backend != "k8s" and not os.path.isfile(script):  # under k8s the script is in the image
+    engine = engines.get(backend)
+    if engine.paths_here and not os.path.isfile(script):  # else the script is in the image
         raise click.BadParameter(f"{script!r} is not a file", param_hint="'SCRIPT'")
+    if (elastic or max_restarts) and not engine.elastic:
+        where = ", ".join(engines.names(lambda e: e.elastic))
+        raise click.UsageError(f"--elastic and --max-restarts work with --backend {where}; not {backend}")
     source = "--strategy"
     if strategy is None and os.environ.get(STRATEGY_VAR):
         strategy, source = os.environ[STRATEGY_VAR], f"{STRATEGY_VAR} (from the environment)"
@@ -184,7 +190,7 @@ def launch(
             num_servers=servers,
             strategy=strategy,
             timeout_s=timeout_s,
-            env=observe_env(observe, local=backend == "local"),
+            env=observe_env(observe, local=engine.binds_dashboard),
             server_losses=server_losses,
             elastic=elastic,
             max_restarts=max_restarts,
@@ -193,42 +199,29 @@ def launch(
         raise click.UsageError(_as_given(str(exc), source)) from None
     for warning in config.warnings():
         logging.getLogger(__name__).warning("warning: %s", _as_given(warning, source))
-    resources: dict[str, Any] = {
-        "cpus_per_worker": cpus_per_worker,
-        "cpus_per_server": cpus_per_server,
-        "gpus_per_worker": gpus_per_worker,
-    }
-    if backend == "local":
-        from paratrain.launch.local import run_launch
-
-        try:
-            exit_code = run_launch(
-                config,
-                host=host,
-                dashboard=dashboard_config(observe),
-                elastic=elastic,
-                max_restarts=max_restarts,
-            )
-        except PortUnavailable as exc:  # --dashboard-port taken: one line, no traceback
-            raise click.ClickException(str(exc)) from None
-        ctx.exit(exit_code)
-    if backend == "k8s" and (elastic or max_restarts):
-        raise click.UsageError("--elastic and --max-restarts work with --backend local, ray, slurm; not k8s")
-    if backend == "ray":
-        from paratrain.launch.ray import RayOptions, run_ray_job
-
-        ctx.exit(run_ray_job(config, RayOptions(address=address, **resources)))
-    if backend == "slurm":
-        from paratrain.launch.slurm import SlurmOptions, run_slurm_job
-
-        slurm = SlurmOptions(partition=partition, time=time_limit, nodes=nodes, dry_run=dry_run, **resources)
-        ctx.exit(run_slurm_job(config, slurm))
-    from paratrain.launch.k8s import K8sOptions, run_k8s_job
-
-    if image is None and not dry_run:
-        raise click.UsageError("--backend k8s needs --image (the container image every pod runs)")
-    options = K8sOptions(image=image or "IMAGE", namespace=namespace, dry_run=dry_run, **resources)
-    ctx.exit(run_k8s_job(config, options))
+    args = LaunchArgs(
+        host=host,
+        dashboard=dashboard_config(observe),
+        address=address,
+        partition=partition,
+        time_limit=time_limit,
+        nodes=nodes,
+        image=image,
+        namespace=namespace,
+        cpus_per_worker=cpus_per_worker,
+        cpus_per_server=cpus_per_server,
+        gpus_per_worker=gpus_per_worker,
+        dry_run=dry_run,
+    )
+    try:
+        options = engine.options(args)
+    except (ValueError, TypeError) as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        exit_code = engine.launch(config, options)
+    except PortUnavailable as exc:  # --dashboard-port taken: one line, no traceback
+        raise click.ClickException(str(exc)) from None
+    ctx.exit(exit_code)
 
 
 def _as_given(message: str, source: str) -> str:

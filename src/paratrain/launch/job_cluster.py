@@ -20,6 +20,9 @@ import subprocess
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from paratrain.errors import LaunchError
+from paratrain.launch.quoting import quote
+
 if TYPE_CHECKING:  # pydantic is imported only by the commands that read a spec
     from paratrain.launch.api import LaunchConfig
     from paratrain.launch.jobspec import JobSpec
@@ -37,21 +40,17 @@ _SLURM_STATES = {
 }
 
 
-class ClusterError(RuntimeError):
-    """A cluster command failed or is missing; the message says which and what it said."""
-
-
 def run_command(cmd: list[str], stdin: str | None = None) -> str:
-    """The stdout of `cmd`; ClusterError naming the command and its stderr when it fails."""
+    """The stdout of `cmd`; LaunchError naming the command and its stderr when it fails."""
     if shutil.which(cmd[0]) is None:
-        raise ClusterError(f"{cmd[0]} is not on PATH (the job's cluster is asked with it)")
+        raise LaunchError(f"{cmd[0]} is not on PATH (the job's cluster is asked with it)")
     try:
         done = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=_CLUSTER_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise ClusterError(f"{shlex.join(cmd)} did not answer within {_CLUSTER_TIMEOUT_S} s") from None
+        raise LaunchError(f"{shlex.join(cmd)} did not answer within {_CLUSTER_TIMEOUT_S} s") from None
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip()
-        raise ClusterError(f"{shlex.join(cmd)} exited with code {done.returncode}: {said}")
+        raise LaunchError(f"{shlex.join(cmd)} exited with code {done.returncode}: {said}")
     return done.stdout
 
 
@@ -59,7 +58,7 @@ def run_command(cmd: list[str], stdin: str | None = None) -> str:
 
 
 def slurm_options(spec: JobSpec, job_id: str, folder: Path, dry_run: bool) -> Any:
-    from paratrain.launch.slurm import SlurmOptions
+    from paratrain.launch.engines.slurm.sbatch import SlurmOptions
 
     return SlurmOptions(
         partition=spec.slurm.partition,
@@ -76,23 +75,24 @@ def slurm_options(spec: JobSpec, job_id: str, folder: Path, dry_run: bool) -> An
 
 def slurm_script(spec: JobSpec, config: LaunchConfig, options: Any) -> str:
     """The engine's sbatch script, with the job's memory and its folders checked before srun."""
+    from paratrain.launch.engines.slurm.sbatch import sbatch_directive, sbatch_script
     from paratrain.launch.jobspec import memory_bytes
-    from paratrain.launch.slurm import sbatch_script
 
     lines = sbatch_script(config, options).splitlines()
     last_directive = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH "))
     memory = [r.memory for r in (spec.resources.worker, spec.resources.server) if r.memory]
     if memory:
         per_cpu = max(memory_bytes(m) for m in memory) / options.cpus_per_task
-        lines.insert(last_directive + 1, f"#SBATCH --mem-per-cpu={math.ceil(per_cpu / 2**20)}M")
-    folders = " ".join(shlex.quote(d) for d in (spec.work_dir, spec.data_dir, spec.output_dir) if d)
+        lines.insert(last_directive + 1, sbatch_directive("mem-per-cpu", f"{math.ceil(per_cpu / 2**20)}M"))
+    dirs = {"work_dir": spec.work_dir, "data_dir": spec.data_dir, "output_dir": spec.output_dir}
+    folders = " ".join(quote(d, "bash", name) for name, d in dirs.items() if d)
     check = [
         "# The job's folders must be on a file system every node sees; this node, at least, must see them.",
         f"for folder in {folders}; do",
         '  [ -d "$folder" ] || { echo "paratrain: $folder is not on $(hostname): the job\'s folders must be'
         ' on a shared file system" >&2; exit 1; }',
         "done",
-        f"cd {shlex.quote(spec.work_dir or '.')}",
+        f"cd {quote(spec.work_dir or '.', 'bash', 'work_dir')}",
     ]
     at = lines.index("set -eu") + 1
     return "\n".join(lines[:at] + check + lines[at:]) + "\n"
@@ -107,12 +107,12 @@ def slurm_state(cluster_id: str) -> str | None:
     """pending, running, succeeded, failed or stopped, as squeue or sacct say; None when neither knows."""
     try:
         text = run_command(["squeue", "-h", "-j", cluster_id, "-o", "%T"]).strip()
-    except ClusterError:
+    except LaunchError:
         text = ""  # squeue forgets a finished job (and refuses an id it forgot)
     if not text:
         try:
             text = run_command(["sacct", "-X", "-n", "-P", "-o", "State", "-j", cluster_id]).strip()
-        except ClusterError:
+        except LaunchError:
             return None
     if not text:
         return None
@@ -136,7 +136,7 @@ def slurm_lines(text: str, role: str | None, rank: int) -> str:
 
 
 def k8s_options(spec: JobSpec, job_id: str, dry_run: bool) -> Any:
-    from paratrain.launch.k8s import K8sOptions
+    from paratrain.launch.engines.k8s.manifests import K8sOptions
 
     return K8sOptions(
         image=spec.k8s.image or "IMAGE",
@@ -152,7 +152,7 @@ def k8s_options(spec: JobSpec, job_id: str, dry_run: bool) -> Any:
 
 def k8s_manifests(spec: JobSpec, config: LaunchConfig, options: Any) -> list[dict]:
     """The engine's manifests, with the job's volumes, memory and working directory in every pod."""
-    from paratrain.launch.k8s import build_manifests
+    from paratrain.launch.engines.k8s.manifests import build_manifests
 
     manifests = build_manifests(config, options, options.name, secrets.token_bytes(32))
     for manifest in manifests:
@@ -189,11 +189,11 @@ def _add_to_pod(spec: JobSpec, pod: dict, job_name: str) -> None:
 
 
 def k8s_apply(options: Any, text: str) -> None:
-    from paratrain.launch.k8s import _apply
+    from paratrain.launch.engines.k8s.manifests import _apply
 
     error = _apply(options, text)
     if error is not None:
-        raise ClusterError(error)
+        raise LaunchError(error)
 
 
 def _selector(cluster_id: str) -> list[str]:

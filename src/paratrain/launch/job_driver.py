@@ -1,10 +1,10 @@
 """The driver of one submitted job on `local` or `ray`: `python -m paratrain.launch.job_driver FOLDER`.
 
 `paratrain submit` starts it detached (its own session, output to logs/launcher.log) in the job's
-work_dir. It marks the job running, runs the engine (local.py or ray.py) with the job's spec turned
-into a LaunchConfig, files each line the engine prints under its process (`LogFiles`), runs the
-evaluator beside the job when the spec asks for one, and records how the job ended. SIGTERM (what
-`paratrain stop` sends) reaches the engine's own handler, which stops every process of the job on
+work_dir. It marks the job running, runs its engine (a DrivenEngine: engines/api.py) with the job's
+spec turned into a LaunchConfig, files each line the engine prints under its process (`LogFiles`),
+runs the evaluator beside the job when the spec asks for one, and records how the job ended.
+SIGTERM (what `paratrain stop` sends) reaches the engine's own handler, which stops every process on
 every node; the job is then `stopped`.
 """
 
@@ -27,10 +27,12 @@ from typing import IO, Any, cast
 
 import yaml
 
+from paratrain.launch import engines
 from paratrain.launch.api import IDENTITY_VARS, LaunchConfig
+from paratrain.launch.engines.api import DrivenEngine
+from paratrain.launch.engines.ray.process import _WRAPPER
 from paratrain.launch.jobs import EXIT_INTERRUPTED, EXIT_TERMINATED, JobRecord, read_record, update_record
 from paratrain.launch.jobspec import JobSpec, launch_config
-from paratrain.launch.ray_process import _WRAPPER
 from paratrain.launch.report import JobResult
 
 logger = logging.getLogger(__name__)
@@ -111,10 +113,9 @@ def drive(folder: Path) -> int:
         if spec.evaluator:
             evaluator = Evaluator(config, folder, logs)
             update_record(folder, extra={"evaluator_pid": evaluator.proc.pid})
-        if spec.backend == "ray":
-            result = _run_ray(spec, config, logs)
-        else:
-            result = _run_local(config, logs)
+        engine = engines.get(spec.backend)
+        assert isinstance(engine, DrivenEngine), f"{spec.backend} jobs are not driven from here"
+        result = engine.drive(spec, config, cast(IO[str], logs))
     except _Stopped:
         result = JobResult(EXIT_TERMINATED, None, "paratrain: stopped before every process had started\n", [])
     finally:
@@ -146,73 +147,6 @@ def _record_end(folder: Path, record: JobRecord, exit_code: int, report: str) ->
     update_record(folder, state=state, ended=time.time(), exit_code=exit_code, failure=report)
 
 
-def _run_local(config: LaunchConfig, logs: LogFiles) -> JobResult:
-    from paratrain.launch.local import LocalJobConfig, run_local_job
-
-    local = LocalJobConfig(
-        script=config.script,
-        args=config.args,
-        num_workers=config.num_workers,
-        num_servers=config.num_servers,
-        env=config.job_env(),
-        timeout_s=config.timeout_s,
-        python=config.python,
-    )
-    return run_local_job(local, out=cast(IO[str], logs), err=cast(IO[str], logs))
-
-
-def _run_ray(spec: JobSpec, config: LaunchConfig, logs: LogFiles) -> JobResult:
-    """The job on Ray, once every node has been seen to hold data_dir and output_dir."""
-    import ray
-
-    from paratrain.launch.ray import RayOptions, run_ray
-
-    options = RayOptions(
-        address=spec.ray.address,
-        cpus_per_worker=spec.resources.worker.cpus,
-        cpus_per_server=spec.resources.server.cpus,
-        gpus_per_worker=spec.resources.worker.gpus,
-    )
-    connected_here = not ray.is_initialized()
-    if connected_here:
-        try:
-            ray.init(address=spec.ray.address, log_to_driver=False, logging_level=logging.WARNING)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            report = f"paratrain: could not connect to the Ray cluster at {spec.ray.address!r}: {exc}\n"
-            return JobResult(1, None, report, [])
-    try:
-        missing = missing_on_ray_nodes([d for d in (spec.data_dir, spec.output_dir) if d])
-        if missing:
-            report = f"paratrain: the job's directories must be on a file system every node sees: {missing}\n"
-            logs.write(report)
-            return JobResult(1, None, report, [])
-        return run_ray(config, options, out=cast(IO[str], logs), err=cast(IO[str], logs))
-    finally:
-        if connected_here:
-            ray.shutdown()
-
-
-def missing_on_ray_nodes(paths: list[str], timeout_s: float = 60.0) -> str:
-    """'' when every alive node of the connected Ray cluster has every folder in `paths`, else which
-    node lacks which."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    @ray.remote(num_cpus=0)
-    def where_missing(paths: list[str]) -> tuple[str, list[str]]:
-        return socket.gethostname(), [p for p in paths if not os.path.isdir(p)]
-
-    nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
-    refs = [
-        where_missing.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-            paths
-        )
-        for node in nodes
-    ]
-    answers = ray.get(refs, timeout=timeout_s)
-    return "; ".join(f"node {host} has no {', '.join(lacks)}" for host, lacks in answers if lacks)
-
-
 class Evaluator:
     """The evaluator process: the job's script with PARATRAIN_TASK=evaluator and no cluster identity
     (paratrain.init() makes it a single process), beside the driver. PARATRAIN_TRAINING_DONE names the
@@ -227,7 +161,7 @@ class Evaluator:
             PYTHONUNBUFFERED="1",
         )
         env.setdefault("OMP_NUM_THREADS", "1")
-        # Through ray_process's wrapper: the evaluator dies with this driver, even a SIGKILLed one.
+        # Through the Ray engine's process wrapper: the evaluator dies with this driver, even a SIGKILLed one.
         python = shutil.which(config.python) or config.python  # the wrapper execs an absolute path
         wrapper = [python, "-c", _WRAPPER, str(os.getpid()), python]
         self.proc = subprocess.Popen(

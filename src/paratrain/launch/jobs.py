@@ -8,11 +8,11 @@
                         launcher.log (what the driver itself said); slurm-<n>.out under Slurm
         training.done   written when the training processes have ended (the evaluator's cue)
 
-A job on `local` or `ray` is driven by a detached driver process (job_driver.py) on the machine
-that submitted it; stopping the job is SIGTERM to that driver, which stops every process as the
-engines do on Ctrl-C. A job on `slurm` or `k8s` is handed to the cluster; its state is asked of
-sacct or kubectl, and stopping it is scancel or kubectl delete. Under k8s, OUTPUT_DIR is a path in
-the pods, so the job's folder is kept under PARATRAIN_HOME instead.
+Each engine says how its jobs are handed over, asked about and stopped (engines/api.py): a job on
+`local` or `ray` is driven by a detached driver process (job_driver.py) on the machine that
+submitted it, and stopping it is SIGTERM to that driver; a job on `slurm` or `k8s` is handed to
+the cluster's scheduler, asked about and cancelled with its commands. Where OUTPUT_DIR is a path
+in the pods (k8s), the job's folder is kept under PARATRAIN_HOME instead.
 
 state.json is rewritten atomically (temporary file, rename), so a reader on another machine sees
 one version or the next. Every submission is also noted in PARATRAIN_HOME/jobs/<id> (default
@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from paratrain.system import atomic_write, process_alive
 
 STATES = ("pending", "running", "succeeded", "failed", "stopped")
 FINAL = frozenset({"succeeded", "failed", "stopped"})
@@ -82,26 +84,21 @@ def new_job_id(name: str) -> str:
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
 
 
-def job_folder(output_dir: str, job_id: str, backend: str) -> Path:
-    if backend == "k8s":
-        return paratrain_home() / "k8s-jobs" / job_id
-    return Path(output_dir) / "jobs" / job_id
-
-
 def create_job(record: JobRecord, spec_text: str) -> Path:
     """Makes the job's folder with its spec and first state, and notes it in PARATRAIN_HOME."""
     folder = Path(record.folder)
     (folder / "logs").mkdir(parents=True, exist_ok=False)
-    _atomic_write(folder / "spec.yaml", spec_text)
+    atomic_write(folder / "spec.yaml", spec_text)
     write_record(record)
     index = paratrain_home() / "jobs"
     index.mkdir(parents=True, exist_ok=True)
-    _atomic_write(index / record.id, f"{folder}\n")
+    atomic_write(index / record.id, f"{folder}\n")
     return folder
 
 
-def open_job(spec: Any, job_id: str, folder: Path) -> JobRecord:
-    """The first record of a submission of `spec` (a resolved JobSpec), its folder made."""
+def open_job(spec: Any, job_id: str, folder: Path, make_output_dir: bool = True) -> JobRecord:
+    """The first record of a submission of `spec` (a resolved JobSpec), its folder made (and its
+    output_dir, when that is a path on this machine)."""
     import yaml
 
     record = JobRecord(
@@ -115,14 +112,14 @@ def open_job(spec: Any, job_id: str, folder: Path) -> JobRecord:
         evaluator=spec.evaluator,
         submitted=time.time(),
     )
-    if spec.backend != "k8s":
+    if make_output_dir:
         Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
     create_job(record, yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
     return record
 
 
 def write_record(record: JobRecord) -> None:
-    _atomic_write(
+    atomic_write(
         Path(record.folder) / "state.json", json.dumps(asdict(record), indent=1, sort_keys=True) + "\n"
     )
 
@@ -195,25 +192,12 @@ def refresh(record: JobRecord) -> JobRecord:
     """The record, with a driver that died without saying so (this machine's) marked failed."""
     if record.final or record.driver_pid is None or record.driver_host != socket.gethostname():
         return record
-    if not pid_alive(record.driver_pid):
+    if not process_alive(record.driver_pid):
         record = read_record(record.folder)  # it may have finished between the two reads
         if not record.final:
             report = f"the job's driver (pid {record.driver_pid}) died without recording how the job ended"
             return update_record(record.folder, state="failed", ended=time.time(), failure=report)
     return record
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) is not running
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def log_path(folder: str | os.PathLike[str], role: str | None, rank: int) -> Path:
@@ -222,19 +206,6 @@ def log_path(folder: str | os.PathLike[str], role: str | None, rank: int) -> Pat
     if role is None:
         return folder / "job.log"
     return folder / "logs" / ("launcher.log" if role == "launcher" else f"{role}-{rank}.log")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def describe_time(when: float) -> str:

@@ -12,33 +12,29 @@ kubectl), printing its id; `-f` then follows its output and exits with the job's
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
-from paratrain.launch import job_cluster, jobs
+from paratrain.errors import LaunchError
+from paratrain.launch import engines, jobs
 
-if TYPE_CHECKING:  # pydantic is imported by `submit` alone: `paratrain launch` starts as fast as before
-    from paratrain.launch.api import LaunchConfig
-    from paratrain.launch.jobspec import JobSpec
+if TYPE_CHECKING:  # pydantic is imported by `submit` alone, so that `paratrain launch` starts fast
+    from paratrain.launch.engines.api import Engine, LogSource
 
 _POLL_S = 0.5
-_STOP_WAIT_S = 90.0
 
 
 @click.command()
 @click.option("--dry-run", is_flag=True, help="Print what would run (the sbatch script, the manifests) only.")
 @click.option(
     "--backend",
-    type=click.Choice(["local", "ray", "slurm", "k8s"]),
+    type=engines.EngineChoice(),
     default=None,
     help="Instead of the spec's.",
 )
@@ -56,138 +52,55 @@ def submit(ctx: click.Context, dry_run: bool, backend: str | None, follow: bool,
     except SpecError as exc:
         click.echo("\n".join(exc.problems), err=True)
         ctx.exit(2)
+    engine = engines.get(spec.backend)
     job_id = jobs.new_job_id(spec.name)
-    folder = jobs.job_folder(spec.output_dir, job_id, spec.backend)
-    log_dir = f"{spec.output_dir}/jobs/{job_id}/logs" if spec.backend == "k8s" else str(folder / "logs")
-    config = launch_config(spec, job_id, log_dir)
-    problems = _local_problems(spec)
-    if spec.backend == "k8s" and spec.k8s.image is None and not dry_run:
-        problems.append("k8s.image: is required to submit (the image every pod runs)")
+    folder = engine.job_folder(spec.output_dir, job_id)
+    config = launch_config(spec, job_id, engine.log_dir(spec, job_id, folder))
+    problems = engine.submit_problems(spec, dry_run)
     if problems and dry_run:  # the spec may be meant for another machine's file system
         click.echo("\n".join(f"paratrain: warning: {spec_file}: {p} here" for p in problems), err=True)
     elif problems:
         click.echo("\n".join(f"{spec_file}: {p}" for p in problems), err=True)
         ctx.exit(2)
-    if dry_run:
-        ctx.exit(_dry_run(spec, config, job_id, folder))
-    record = jobs.open_job(spec, job_id, folder)
     try:
-        _hand_over(spec, config, record, folder)
-    except job_cluster.ClusterError as exc:
+        text = engine.dry_run(spec, config, job_id, folder)  # also what a submission would write
+    except ValueError as exc:  # a value the engine's script or manifests cannot carry
+        click.echo(f"{spec_file}: {exc}", err=True)
+        ctx.exit(2)
+    if dry_run:
+        click.echo(text, nl=False)
+        ctx.exit(0)
+    record = jobs.open_job(spec, job_id, folder, make_output_dir=engine.paths_here)
+    try:
+        engine.hand_over(spec, config, record, folder)
+    except (LaunchError, ValueError) as exc:
         jobs.update_record(folder, state="failed", ended=time.time(), failure=f"paratrain: {exc}\n")
         click.echo(f"paratrain: job {job_id} could not be submitted: {exc}", err=True)
         ctx.exit(1)
     click.echo(f"paratrain: submitted job {job_id} ({spec.backend}); its folder is {folder}")
-    click.echo(f"  state: paratrain jobs {spec.output_dir if spec.backend != 'k8s' else ''}".rstrip())
+    click.echo(f"  state: {engine.describe_state_command(spec)}")
     click.echo(f"  output: paratrain logs {job_id} [--role worker --rank 0] [-f]")
     click.echo(f"  stop: paratrain stop {job_id}")
-    if follow and spec.backend == "k8s":
-        cluster_id = jobs.read_record(folder).cluster_id
-        ctx.exit(subprocess.call(job_cluster.k8s_logs_command(cluster_id, None, 0, follow=True)))
     if follow:
-        ctx.exit(_follow_job(folder, None, 0, follow=True, wait_end=True))
+        ctx.exit(_show_logs(engine, folder, None, 0, follow=True, wait_end=True))
 
 
-def _local_problems(spec: JobSpec) -> list[str]:
-    """What can be checked on this machine before anything starts (not on k8s: paths in the pods)."""
-    if spec.backend == "k8s":
-        return []
-    from paratrain.launch.jobspec import script_path
-
-    problems = []
-    script = script_path(spec)
-    if not os.path.isfile(script):
-        problems.append(f"entry.script: {script} is not a file")
-    if spec.data_dir is not None and not os.path.isdir(spec.data_dir):
-        problems.append(f"data_dir: {spec.data_dir} is not a folder")
-    return problems
-
-
-def _dry_run(spec: JobSpec, config: LaunchConfig, job_id: str, folder: Path) -> int:
-    if spec.backend == "slurm":
-        options = job_cluster.slurm_options(spec, job_id, folder, dry_run=True)
-        click.echo(job_cluster.slurm_script(spec, config, options), nl=False)
-        return 0
-    if spec.backend == "k8s":
-        from paratrain.launch.k8s import manifests_yaml
-
-        options = job_cluster.k8s_options(spec, job_id, dry_run=True)
-        click.echo(manifests_yaml(job_cluster.k8s_manifests(spec, config, options)), nl=False)
-        return 0
-    where = "this machine" if spec.backend == "local" else f"the Ray cluster at {spec.ray.address}"
-    click.echo(f"job {job_id}: {spec.workers} worker(s), {spec.servers} server(s) on {where}")
-    if spec.evaluator:
-        click.echo("  and 1 evaluator beside the driver (PARATRAIN_TASK=evaluator)")
-    click.echo(f"  in {spec.work_dir}: {config.python} -u {config.script} {' '.join(config.args)}".rstrip())
-    for key, value in config.job_env().items():
-        click.echo(f"  {key}={value}")
-    click.echo(f"  job folder: {folder}")
-    return 0
-
-
-def _hand_over(spec: JobSpec, config: LaunchConfig, record: jobs.JobRecord, folder: Path) -> None:
-    if spec.backend == "slurm":
-        options = job_cluster.slurm_options(spec, record.id, folder, dry_run=False)
-        cluster_id = job_cluster.sbatch(job_cluster.slurm_script(spec, config, options))
-        jobs.update_record(folder, cluster_id=cluster_id)
-    elif spec.backend == "k8s":
-        options = job_cluster.k8s_options(spec, record.id, dry_run=False)
-        from paratrain.launch.k8s import manifests_yaml
-
-        job_cluster.k8s_apply(options, manifests_yaml(job_cluster.k8s_manifests(spec, config, options)))
-        jobs.update_record(folder, cluster_id=f"{record.id}/{spec.k8s.namespace}")
-    else:
-        pid = _detach(
-            [sys.executable, "-m", "paratrain.launch.job_driver", str(folder)],
-            cwd=spec.work_dir,
-            log=folder / "logs" / "launcher.log",
-        )
-        jobs.update_record(folder, driver_pid=pid, driver_host=socket.gethostname())
-
-
-# Starts argv[2:] in a session of its own with its output appended to argv[1], prints its pid and
-# exits: the driver is then nobody's child here, so it is reaped when it ends even while `submit -f`
-# (or a test) is still running, and a Ctrl-C in this shell later is not the job's business.
-_DETACH = (
-    "import subprocess, sys\n"
-    "with open(sys.argv[1], 'ab') as log:\n"
-    "    print(subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=log,"
-    " start_new_session=True).pid)\n"
-)
-
-
-def _detach(cmd: list[str], cwd: str | None, log: Path) -> int:
-    done = subprocess.run(
-        [sys.executable, "-c", _DETACH, str(log), *cmd], cwd=cwd, capture_output=True, text=True, timeout=60
-    )
-    if done.returncode != 0:
-        raise job_cluster.ClusterError(f"could not start the job's driver: {done.stderr.strip()}")
-    return int(done.stdout)
+def _show_logs(
+    engine: Engine, folder: Path, role: str | None, rank: int, follow: bool, wait_end: bool
+) -> int:
+    """Prints a job's output (or one process's) through the engine's command, or from its log file."""
+    command = engine.logs_command(jobs.read_record(folder), role, rank, follow)
+    if command is not None:
+        return subprocess.call(command)
+    return _follow_job(engine, folder, role, rank, follow=follow, wait_end=wait_end)
 
 
 # ---- jobs ---------------------------------------------------------------------------------------
 
 
 def _refresh(record: jobs.JobRecord) -> jobs.JobRecord:
-    """The record, with a cluster job's state as its cluster now tells it."""
-    record = jobs.refresh(record)
-    if record.final or not record.cluster_id:
-        return record
-    try:
-        if record.backend == "slurm":
-            state = job_cluster.slurm_state(record.cluster_id)
-        else:
-            state = job_cluster.k8s_state(record.cluster_id)
-    except job_cluster.ClusterError:
-        return record
-    if state is None or state == record.state:
-        return record
-    changes: dict[str, Any] = {"state": state}
-    if state == "running" and not record.started:
-        changes["started"] = time.time()
-    if state in jobs.FINAL:
-        changes["ended"] = time.time()
-    return jobs.update_record(record.folder, **changes)
+    """The record, with the job's state as its engine now knows it."""
+    return engines.get(record.backend).refresh(record)
 
 
 @click.command(name="jobs")
@@ -238,10 +151,8 @@ def logs(
     if rank is not None and role is None:
         raise click.UsageError("--rank needs --role")
     folder = _find(job, output_dir)
-    record = jobs.read_record(folder)
-    if record.backend == "k8s" and record.cluster_id:
-        ctx.exit(subprocess.call(job_cluster.k8s_logs_command(record.cluster_id, role, rank or 0, follow)))
-    ctx.exit(_follow_job(folder, role, rank or 0, follow=follow, wait_end=False))
+    engine = engines.get(jobs.read_record(folder).backend)
+    ctx.exit(_show_logs(engine, folder, role, rank or 0, follow=follow, wait_end=False))
 
 
 def _find(job: str, output_dir: str | None) -> Path:
@@ -251,11 +162,13 @@ def _find(job: str, output_dir: str | None) -> Path:
         raise click.UsageError(str(exc)) from None
 
 
-def _follow_job(folder: Path, role: str | None, rank: int, follow: bool, wait_end: bool) -> int:
+def _follow_job(
+    engine: Engine, folder: Path, role: str | None, rank: int, follow: bool, wait_end: bool
+) -> int:
     """Prints the log from its start; with `follow`, until the job has ended. Returns 0, or with
     `wait_end` the job's exit status."""
     record = _refresh(jobs.read_record(folder))
-    reader = _LogReader(folder, record, role, rank)
+    reader = _LogReader(engine.log_source(folder, record, role, rank), role, rank)
     while True:
         ended = record.final  # read before the log: what it wrote before ending is then printed
         sys.stdout.write(reader.read_new(final=ended or not follow))
@@ -276,13 +189,9 @@ class _LogReader:
     """What a log file gained since the last read, in whole lines (and the rest once final): the
     job's or one process's log, or under Slurm that process's lines of the job's output."""
 
-    def __init__(self, folder: Path, record: jobs.JobRecord, role: str | None, rank: int) -> None:
-        self.slurm = record.backend == "slurm"
+    def __init__(self, source: LogSource, role: str | None, rank: int) -> None:
+        self.path, self.lines = source.path, source.lines
         self.role, self.rank = role, rank
-        if self.slurm:
-            self.path = job_cluster.slurm_output(folder, record.cluster_id)
-        else:
-            self.path = jobs.log_path(folder, role, rank)
         self.offset = 0
         self.partial = b""
 
@@ -298,7 +207,7 @@ class _LogReader:
         cut = len(data) if final else data.rfind(b"\n") + 1
         self.partial = data[cut:]
         text = data[:cut].decode("utf-8", "replace")
-        return job_cluster.slurm_lines(text, self.role, self.rank) if self.slurm else text
+        return text if self.lines is None else self.lines(text, self.role, self.rank)
 
 
 # ---- stop ---------------------------------------------------------------------------------------
@@ -316,53 +225,11 @@ def stop(ctx: click.Context, job: str, output_dir: str | None) -> None:
         click.echo(f"paratrain: job {record.id} already {record.state}")
         return
     try:
-        if record.backend in ("slurm", "k8s"):
-            record = _stop_on_cluster(record)
-        else:
-            record = _stop_driver(record)
-    except (job_cluster.ClusterError, RuntimeError) as exc:
+        record = engines.get(record.backend).stop(record)
+    except (LaunchError, RuntimeError) as exc:
         click.echo(f"paratrain: could not stop job {record.id}: {exc}", err=True)
         ctx.exit(1)
     click.echo(f"paratrain: job {record.id} {record.state}")
-
-
-def _stop_on_cluster(record: jobs.JobRecord) -> jobs.JobRecord:
-    if record.cluster_id:
-        if record.backend == "slurm":
-            job_cluster.run_command(["scancel", record.cluster_id])
-        else:
-            job_cluster.k8s_delete(record.cluster_id)
-    report = f"paratrain: stopped by paratrain stop ({record.backend} job {record.cluster_id})\n"
-    return jobs.update_record(record.folder, state="stopped", ended=time.time(), failure=report)
-
-
-def _stop_driver(record: jobs.JobRecord) -> jobs.JobRecord:
-    """SIGTERM to the job's driver, which stops every process of the job; waits for it to say so."""
-    if record.driver_pid is None:
-        raise RuntimeError("its driver has not started yet")
-    if record.driver_host != socket.gethostname():
-        raise RuntimeError(f"it is driven from {record.driver_host}: run paratrain stop there")
-    try:
-        os.kill(record.driver_pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + _STOP_WAIT_S
-    while time.monotonic() < deadline:
-        record = jobs.read_record(record.folder)
-        if record.final and not jobs.pid_alive(record.driver_pid or 0):
-            return record
-        if not jobs.pid_alive(record.driver_pid or 0):
-            break
-        time.sleep(_POLL_S)
-    else:
-        raise RuntimeError(f"its driver (pid {record.driver_pid}) did not stop within {_STOP_WAIT_S} s")
-    evaluator = record.extra.get("evaluator_pid")  # the driver died before stopping it
-    if evaluator and jobs.pid_alive(evaluator):
-        os.killpg(evaluator, signal.SIGKILL)
-    if record.final:
-        return record
-    report = "paratrain: stopped by paratrain stop; its driver ended without recording how\n"
-    return jobs.update_record(record.folder, state="stopped", ended=time.time(), failure=report)
 
 
 # ---- checkpoints ------------------------------------------------------------------------------

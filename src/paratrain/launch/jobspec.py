@@ -41,6 +41,7 @@ from pydantic import (
     field_validator,
 )
 
+from paratrain.launch import engines
 from paratrain.launch.api import IDENTITY_VARS, LaunchConfig, check_strategy
 
 MAX_SPEC_BYTES = 256 << 10
@@ -62,6 +63,11 @@ DIRECTORY_VARS = ("PARATRAIN_DATA_DIR", "PARATRAIN_OUTPUT_DIR", "PARATRAIN_WORK_
 PLATFORM_VARS = frozenset(
     {*DIRECTORY_VARS, "PARATRAIN_CHECKPOINT_EVERY", "PARATRAIN_JOB_ID", "PARATRAIN_TASK"}
 )
+
+
+def _engine_names(schema: dict[str, Any]) -> None:
+    """The schema's `backend`: the engines registered when the schema is made."""
+    schema["enum"] = list(engines.names())
 
 
 class SpecError(ValueError):
@@ -181,8 +187,8 @@ class JobSpec(_Strict):
     collective without."""
     resources: Resources = Resources()
     """What each process of each role reserves."""
-    backend: Literal["local", "ray", "slurm", "k8s"] = "local"
-    """Where the processes run."""
+    backend: Annotated[str, Field(json_schema_extra=_engine_names)] = engines.DEFAULT
+    """Where the processes run: one of the registered launch engines (local, ray, slurm, k8s)."""
     ray: RaySettings = RaySettings()
     slurm: SlurmSettings = SlurmSettings()
     k8s: K8sSettings = K8sSettings()
@@ -205,6 +211,17 @@ class JobSpec(_Strict):
     """Extra environment variables for every process."""
     timeout_s: Annotated[float, Field(gt=0)] | None = None
     """Stop the whole job after this many seconds; default: no limit."""
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        known = [repr(name) for name in engines.names()]
+        if value not in engines.names():
+            near = difflib.get_close_matches(value, engines.names(), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            one_of = f"{', '.join(known[:-1])} or {known[-1]}" if len(known) > 1 else known[0]
+            raise ValueError(f"{value!r} is not a launch engine{hint}: should be {one_of}")
+        return value
 
     @field_validator("strategy")
     @classmethod
@@ -250,7 +267,10 @@ def parse_spec(
     except ValidationError as exc:
         problems = sorted((_problem(error, lines) for error in exc.errors()), key=lambda p: p[0])
         raise SpecError([f"{source}:{line}: {text}" for line, text in problems]) from None
-    found = [f"{source}:{_line(loc, lines)}: {'.'.join(loc)}: {msg}" for loc, msg in _backend_problems(spec)]
+    found = [
+        f"{source}:{_line(loc, lines)}: {'.'.join(loc)}: {msg}"
+        for loc, msg in engines.get(spec.backend).spec_problems(spec)
+    ]
     if found:
         raise SpecError(found)
     return _resolved(spec, base or Path.cwd())
@@ -375,38 +395,9 @@ def _kind(value: Any) -> str:
     return "nothing" if value is None else f"a {type(value).__name__}"
 
 
-def _backend_problems(spec: JobSpec) -> list[tuple[tuple, str]]:
-    """What the chosen backend needs that the models alone cannot say."""
-    problems: list[tuple[tuple, str]] = []
-    if spec.evaluator and spec.backend in ("slurm", "k8s"):
-        problems.append(
-            (("evaluator",), f"an evaluator runs on the local and ray backends, not {spec.backend}")
-        )
-    if spec.backend == "k8s":
-        for name in ("output_dir", "data_dir", "work_dir"):
-            value = getattr(spec, name)
-            if value is not None and not value.startswith("/"):
-                problems.append(
-                    ((name,), f"must be an absolute path in the pods with backend k8s, got {value!r}")
-                )
-        if spec.k8s.output_pvc is None:
-            problems.append(
-                (("k8s", "output_pvc"), "is required with backend k8s: the claim mounted at output_dir")
-            )
-        if spec.data_dir is not None and spec.k8s.data_pvc is None:
-            problems.append(
-                (("k8s", "data_pvc"), "is required with backend k8s and a data_dir: the claim mounted there")
-            )
-    if spec.backend == "slurm" and spec.resources.server.gpus:
-        problems.append(
-            (("resources", "server", "gpus"), "slurm gives every task of one srun the workers' GPUs")
-        )
-    return problems
-
-
 def _resolved(spec: JobSpec, base: Path) -> JobSpec:
     """Paths made absolute against `base` (on k8s, data_dir and output_dir are paths inside the pods)."""
-    if spec.backend == "k8s":  # paths in the pods, as written; the work_dir only where given
+    if not engines.get(spec.backend).paths_here:  # paths in the pods, as written
         return spec
     changes: dict[str, Any] = {
         "work_dir": _absolute(spec.work_dir, base) if spec.work_dir else str(base),

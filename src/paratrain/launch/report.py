@@ -1,6 +1,6 @@
-"""How a local job ended, described: the records of its processes and the text of its report.
+"""How a job ended, described: the records of its processes and the text of its report.
 
-The launcher (local.py) supervises the processes and hands their exits here. This module names exit
+The engines that supervise processes themselves (local, ray) hand their exits here. This module names exit
 codes and signals, picks the first failure that is a cause (an exit with EXIT_ABORTED is a
 consequence of another node's failure) and writes the report printed about a failure or interruption.
 It starts, waits for and stops nothing.
@@ -115,6 +115,57 @@ def _named_by_scheduler(children: Sequence[Any]) -> tuple[Any, str] | None:
                 if (cause.role, cause.rank) == (named[1], int(named[2])):
                     return cause, f"was named by the scheduler: {found[1]}"
     return None
+
+
+def blame(
+    outcome: str,
+    failed: Sequence[Any],
+    still_running: Sequence[Any],
+    children: Sequence[Any],
+    timeout_s: float | None,
+    exit_grace_s: float,
+) -> ChildFailure:
+    """The process a supervising engine (local, ray) blames for an outcome other than ok or
+    interrupted. "failed": the first failed exit that is a cause (`_first_failure`), or, when every
+    exit was EXIT_ABORTED, the process the scheduler's abort reason names. "timeout": a worker still
+    running (they are what the job waits for), else any. "grace": the first process that did not exit
+    after every worker finished. Each child has role, rank, returncode, failure_reason, stderr_tail
+    and `failure(reason)`."""
+    if outcome == "failed":
+        child = _first_failure(failed)
+        named = _named_by_scheduler(children) if child.returncode == EXIT_ABORTED else None
+        if named is not None:  # every exit was a consequence: the scheduler knows the cause
+            return named[0].failure(named[1])
+        assert child.failure_reason is not None
+        return child.failure(child.failure_reason)
+    left = still_running or children
+    if outcome == "timeout":
+        workers = [c for c in left if c.role == "worker"]
+        reason = f"was still running when the job timed out after {timeout_s} s"
+        return (workers or left)[0].failure(reason)
+    reason = f"did not exit within {exit_grace_s} s after every worker finished"
+    return left[0].failure(reason)
+
+
+def workers_running(children: Sequence[Any]) -> bool:
+    return any(c.running for c in children if c.role == "worker")
+
+
+def early_exit_deadline(early: Sequence[Any], exit_grace_s: float) -> float | None:
+    """When a scheduler or server that exited 0 while workers still ran (`early`) fails the job:
+    unless the workers too exit 0 within exit_grace_s, as a worker may tell the scheduler it is done
+    and still be tearing down when the scheduler exits. None while no such exit happened."""
+    times = [c.exit_time for c in early if c.exit_time is not None]
+    return min(times) + exit_grace_s if times else None
+
+
+def only_replacements_left(children: Sequence[Any]) -> bool:
+    """In an elastic job: the scheduler ended the job (it exited 0) and every worker still running
+    is a replacement (one that had joined would have kept the scheduler going), which finds the
+    scheduler gone and exits by itself."""
+    done = any(c.role == "scheduler" and c.returncode == 0 for c in children)
+    running = [c for c in children if c.role == "worker" and c.running]
+    return done and all(c.replacement for c in running)
 
 
 def interrupted_exit_code(signum: int | None) -> int:

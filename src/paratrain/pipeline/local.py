@@ -62,12 +62,13 @@ class LocalPipeline(StagePipeline):
     def __init__(self, module: DevicePlacedSequential, config: PipelineConfig, loss_fn: LossFn) -> None:
         super().__init__(module, stage=0, num_stages=1)
         self.config, self.loss_fn = config, loss_fn
+        self.placed = module
 
     def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
         m = self.config.micro_batches
         xs = split_micro_batches(inputs, m, "inputs")
         ys = split_micro_batches(targets, m, "targets")
-        rows = targets.shape[0]
+        rows = sum(y.shape[0] for y in ys)
         start = time.perf_counter()
         losses = []
         for x, y in zip(xs, ys):
@@ -77,7 +78,7 @@ class LocalPipeline(StagePipeline):
             losses.append(loss.detach())
         wall_s = time.perf_counter() - start
         # One process runs one stage at a time: each device is busy 1/stages of the step.
-        stages = len(self.module.stages)
+        stages = len(self.placed.devices)
         self.last_stats = StepStats(wall_s, wall_s / stages, min(1, m))
         return torch.stack(losses).sum()  # in the loss's dtype
 

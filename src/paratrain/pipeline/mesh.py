@@ -1,6 +1,6 @@
 """Pipeline x data parallel meshes, and `pipeline_for`, which builds this process's part of one.
 
-Rank layout: with p stages and r replicas (world = p * r), global rank `q` runs stage `q % p` of
+Rank layout: with p stages and r replicas (world = p * r), worker rank `q` runs stage `q % p` of
 replica `q // p`; replica k's pipeline is ranks k*p .. k*p + p-1 (consecutive ranks are neighbour
 stages), and the replicas of stage s are ranks s, s + p, s + 2p, ... For a 2 x 2 mesh:
 
@@ -48,7 +48,7 @@ class MeshLayout:
         return cls(stages, world_size // stages)
 
     def coords(self, rank: int) -> tuple[int, int]:
-        """(stage, replica) of global rank `rank`."""
+        """(stage, replica) of worker `rank`."""
         return rank % self.stages, rank // self.stages
 
     def rank_of(self, stage: int, replica: int) -> int:

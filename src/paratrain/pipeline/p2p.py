@@ -21,8 +21,9 @@ MAX_DIMS = 8
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
 ACTIVATION_TAG, GRADIENT_TAG = 1, 2
 
-Pending = list[tuple[dist.Work, torch.Tensor]]
-"""Sends in flight with the tensors they read, which must stay alive until the work is done."""
+Pending = list[tuple[dist.Work | None, torch.Tensor]]
+"""Sends in flight and their buffers (kept alive until sent); isend's work is None when this rank
+is not in the group, which never happens between stages of one pipeline."""
 
 
 def encode_header(tensor: torch.Tensor) -> torch.Tensor:
@@ -42,7 +43,7 @@ def decode_header(header: torch.Tensor) -> tuple[torch.dtype, list[int]]:
 
 
 def send_activation(tensor: torch.Tensor, dst: int, pending: Pending) -> None:
-    """Starts sending `tensor` (header first) to global rank `dst`; appends the works to `pending`."""
+    """Starts sending `tensor` (header first) to worker rank `dst`; appends the works to `pending`."""
     header = encode_header(tensor)
     payload = tensor.detach().to(_comm_device(tensor.device)).contiguous()
     pending.append((dist.isend(header, dst, tag=ACTIVATION_TAG), header))
@@ -50,7 +51,7 @@ def send_activation(tensor: torch.Tensor, dst: int, pending: Pending) -> None:
 
 
 def recv_activation(src: int, device: torch.device) -> torch.Tensor:
-    """The next activation global rank `src` sent, on `device`."""
+    """The next activation worker rank `src` sent, on `device`."""
     header = torch.empty(2 + MAX_DIMS, dtype=torch.int64)
     dist.recv(header, src, tag=ACTIVATION_TAG)
     dtype, shape = decode_header(header)
@@ -65,7 +66,7 @@ def send_gradient(tensor: torch.Tensor, dst: int, pending: Pending) -> None:
 
 
 def recv_gradient(like: torch.Tensor, src: int) -> torch.Tensor:
-    """The next gradient global rank `src` sent for an activation shaped like `like`."""
+    """The next gradient worker rank `src` sent for an activation shaped like `like`."""
     buffer = torch.empty(like.shape, dtype=like.dtype, device=_comm_device(like.device))
     dist.recv(buffer, src, tag=GRADIENT_TAG)
     return buffer.to(like.device)
@@ -73,7 +74,8 @@ def recv_gradient(like: torch.Tensor, src: int) -> torch.Tensor:
 
 def wait_all(pending: Pending) -> None:
     for work, _ in pending:
-        work.wait()
+        if work is not None:
+            work.wait()
     pending.clear()
 
 

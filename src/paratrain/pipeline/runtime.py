@@ -48,7 +48,7 @@ class Pipeline(DistributedStage):
             config.schedule, placement.num_stages, config.micro_batches
         )[placement.stage]
 
-    def _run(self, xs: list[torch.Tensor] | None, ys: list[torch.Tensor] | None) -> tuple:
+    def _run(self, xs: tuple[torch.Tensor, ...] | None, ys: tuple[torch.Tensor, ...] | None) -> tuple:
         clock = Clock(self.device)
         pending: p2p.Pending = []
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -72,18 +72,18 @@ class Pipeline(DistributedStage):
     def _forward(
         self,
         i: int,
-        xs: list[torch.Tensor] | None,
-        ys: list[torch.Tensor] | None,
+        xs: tuple[torch.Tensor, ...] | None,
+        ys: tuple[torch.Tensor, ...] | None,
         rows: int,
         clock: Clock,
         pending: p2p.Pending,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward of micro-batch i; returns (input, output), the output being the weighted loss on
         the last stage."""
-        if self.is_first_stage:
+        if xs is not None:  # the first stage
             x = xs[i].to(self.device)
         else:
-            x = p2p.recv_activation(self.placement.prev_rank, self.device)
+            x = p2p.recv_activation(self.placement.sender, self.device)
             x.requires_grad_(x.is_floating_point())
         with clock.busy():
             out = self.module(x)
@@ -91,10 +91,10 @@ class Pipeline(DistributedStage):
                 raise TypeError(
                     f"stage {self.stage} returned {type(out).__name__}; a stage must return one tensor"
                 )
-            if self.is_last_stage:
+            if ys is not None:  # the last stage
                 out = self._weighted_loss(out, ys[i], rows)
         if not self.is_last_stage:
-            p2p.send_activation(out, self.placement.next_rank, pending)
+            p2p.send_activation(out, self.placement.receiver, pending)
         return x, out
 
     def _backward(self, x: torch.Tensor, out: torch.Tensor, clock: Clock, pending: p2p.Pending) -> None:
@@ -102,10 +102,10 @@ class Pipeline(DistributedStage):
         if not self.is_last_stage:
             if not out.is_floating_point():
                 return  # the next stage sends no gradient for an integer activation
-            grad = p2p.recv_gradient(out, self.placement.next_rank)
+            grad = p2p.recv_gradient(out, self.placement.receiver)
         with clock.busy():
             if out.requires_grad:
                 torch.autograd.backward(out, grad)
         if not self.is_first_stage and x.requires_grad:
             dx = x.grad if x.grad is not None else torch.zeros_like(x)
-            p2p.send_gradient(dx, self.placement.prev_rank, pending)
+            p2p.send_gradient(dx, self.placement.sender, pending)

@@ -36,7 +36,7 @@ class StagePlacement:
     replica: int
     replicas: int
     ranks: tuple[int, ...]
-    """Global ranks of this replica's pipeline, by stage."""
+    """The worker ranks of this replica's pipeline, by stage."""
 
     @property
     def rank(self) -> int:
@@ -50,9 +50,24 @@ class StagePlacement:
     def next_rank(self) -> int | None:
         return self.ranks[self.stage + 1] if self.stage < self.num_stages - 1 else None
 
+    @property
+    def sender(self) -> int:
+        """The rank of the stage before this one, which a stage but the first receives from."""
+        assert self.prev_rank is not None, "the first stage receives no activations"
+        return self.prev_rank
 
-def split_micro_batches(batch: torch.Tensor, micro_batches: int, what: str) -> tuple[torch.Tensor, ...]:
-    """`batch` cut along dim 0 into `micro_batches` pieces whose sizes differ by at most one row."""
+    @property
+    def receiver(self) -> int:
+        """The rank of the stage after this one, which a stage but the last sends to."""
+        assert self.next_rank is not None, "the last stage sends no activations"
+        return self.next_rank
+
+
+def split_micro_batches(
+    batch: torch.Tensor | None, micro_batches: int, what: str
+) -> tuple[torch.Tensor, ...]:
+    """`batch` cut along dim 0 into `micro_batches` pieces whose sizes differ by at most one row
+    (TypeError naming `what` when it is not a tensor: a first stage not given its inputs)."""
     if not isinstance(batch, torch.Tensor):
         raise TypeError(f"{what} must be a tensor, not {type(batch).__name__}")
     if batch.dim() == 0 or batch.shape[0] < micro_batches:
@@ -149,15 +164,15 @@ class DistributedStage(StagePipeline):
         outputs = []
         for i in range(self.config.micro_batches):
             self._at = f"forward-only F{i}"
-            if self.is_first_stage:
+            if xs is not None:  # the first stage
                 x = xs[i].to(self.device)
             else:
-                x = p2p.recv_activation(self.placement.prev_rank, self.device)
+                x = p2p.recv_activation(self.placement.sender, self.device)
             out = self.module(x)
             if self.is_last_stage:
                 outputs.append(out)
             else:
-                p2p.send_activation(out, self.placement.next_rank, pending)
+                p2p.send_activation(out, self.placement.receiver, pending)
         self._at = "the end of the forward-only pass (waiting for sends)"
         p2p.wait_all(pending)
         return torch.cat(outputs) if self.is_last_stage else None

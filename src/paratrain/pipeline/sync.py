@@ -37,16 +37,18 @@ _server_syncs = itertools.count()
 def _grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
     """Every parameter's gradient, zeros where backward left none, so every replica sends the same
     shapes in the same order."""
+    grads = []
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    return [p.grad for p in params]
+        grads.append(p.grad)
+    return grads
 
 
 class AllReduceSync:
     """Average gradients over `group` (the replicas of one stage) by all-reduce."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup) -> None:
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None) -> None:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.group = group
 
@@ -74,7 +76,7 @@ class ServerSync:
         stages: int,
         replica: int,
         replicas: int,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
     ) -> None:
         from paratrain.kvstore.api import KVStoreConfig
         from paratrain.kvstore.worker.client import DistKVStore

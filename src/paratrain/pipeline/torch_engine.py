@@ -89,16 +89,16 @@ class TorchPipeline(DistributedStage):
     def _torch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._weighted_loss(output, target, self._rows) * self.config.micro_batches
 
-    def _run(self, xs: list[torch.Tensor] | None, ys: list[torch.Tensor] | None) -> tuple:
+    def _run(self, xs: tuple[torch.Tensor, ...] | None, ys: tuple[torch.Tensor, ...] | None) -> tuple:
         self._clock = Clock(self.device)
         self._at = f"torch {self.config.schedule} schedule step"
-        args = (torch.cat(xs).to(self.device),) if self.is_first_stage else ()
+        args = (torch.cat(xs).to(self.device),) if xs is not None else ()  # the first stage's inputs
         losses: list[torch.Tensor] = []
-        kwargs = {}
-        if self.is_last_stage:
+        if ys is not None:  # the last stage
             self._rows = sum(y.shape[0] for y in ys)
-            kwargs = {"target": torch.cat(ys).to(self.device), "losses": losses}
-        self.schedule.step(*args, **kwargs)
+            self.schedule.step(*args, target=torch.cat(ys).to(self.device), losses=losses)
+        else:
+            self.schedule.step(*args)
         loss = None
         if self.is_last_stage:
             loss = torch.stack([loss.detach() for loss in losses]).sum() / self.config.micro_batches

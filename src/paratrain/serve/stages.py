@@ -87,7 +87,8 @@ class SendWindow:
         p2p.send_activation(tensor, dst, self.pending)
         while len(self.pending) > 2 * MAX_SENDS_IN_FLIGHT:  # two works per message
             work, _ = self.pending.pop(0)
-            work.wait()
+            if work is not None:
+                work.wait()
 
     def flush(self) -> None:
         p2p.wait_all(self.pending)

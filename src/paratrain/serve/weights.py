@@ -20,6 +20,7 @@ from torch import nn
 
 from paratrain import checkpoint
 from paratrain.errors import CheckpointError
+from paratrain.system import atomic_write
 
 SAFETENSORS_SUFFIX = ".safetensors"
 
@@ -72,7 +73,7 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], int | None]:
 def export(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
     """Write the model weights of checkpoint `source` (a folder, or the newest of an output folder)
     to `out` in safetensors format, with the step as metadata; returns `out`."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     state, step = read_state(source)
     tensors = {}
@@ -84,7 +85,6 @@ def export(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
     if out.suffix != SAFETENSORS_SUFFIX:
         raise ValueError(f"export out={str(out)!r} must end in {SAFETENSORS_SUFFIX}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "step": str(step if step is not None else "")})
-    os.replace(tmp, out)
+    metadata = {"format": "pt", "step": str(step if step is not None else "")}
+    atomic_write(out, save(tensors, metadata=metadata))
     return out

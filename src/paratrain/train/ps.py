@@ -20,8 +20,8 @@ its own optimizer on its own gradient in step() and pushes the update (weights b
 with update_on="server" the servers apply the round's mean with SGD at lr 1 and the workers pull
 the weights, with update_on="worker" the servers only average and each worker subtracts the pulled
 mean from the weights it had. The workers' weights stay equal; their optimizer states differ (each
-saves its own in a checkpoint), and pushes wait for the optimizer, so they no longer overlap
-backward.
+saves its own in a checkpoint), and pushes wait for the optimizer, so unlike gradient pushes they
+do not overlap backward.
 
 A worker pushes grad / accumulation_steps. In sync and bounded modes the servers apply a round's mean
 over the workers that pushed to it (KVStoreConfig.average: the round counts them), so one server step

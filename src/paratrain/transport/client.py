@@ -8,10 +8,10 @@ where no other thread holds it, and the reader thread, parked in epoll, reads on
 does (one-way messages, replies nobody waits on yet, the connection's end; a TLS connection keeps
 its reader thread for everything). A 1 KiB round trip then costs the client one context switch
 instead of about four (the reader's wake-up, then the caller's, then the GIL going back and forth).
-The caller disarms the reader thread before sending, so a reply never wakes two threads (the
-figures are in transport/turns.py's docstring). Also tried
-and lost: the reader waking the caller only just before it next blocks on the socket (0.96, 1.04,
-0.95x). Cached byte views (tensors.ViewCache) and the lean header (frame.py) cut the Python per frame.
+The reader thread is disarmed before sending, so a reply never wakes two threads: designs that left
+it armed ran at 0.3-0.7x the rate on a loaded machine (figures in turns.py). Measured and slower:
+the reader waking the caller only just before it next blocks on the socket (0.96, 1.04, 0.95x).
+Cached byte views (tensors.ViewCache) and the lean header (frame.py) cut the Python per frame.
 A caller waits for its reply in the recv itself, bounded by the socket's receive timeout (a read tick
 of 0.1 s, after which it looks at its deadline): one system call where poll then recv made two, about
 2 us each here; paired against poll, 3-6 us less client CPU and 2-4 us less server CPU per 1 KiB

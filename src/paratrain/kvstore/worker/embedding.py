@@ -26,7 +26,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -261,11 +261,13 @@ class TableClient:
 
     def gather(self, key: Any = None, full: bool = True) -> list[TableEntry]:
         """Every table (or `key`) from every server, rows sorted by id: state-file entries."""
-        parts: dict[Any, list[tuple[dict, list[torch.Tensor]]]] = {}
+        parts: dict[Any, list[_TablePart]] = {}
         for reply in self._per_primary("sparse_get_state", {"key": key, "full": full}):
             at = 0
             for meta in reply.meta["tables"]:
-                parts.setdefault(meta["key"], []).append((meta, reply.tensors[at : at + meta["tensors"]]))
+                parts.setdefault(meta["key"], []).append(
+                    _TablePart(meta, reply.tensors[at : at + meta["tensors"]])
+                )
                 at += meta["tensors"]
         return [_merge(pieces, full) for pieces in parts.values()]
 
@@ -308,14 +310,22 @@ def _ids(row_ids: torch.Tensor) -> torch.Tensor:
     return row_ids.detach().reshape(-1).to("cpu", torch.int64)
 
 
-def _merge(pieces: list[tuple[dict, list[torch.Tensor]]], full: bool) -> TableEntry:
+class _TablePart(NamedTuple):
+    """One server's rows of a table: what it said of them, and their columns (ids, values, then
+    with `full` ages and optimizer state)."""
+
+    meta: dict
+    columns: list[torch.Tensor]
+
+
+def _merge(pieces: list[_TablePart], full: bool) -> TableEntry:
     """One table's per-server parts -> one entry, rows sorted by id."""
-    meta = pieces[0][0]
-    columns = [torch.cat([p[1][i] for p in pieces]) for i in range(len(pieces[0][1]))]
+    meta = pieces[0].meta
+    columns = [torch.cat([p.columns[i] for p in pieces]) for i in range(len(pieces[0].columns))]
     order = torch.argsort(columns[0])
     columns = [c[order] for c in columns]
     entry = {k: meta[k] for k in ("key", "dim", "config", "optimizer")}
-    entry |= {"step": max(p[0]["step"] for p in pieces), "ids": columns[0], "values": columns[1]}
+    entry |= {"step": max(p.meta["step"] for p in pieces), "ids": columns[0], "values": columns[1]}
     if full:
         entry |= {"ages": columns[2], "state": dict(zip(meta["names"], columns[3:], strict=True))}
     return entry

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -72,9 +72,17 @@ def write_tables(path: str | os.PathLike[str], tables: Sequence[TableEntry]) -> 
     _write(path, state)
 
 
+class _Slice(NamedTuple):
+    """One server's slice of a dense key: where it starts, its values, its optimizer state."""
+
+    start: int
+    value: torch.Tensor
+    state: dict[str, torch.Tensor]
+
+
 def gather_state(replies: list) -> list[Entry]:
     """Per-server shard lists -> one entry per key: whole value, whole optimizer state tensors."""
-    pieces: dict[Any, list] = {}
+    pieces: dict[Any, list[_Slice]] = {}
     shapes: dict[Any, list[int]] = {}
     newest: dict[tuple, int] = {}  # with replication a slice comes from each copy: keep the newest
     for reply in replies:
@@ -90,17 +98,18 @@ def gather_state(replies: list) -> list[Entry]:
             if newest.pop(where, None) != entry["version"]:
                 continue
             state = dict(zip(entry["state"], tensors[1:], strict=True))
-            pieces.setdefault(entry["key"], []).append((entry["start"], tensors[0], state))
+            pieces.setdefault(entry["key"], []).append(_Slice(entry["start"], tensors[0], state))
             shapes[entry["key"]] = entry["shape"]
     entries = []
     for key, parts in pieces.items():
-        parts.sort(key=lambda p: p[0])
-        value = torch.cat([p[1] for p in parts]).reshape(shapes[key])
+        parts.sort(key=lambda part: part.start)
+        value = torch.cat([part.value for part in parts]).reshape(shapes[key])
+        first = parts[0]
         state = {  # per-element state is cut like the value; scalars (Adam's step) are shared
-            name: torch.cat([p[2][name].reshape(-1) for p in parts])
-            if parts[0][2][name].numel() == parts[0][1].numel()
-            else parts[0][2][name]
-            for name in parts[0][2]
+            name: torch.cat([part.state[name].reshape(-1) for part in parts])
+            if first.state[name].numel() == first.value.numel()
+            else first.state[name]
+            for name in first.state
         }
         entries.append((key, value, state))
     return entries

@@ -15,14 +15,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from paratrain.errors import ParatrainError
+from paratrain.errors import LaunchError
 
 if TYPE_CHECKING:
     from paratrain.launch.api import LaunchConfig
-    from paratrain.launch.ray import RayOptions
+    from paratrain.launch.engines.ray.driver import RayOptions
 
 
-class RayJobError(ParatrainError):
+class RayJobError(LaunchError):
     """The job could not be placed or started on the Ray cluster (the message says what and where)."""
 
 

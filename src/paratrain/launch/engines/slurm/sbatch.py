@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from typing import IO
 
 from paratrain.cluster.spec import EXIT_ABORTED, server_ranks
 from paratrain.launch.api import LaunchConfig, thread_env
+from paratrain.launch.quoting import quote
 
 SBATCH_TIMEOUT_S = 60.0
 
@@ -119,10 +119,12 @@ class SlurmOptions:
     """sbatch --output (%j is the job id); None: <job name>-%j.out in the current directory."""
 
     def __post_init__(self) -> None:
-        for name in ("partition", "job_name", "output"):
+        for name in ("partition", "job_name"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and _SBATCH_WORD.fullmatch(value)):
                 raise ValueError(f"{name} must be a word of letters, digits and _.,:@%+=/-, got {value!r}")
+        if self.output is not None:
+            quote(self.output, "sbatch", "output")  # raises about a path no #SBATCH line can carry
         if self.time is not None and not (isinstance(self.time, str) and _TIME.fullmatch(self.time)):
             raise ValueError(
                 f"time must be sbatch's --time format (minutes, h:mm:ss, days-hours, ...), got {self.time!r}"
@@ -171,8 +173,10 @@ def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str
     # The job's identity wins over the user's env, as under the local launcher.
     job_env = {k: v for k, v in config.job_env().items() if k not in _SET_BY_SCRIPT}
     exports = {**job_env, "PARATRAIN_NUM_SERVERS": str(config.num_servers), **threads}
-    python = shlex.quote(config.python)
-    command = " ".join(shlex.quote(word) for word in (os.path.abspath(config.script), *config.args))
+    python = quote(config.python, "bash", "python")
+    words = [quote(os.path.abspath(config.script), "bash", "script")]
+    words += [quote(arg, "bash", f"args[{i}]") for i, arg in enumerate(config.args)]
+    command = " ".join(words)
     gpus = f" --gpus-per-task={options.gpus_per_worker}" if options.gpus_per_worker else ""
     lines = [
         "#!/bin/bash",
@@ -184,10 +188,11 @@ def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str
         "# Identity comes from srun (SLURM_PROCID, SLURM_NTASKS) and PARATRAIN_NUM_SERVERS; values",
         "# inherited from the submitting shell would describe another process.",
         f"unset {' '.join(_FOREIGN_IDENTITY)}",
-        *(f"export {key}={shlex.quote(value)}" for key, value in exports.items()),
+        *(f"export {key}={quote(value, 'bash', f'env[{key!r}]')}" for key, value in exports.items()),
         "export PYTHONUNBUFFERED=1",
         *_rendezvous(python),
-        f"echo {shlex.quote('paratrain: ' + describe_tasks(config.num_workers, config.num_servers))}",
+        "echo "
+        + quote(f"paratrain: {describe_tasks(config.num_workers, config.num_servers)}", "bash", "tasks"),
         "# Every line a task writes (stdout and stderr alike) starts with its role, rank and node.",
         *_task_command(config),
         f"srun --kill-on-bad-exit=1 --ntasks={tasks} --cpus-per-task={cpus}{gpus} "
@@ -212,7 +217,12 @@ def _directives(config: LaunchConfig, options: SlurmOptions) -> list[str]:
         "time": options.time or _minutes(config.timeout_s),
         "gpus-per-task": str(options.gpus_per_worker) if options.gpus_per_worker else None,
     }
-    return [f"#SBATCH --{name}={value}" for name, value in values.items() if value is not None]
+    return [sbatch_directive(name, value) for name, value in values.items() if value is not None]
+
+
+def sbatch_directive(name: str, value: str) -> str:
+    """One `#SBATCH --name=value` line, its value quoted for sbatch (quoting.py says why)."""
+    return f"#SBATCH --{name}={quote(value, 'sbatch', name)}"
 
 
 def _rendezvous(python: str) -> list[str]:
@@ -264,11 +274,12 @@ def _task_command(config: LaunchConfig) -> list[str]:
     """The lines that set PREFIX_OUTPUT, the command every srun task runs around the script."""
     workers, servers = config.num_workers, config.num_servers
     if not (config.elastic or config.max_restarts):
-        return [f"PREFIX_OUTPUT={shlex.quote(_prefix_output(workers, servers))}"]
+        return [f"PREFIX_OUTPUT={quote(_prefix_output(workers, servers), 'bash', 'PREFIX_OUTPUT')}"]
     return [
         f"# Elastic: a worker task (but task 0, which runs the scheduler) starts a dead worker again, up to"
         f" {config.max_restarts} time(s).",
-        f"PREFIX_OUTPUT={shlex.quote(supervised_task(workers, servers, config.max_restarts))}",
+        "PREFIX_OUTPUT="
+        + quote(supervised_task(workers, servers, config.max_restarts), "bash", "PREFIX_OUTPUT"),
     ]
 
 

@@ -43,6 +43,7 @@ from typing import IO, Any
 import yaml
 
 from paratrain.launch.api import IDENTITY_VARS, THREAD_VARS, LaunchConfig, describe_threads, thread_env
+from paratrain.launch.quoting import quote
 
 logger = logging.getLogger(__name__)
 
@@ -288,8 +289,7 @@ def _container(config: LaunchConfig, options: K8sOptions, name: str, role: str) 
     container: dict[str, Any] = {
         "name": role,
         "image": options.image,
-        # Kubernetes expands $(VAR) in command and env values; $$ keeps a user's $ as it is.
-        "command": [_escape(part) for part in (options.python, "-u", config.script, *config.args)],
+        "command": _command(options, config),
         "env": env,
         "resources": _resources(options, role),
     }
@@ -315,11 +315,12 @@ def _identity_env(config: LaunchConfig, options: K8sOptions, name: str, role: st
 
 
 def _literal(key: str, value: str) -> dict[str, str]:
-    return {"name": key, "value": _escape(value)}
+    return {"name": key, "value": quote(value, "k8s", f"env[{key!r}]")}
 
 
-def _escape(text: str) -> str:
-    return text.replace("$", "$$")
+def _command(options: K8sOptions, config: LaunchConfig) -> list[str]:
+    words = [quote(options.python, "k8s", "python"), "-u", quote(config.script, "k8s", "script")]
+    return words + [quote(arg, "k8s", f"args[{i}]") for i, arg in enumerate(config.args)]
 
 
 def _resources(options: K8sOptions, role: str) -> dict[str, Any]:
@@ -343,7 +344,13 @@ def _wait_container(options: K8sOptions, name: str) -> dict[str, Any]:
     return {
         "name": "wait-for-scheduler",
         "image": options.image,
-        "command": [options.python, "-c", _escape(_WAIT_FOR_SCHEDULER), host, str(SCHEDULER_WAIT_S)],
+        "command": [
+            quote(options.python, "k8s", "python"),
+            "-c",
+            quote(_WAIT_FOR_SCHEDULER, "k8s", "the init container's program"),
+            host,
+            str(SCHEDULER_WAIT_S),
+        ],
         "resources": {"requests": {"cpu": "10m"}, "limits": {"cpu": "100m"}},
     }
 

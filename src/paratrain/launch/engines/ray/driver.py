@@ -4,17 +4,17 @@ The driver (this module, run by `paratrain launch`) connects to the cluster (`ra
 machine; `--address auto` or an address) and reserves one placement-group bundle per process: the
 servers in one group, STRICT_SPREAD over distinct nodes where enough nodes can hold a server (else
 SPREAD, best effort), the scheduler and the workers in another, SPREAD. On each bundle a Ray actor
-(`ray_process.RoleProcess`) starts the script as a real OS process with paratrain's identity
+(`process.RoleProcess`) starts the script as a real OS process with paratrain's identity
 variables (`spec_to_env`): PARATRAIN_HOST is that node's address, and the scheduler listens on its
 own node's address through a socket its actor opened and handed over. The job secret travels only
 in the arguments of the actor call that starts each process (never in a command line, a file or
 an actor's creation spec, which Ray keeps in its control store).
 
-Once they run, ray_supervise.py prints their output prefixed `[role rank @node] ` and ends the
+Once they run, supervise.py prints their output prefixed `[role rank @node] ` and ends the
 job as the local engine does; a process lost with its node fails it like one that exited. Ctrl-C
 (SIGINT) or SIGTERM to the driver stops every process on every node. Whatever happens, every actor
 is killed and every placement group removed; a child whose actor dies goes with it (see
-ray_process.py), and Ray kills the actors of a driver that dies.
+process.py), and Ray kills the actors of a driver that dies.
 
 Each process gets OMP_NUM_THREADS = the CPUs its role reserves (at least 1) unless the user set
 OMP_NUM_THREADS or MKL_NUM_THREADS, which are then passed on as they are. Every node needs
@@ -46,9 +46,9 @@ from typing import IO, Any
 
 from paratrain.cluster.spec import ClusterSpec, spec_to_env
 from paratrain.launch.api import THREAD_VARS, LaunchConfig, thread_env
-from paratrain.launch.ray_placement import GroupPlan, NodeInfo, RayJobError, node_labels, plan_groups
-from paratrain.launch.ray_process import RoleProcess
-from paratrain.launch.ray_supervise import POLL_S, Interrupts, RayChild, Supervisor, first_line
+from paratrain.launch.engines.ray.placement import GroupPlan, NodeInfo, RayJobError, node_labels, plan_groups
+from paratrain.launch.engines.ray.process import RoleProcess
+from paratrain.launch.engines.ray.supervise import POLL_S, Interrupts, RayChild, Supervisor, first_line
 from paratrain.launch.report import (
     JobResult,
     Printer,

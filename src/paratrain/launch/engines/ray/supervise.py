@@ -3,13 +3,13 @@
 `Supervisor` holds the job's `RayChild`ren (one per process, each with its actor and node) and
 long-polls their actors (`ray.wait` on the pending polls, one thread): it prints each line prefixed
 `[role rank @node] `, keeps the stderr tail, and ends the job as the local engine does
-(launch/local.py is the model): success when every worker exits 0 and then the scheduler and
+(launch/engines/local/job.py is the model): success when every worker exits 0 and then the scheduler and
 servers by themselves; the first failure, a process lost with its node included, stops everything
 (SIGTERM to each process group through its actor, then SIGKILL), and report.py's report names
 role, rank, node and cause. In an elastic job (`Restarts`, restarts.py) a worker that dies or is
 lost with its node does not stop the job; while restarts are left the driver starts it again
-(`restart`, given by ray.py) and waits for that start alongside the polls. SIGINT and SIGTERM to
-the driver are counted by `Interrupts`, which every wait checks at least every POLL_S. ray.py
+(`restart`, given by driver.py) and waits for that start alongside the polls. SIGINT and SIGTERM to
+the driver are counted by `Interrupts`, which every wait checks at least every POLL_S. driver.py
 starts the processes and builds the result.
 """
 
@@ -26,16 +26,18 @@ from typing import Any
 
 from paratrain.cluster.spec import EXIT_ABORTED
 from paratrain.launch.children import STDERR_TAIL_LINES
+from paratrain.launch.engines.ray.placement import NodeInfo
 from paratrain.launch.lines import ChildLines
-from paratrain.launch.ray_placement import NodeInfo
 from paratrain.launch.report import (
     ChildFailure,
     ChildRecord,
     Printer,
     _exit_reason,
-    _first_failure,
-    _named_by_scheduler,
     _signal_name,
+    blame,
+    early_exit_deadline,
+    only_replacements_left,
+    workers_running,
 )
 from paratrain.launch.restarts import Restarts
 
@@ -180,13 +182,10 @@ class Supervisor:
         return self._await_rest()
 
     def _workers_running(self) -> bool:
-        return any(c.running for c in self.children if c.role == "worker")
+        return workers_running(self.children)
 
     def _early_exit_deadline(self) -> float | None:
-        """A scheduler or server that exits 0 while workers still run fails the job, unless the
-        workers too exit 0 within exit_grace_s (as in the local engine)."""
-        times = [c.exit_time for c in self.early if c.exit_time is not None]
-        return min(times) + self.exit_grace_s if times else None
+        return early_exit_deadline(self.early, self.exit_grace_s)
 
     def _await_rest(self) -> str:
         """Every worker exited 0: the scheduler and servers now exit by themselves."""
@@ -328,13 +327,7 @@ class Supervisor:
             self.restart(child)
 
     def _only_replacements_left(self) -> bool:
-        """The scheduler ended the job and every worker still running is a replacement (one that had
-        joined would have kept the scheduler going): they find it gone and exit by themselves."""
-        if not self.restarts.on or self.ending:
-            return False
-        done = any(c.role == "scheduler" and c.returncode == 0 for c in self.children)
-        running = [c for c in self.children if c.role == "worker" and c.running]
-        return done and all(c.replacement for c in running)
+        return self.restarts.on and not self.ending and only_replacements_left(self.children)
 
     def _show(self, child: RayChild, stream: int, line: str | None) -> None:
         """Prints one line of a child (None: its output ended), folded if the printer folds."""
@@ -403,20 +396,9 @@ class Supervisor:
 
     def failure(self, outcome: str) -> ChildFailure:
         """The process to blame for an outcome other than ok or interrupted."""
-        if outcome == "failed":
-            child = _first_failure(self.failed)
-            named = _named_by_scheduler(self.children) if child.returncode == EXIT_ABORTED else None
-            if named is not None:  # every exit was a consequence: the scheduler knows the cause
-                return named[0].failure(named[1])
-            assert child.failure_reason is not None
-            return child.failure(child.failure_reason)
-        left = self.still_running or self.children
-        if outcome == "timeout":
-            workers = [c for c in left if c.role == "worker"]
-            reason = f"was still running when the job timed out after {self.timeout_s} s"
-            return (workers or left)[0].failure(reason)
-        reason = f"did not exit within {self.exit_grace_s} s after every worker finished"
-        return left[0].failure(reason)
+        return blame(
+            outcome, self.failed, self.still_running, self.children, self.timeout_s, self.exit_grace_s
+        )
 
 
 def _lost_reason(child: RayChild, exc: Exception) -> str:

@@ -45,10 +45,12 @@ from paratrain.launch.report import (
     Printer,
     _exit_reason,
     _failure_report,
-    _first_failure,
     _interrupted_report,
-    _named_by_scheduler,
+    blame,
+    early_exit_deadline,
     interrupted_exit_code,
+    only_replacements_left,
+    workers_running,
     write_outcome,
 )
 from paratrain.launch.restarts import Restarts
@@ -61,7 +63,7 @@ _KILL_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
-class Placement:
+class ProcessHost:
     """Where one process of a job runs, when not on this machine's `LocalJobConfig.host`: the
     address it binds and advertises, a command prefix that puts it there (such as
     `ip netns exec ns3`: the prefix must exec the command, so that its pid is the process's), and
@@ -101,7 +103,7 @@ class LocalJobConfig:
     server_losses: int = 0
     """Servers that may die without failing the job: with replicated servers
     (JobConfig.replication), replication - 1; their backups serve their slices."""
-    placements: Mapping[str, Sequence[Placement]] = field(default_factory=dict)
+    placements: Mapping[str, Sequence[ProcessHost]] = field(default_factory=dict)
     """Per role ("scheduler", "server", "worker"), where each rank runs (simulated hosts in tests);
     a role or rank not listed runs here at `host`. A placed scheduler binds `scheduler_port`
     itself, where the launcher cannot bind for it."""
@@ -143,10 +145,10 @@ class LocalJobConfig:
             if role not in counts or len(places) > counts[role]:
                 raise ValueError(f"placements[{role!r}] names {len(places)} places for {counts.get(role)}")
 
-    def place(self, role: str, rank: int) -> Placement:
+    def place(self, role: str, rank: int) -> ProcessHost:
         """Where that process runs."""
         places = self.placements.get(role, ())
-        return places[rank] if rank < len(places) else Placement(self.host)
+        return places[rank] if rank < len(places) else ProcessHost(self.host)
 
     def _strings(self) -> Iterator[tuple[str, Any]]:
         for i, arg in enumerate(self.args):
@@ -288,14 +290,10 @@ class _Job:
         return self._await_rest()
 
     def _workers_running(self) -> bool:
-        return any(c.running for c in self.children if c.role == "worker")
+        return workers_running(self.children)
 
     def _early_exit_deadline(self) -> float | None:
-        """A scheduler or server that exits 0 while workers still run fails the job, unless the
-        workers too exit 0 within exit_grace_s: a worker may tell the scheduler it is done and
-        still be tearing down when the scheduler exits."""
-        times = [c.exit_time for c in self.early if c.exit_time is not None]
-        return min(times) + self.config.exit_grace_s if times else None
+        return early_exit_deadline(self.early, self.config.exit_grace_s)
 
     def _await_rest(self) -> str:
         """Every worker exited 0: the scheduler and servers now exit by themselves."""
@@ -371,13 +369,7 @@ class _Job:
         return self.restarts.on
 
     def _only_replacements_left(self) -> bool:
-        """The scheduler ended the job and every worker still running is a replacement (one that had
-        joined would have kept the scheduler going)."""
-        if not self._elastic() or self.ending:
-            return False
-        done = any(c.role == "scheduler" and c.returncode == 0 for c in self.children)
-        running = [c for c in self.children if c.role == "worker" and c.running]
-        return done and all(c.replacement for c in running)
+        return self._elastic() and not self.ending and only_replacements_left(self.children)
 
     def _end_before_joining(self) -> None:
         """The job finished (its scheduler exited 0) while replacements run: one that joined is
@@ -472,20 +464,8 @@ class _Job:
         return JobResult(1, failure, report, children, self.scheduler_address)
 
     def _failure(self, outcome: str) -> ChildFailure:
-        if outcome == "failed":
-            child = _first_failure(self.failed)
-            named = _named_by_scheduler(self.children) if child.returncode == EXIT_ABORTED else None
-            if named is not None:  # every exit was a consequence: the scheduler knows the cause
-                return named[0].failure(named[1])
-            assert child.failure_reason is not None
-            return child.failure(child.failure_reason)
-        left = self.still_running or self.children
-        if outcome == "timeout":
-            workers = [c for c in left if c.role == "worker"]
-            reason = f"was still running when the job timed out after {self.config.timeout_s} s"
-            return (workers or left)[0].failure(reason)
-        reason = f"did not exit within {self.config.exit_grace_s} s after every worker finished"
-        return left[0].failure(reason)
+        cfg = self.config
+        return blame(outcome, self.failed, self.still_running, self.children, cfg.timeout_s, cfg.exit_grace_s)
 
 
 def _describe(cfg: LocalJobConfig, scheduler_address: str) -> str:
@@ -531,11 +511,7 @@ def _interrupt_handlers(events: queue.SimpleQueue[Any]) -> Iterator[None]:
 
 
 def run_launch(
-    config: LaunchConfig,
-    host: str = "127.0.0.1",
-    dashboard: DashboardConfig | None = None,
-    elastic: bool = False,
-    max_restarts: int = 0,
+    config: LaunchConfig, host: str = "127.0.0.1", dashboard: DashboardConfig | None = None
 ) -> int:
     """`paratrain launch --backend local`: the job as processes of this machine; its exit status.
     The children's output is folded: their abort notices and repeated tracebacks are left out."""
@@ -550,8 +526,8 @@ def run_launch(
         python=config.python,
         dashboard=dashboard,
         server_losses=config.server_losses,
-        elastic=elastic,
-        max_restarts=max_restarts,
+        elastic=config.elastic,
+        max_restarts=config.max_restarts,
     )
     return run_local_job(local, fold=True).exit_code
 

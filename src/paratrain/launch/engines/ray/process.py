@@ -1,6 +1,6 @@
-"""One role process of a Ray job, started and watched on its node by a Ray actor (see ray.py).
+"""One role process of a Ray job, started and watched on its node by a Ray actor (see driver.py).
 
-`RoleProcess` is a plain class: ray.py wraps it with `ray.remote`, so it runs inside a Ray actor on
+`RoleProcess` is a plain class: driver.py wraps it with `ray.remote`, so it runs inside a Ray actor on
 the node its placement-group bundle landed on, and tests can use it without Ray. The driver calls:
 
     where()               this node's address and Ray node id

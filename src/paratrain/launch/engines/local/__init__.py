@@ -1,0 +1,59 @@
+"""The local engine: every process of the job on this machine (job.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+from paratrain.launch.engines.api import DrivenEngine, LaunchArgs
+
+if TYPE_CHECKING:
+    from paratrain.launch.api import LaunchConfig
+    from paratrain.launch.jobspec import JobSpec
+    from paratrain.launch.report import JobResult
+    from paratrain.metrics.dashboard import DashboardConfig
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    """What the local engine adds to a LaunchConfig."""
+
+    host: str = "127.0.0.1"
+    """The address every process binds and advertises."""
+    dashboard: DashboardConfig | None = None
+    """Serve the dashboard from the scheduler, on a port the launcher binds (None: no dashboard)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be an address, got {self.host!r}")
+
+
+class LocalEngine(DrivenEngine):
+    options_type = LocalOptions
+    binds_dashboard = True
+
+    def options(self, args: LaunchArgs) -> LocalOptions:
+        return LocalOptions(host=args.host, dashboard=args.dashboard)
+
+    def launch(self, config: LaunchConfig, options: LocalOptions) -> int:
+        from paratrain.launch.engines.local.job import run_launch
+
+        return run_launch(config, host=options.host, dashboard=options.dashboard)
+
+    def job_options(self, spec: JobSpec, job_id: str, folder: Path, dry_run: bool) -> LocalOptions:
+        return LocalOptions()
+
+    def drive(self, spec: JobSpec, config: LaunchConfig, out: IO[str]) -> JobResult:
+        from paratrain.launch.engines.local.job import LocalJobConfig, run_local_job
+
+        local = LocalJobConfig(
+            script=config.script,
+            args=config.args,
+            num_workers=config.num_workers,
+            num_servers=config.num_servers,
+            env=config.job_env(),
+            timeout_s=config.timeout_s,
+            python=config.python,
+        )
+        return run_local_job(local, out=out, err=out)
