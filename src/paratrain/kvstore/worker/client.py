@@ -33,6 +33,7 @@ from paratrain.kvstore import optim
 from paratrain.kvstore.api import Handle, Keys, KVStoreConfig, SparseAPI
 from paratrain.kvstore.compressed import WorkerCompression, compression_config
 from paratrain.kvstore.placement import Placement, Slice
+from paratrain.kvstore.protocol import Configure
 from paratrain.kvstore.shared import ArenaMap, Region, same_host
 from paratrain.kvstore.worker.checks import (
     as_lists,
@@ -96,7 +97,7 @@ class DistKVStore(SparseAPI):
         # Smaller slices only where every slice of a key is at one version after each round (sync),
         # and where the servers are on several hosts (on one, more frames only cost CPU).
         spread = len({host for host, _ in ctx.servers}) > 1
-        most = config.max_slice_bytes if config.consistency == "sync" and spread else None
+        most = config.max_slice_bytes if config.policy.cuts_keys() and spread else None
         self._placement = Placement(len(self._clients), config.slice_elements, most)
         self._frame_bytes = config.frame_bytes if most is None else min(config.frame_bytes, most)
         self._servers = Servers(self._clients, ctx.config.replication)  # copies, fail-over
@@ -116,12 +117,17 @@ class DistKVStore(SparseAPI):
         # training), and its pushes join the rounds from the next one its first push reaches.
         self._joined = ctx.joined
         if self.rank == 0 and not self._joined:
-            meta = {"mode": config.policy.name, "staleness": config.staleness, "members": self._members}
-            meta["average"] = config.average
-            if ctx.config.replication > 1:
-                meta["replication"] = ctx.config.replication
-                meta["servers"] = [list(address) for address in ctx.servers]
-            self._all_servers("configure", meta)
+            mode, params = config.policy.to_wire()
+            replicated = ctx.config.replication > 1
+            configure = Configure(
+                mode,
+                list(self._members),
+                params or None,
+                config.average,
+                ctx.config.replication,
+                [list(address) for address in ctx.servers] if replicated else None,
+            )
+            self._all_servers(*configure.wire())
         if ctx.link is not None and ctx.config.replication > 1:
             ctx.link.on_server_lost(self._server_dropped)
         if not self._joined:
@@ -334,7 +340,8 @@ class DistKVStore(SparseAPI):
 
     def pull_async(self, keys: Keys, out: Any) -> Handle:
         keys, outs = as_lists(keys, out)
-        futures, after = [], []
+        futures: list[Any] = []
+        after: list[Callable[[], None]] = []
         views = self._out_views(keys, outs, after)
         frames = self._frames(
             keys,
@@ -422,11 +429,12 @@ class DistKVStore(SparseAPI):
         for s, meta in frames:
             if meta is not last[s]:  # more of this push follows to that server (server/outbox.py)
                 meta["more"] = True
-        futures, reads = [], []
+        futures: list[Any] = []
+        reads: list[tuple[Region, torch.Tensor]] = []
         if self._weight != 1:
             for _, meta in frames:
                 meta["weight"] = self._weight
-        rounds = self.config.policy.rounds  # async pushes are applied by the server
+        adds = self.config.policy.adds_in_place()  # else the server applies each push itself
         for s, meta in frames:
             tensors, added, in_place = [], [], self._servers.in_place(s)
             slices = zip(meta["keys"], meta["starts"], meta["stops"], meta["clocks"], strict=True)
@@ -439,7 +447,7 @@ class DistKVStore(SparseAPI):
                 region = self._keys[k].regions.get(a) if in_place else None
                 piece = flat[k][a:b]
                 # A joiner's clocks are its own (the server shifts them): it never adds in place.
-                added.append(rounds and not self._joined and region is not None and region.add(clock, piece))
+                added.append(adds and not self._joined and region is not None and region.add(clock, piece))
                 if not added[-1]:
                     tensors.append(piece)
             if any(added):
@@ -519,7 +527,8 @@ class DistKVStore(SparseAPI):
     def _pulls_compressed(self) -> bool:
         """Whether pulled values come compressed: gradient sums only (no optimizer on the servers,
         rounds)."""
-        return self._compression is not None and not self._server_optimizer and self.config.policy.rounds
+        policy = self.config.policy
+        return self._compression is not None and not self._server_optimizer and policy.adds_in_place()
 
     def _compressed_pull(self, meta: dict) -> bool:
         """Whether a frame's pulled values come compressed (_pulls_compressed); marks the frame so."""
@@ -529,9 +538,10 @@ class DistKVStore(SparseAPI):
         meta["pull_compression"] = self._compression.wire
         return True
 
-    def _decoder(self, meta: dict, future: Future, views: dict) -> Callable[[], None]:
+    def _decoder(self, meta: dict, future: Any, views: dict | None) -> Callable[[], None]:
         compression = self._compression
         assert compression is not None
+        assert views is not None
         return lambda: compression.decode_reply(meta, future.wait(0), views)
 
     def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
@@ -589,7 +599,7 @@ class DistKVStore(SparseAPI):
         self.barrier()
         if self.rank == 0:
             replies = self._wait([self._clients[s].submit("get_state") for s in self._servers.live()])
-            optimizer = next((r.meta["optimizer"] for r in replies if r.meta["optimizer"]), [])
+            optimizer: list = next((r.meta["optimizer"] for r in replies if r.meta["optimizer"]), [])
             tables = self._tables.gather() if self._tables is not None and self._tables.tables else ()
             write_state(path, gather_state(replies), optimizer, tables)
         if self._compression is not None:  # every worker's own push residuals

@@ -196,7 +196,7 @@ class TableClient:
             check_finite([key], [grads], self.rank, "table")
         meta = {"key": key, "clock": info.clock, "rank": self.rank}
         info.clock += 1
-        everyone = self._config.policy.rounds
+        everyone = self._config.policy.pushes_everywhere()
         futures = [
             self._request(s, "sparse_push", meta, [route.ids[a:b], grads[a:b]])
             for s, (a, b) in enumerate(route.bounds)
@@ -216,7 +216,7 @@ class TableClient:
             raise ValueError(f"out for table {key!r} must be a tensor of shape [{len(flat)}, {info.dim}]")
         route, where = self.dedup(flat)
         handle, rows = self.pull(key, route, train)
-        handle.after.append(lambda: out.copy_(rows[where]))
+        handle.after.append(lambda: _discard(out.copy_(rows[where])))
         handle.wait()
         return handle.version
 
@@ -497,11 +497,15 @@ class ServingEmbedding(nn.Module):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        held = len(self.ids)
-        at = torch.searchsorted(self.ids, ids.to(torch.int64)).clamp_(max=max(held - 1, 0))
-        where = torch.where(self.ids[at] == ids, at, held) if held else torch.zeros_like(at)
+        known, values = self.ids, self.values
+        assert isinstance(known, torch.Tensor) and isinstance(values, torch.Tensor)  # buffers
+        held = len(known)
+        at = torch.searchsorted(known, ids.to(torch.int64)).clamp_(max=max(held - 1, 0))
+        where = torch.where(known[at] == ids, at, held) if held else torch.zeros_like(at)
         if self.mode is None:
-            return F.embedding(where, self.values)
-        return F.embedding_bag(
-            where, self.values, offsets, mode=self.mode, per_sample_weights=per_sample_weights
-        )
+            return F.embedding(where, values)
+        return F.embedding_bag(where, values, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
+
+
+def _discard(_: Any) -> None:
+    """A handle's `after` step returns nothing (Tensor.copy_ returns its tensor)."""
