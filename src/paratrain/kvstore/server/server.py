@@ -1,10 +1,11 @@
 """The parameter server's wire side: requests in, replies out, for the shards of dense keys it holds
 (their state: shard.py) and its sparse tables (sparse.py).
 
-Requests (meta lists are parallel; every tensor is one flat slice of one key):
+Requests (typed in kvstore/protocol.py and routed by one table, `KVServer._routes`; meta lists
+are parallel; every tensor is one flat slice of one key):
 
-    configure     {mode, staleness, members, average}    from worker 0, before any init: the
-                  consistency model by name (consistency.py), who pushes, sum or mean rounds
+    configure     {mode, params, members, average}       from worker 0, before any init: the
+                  consistency policy by name and fields (consistency.py), who pushes, sum or mean
     init          {keys, starts, stops, shapes, dtypes, numels}     values, or none: check only
     push          {keys, starts, stops, clocks, [added], [weight], [more]}  gradients; reply once
                   added; `more`: more frames of this push follow (outbox.py)
