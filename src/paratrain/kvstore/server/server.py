@@ -122,6 +122,11 @@ class KVServer(Handler):
         self.fence = Fence(rank)  # dropped workers' pushes and lost servers' copies (fence.py)
         self.arrivals = outbox.Arrivals()  # who is part way through a round's push (outbox.py)
         self._routes = Routes(self.tables.handlers() | self._handlers())
+        self._receivers: dict[str, Callable[[Header], list[torch.Tensor] | None]] = {
+            p.Push.op: self._push_destinations,  # where a frame's payload goes, by op
+            p.PushPull.op: self._push_destinations,
+            p.Replicate.op: self._copy_destination,
+        }
 
     def _handlers(self) -> dict:
         """The dense ops' table: message type (protocol.py) -> handler(request, message)."""
@@ -153,17 +158,23 @@ class KVServer(Handler):
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
-        """Where a frame's payload goes, read before its message is: from the header's map."""
+        """Where a frame's payload goes, read before its message is (from the header's map): a
+        push's into its shards' pooled buffers, a backup's copy into its shard's; else new tensors."""
+        receive = self._receivers.get(header.op)
+        return None if receive is None or header.at is not None else receive(header)
+
+    def _copy_destination(self, header: Header) -> list[torch.Tensor] | None:
         meta = header.meta
-        if header.op == "replicate" and header.at is None:  # a backup's copy: into a pooled buffer
-            if {"buffer", "lent", "slices"} & meta.keys():  # the values are in memory (mirror.py)
-                return None
-            try:
-                return [self.shard_of((meta["key"], meta["start"], meta["stop"])).buffer()]
-            except (KVError, KeyError, TypeError):
-                return None
-        if header.op not in ("push", "pushpull") or header.at is not None:
-            return None  # no payload, or a same-host one: read in place from the ring
+        if {"buffer", "lent", "slices"} & meta.keys():  # the values are in memory (mirror.py)
+            return None
+        try:
+            return [self.shard_of((meta["key"], meta["start"], meta["stop"])).buffer()]
+        except (KVError, KeyError, TypeError):
+            return None
+
+    def _push_destinations(self, header: Header) -> list[torch.Tensor] | None:
+        """A push's payload (a same-host one is read in place from the ring: no destinations)."""
+        meta = header.meta
         if "compression" in meta:
             return None  # compressed: decoded into pooled buffers in _push
         try:

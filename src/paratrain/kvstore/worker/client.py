@@ -29,11 +29,10 @@ import torch
 
 from paratrain.cluster.context import Context
 from paratrain.errors import KVStoreError, RemoteError, TransportError
-from paratrain.kvstore import optim
+from paratrain.kvstore import optim, protocol
 from paratrain.kvstore.api import Handle, Keys, KVStoreConfig, SparseAPI
 from paratrain.kvstore.compressed import WorkerCompression, compression_config
 from paratrain.kvstore.placement import Placement, Slice
-from paratrain.kvstore.protocol import Configure
 from paratrain.kvstore.shared import ArenaMap, Region, same_host
 from paratrain.kvstore.worker.checks import (
     as_lists,
@@ -119,7 +118,7 @@ class DistKVStore(SparseAPI):
         if self.rank == 0 and not self._joined:
             mode, params = config.policy.to_wire()
             replicated = ctx.config.replication > 1
-            configure = Configure(
+            configure = protocol.Configure(
                 mode,
                 list(self._members),
                 params or None,
@@ -381,9 +380,9 @@ class DistKVStore(SparseAPI):
         need and the workers that have not pushed them (the servers log the same)."""
         probes = []
         for s, meta in waiting:
-            query = {k: meta[k] for k in ("keys", "starts", "stops", "rank")}
-            query["min_versions"] = meta["min_versions"] if pulls else [0] * len(meta["keys"])
-            probes.append((self._clients[self._servers.serving(s)], "waiting", query))
+            needs = meta["min_versions"] if pulls else [0] * len(meta["keys"])
+            query = protocol.Waiting(meta["keys"], meta["starts"], meta["stops"], needs, meta["rank"])
+            probes.append((self._clients[self._servers.serving(s)], *query.wire()))
         return explain_wait(probes, self._timeout_s)
 
     def pull(self, keys: Keys, out: Any) -> int | None:
@@ -553,13 +552,13 @@ class DistKVStore(SparseAPI):
         if self._joined:
             return  # the servers have it, with its state
         if self.rank == 0:
-            self._all_servers("set_optimizer", {"path": path, "hyper": hyper})
+            self._all_servers(*protocol.SetOptimizer(path, hyper).wire())
         self._barrier("kvstore-optimizer")
 
     def join(self) -> None:
         """A worker that joined a running elastic job: every round from the next one on waits for
         it. Call it while the other workers wait (at a barrier), so that none is in flight."""
-        self._all_servers("join", {"rank": self.rank})
+        self._all_servers(*protocol.Join(self.rank).wire())
 
     def barrier(self) -> None:
         self._barrier("kvstore-barrier")
@@ -570,7 +569,8 @@ class DistKVStore(SparseAPI):
         # Every slice sees each push and pull of its key: counts are the same on all of them.
         combine = {"version": min, "pushes": max, "pulls": max}
         per_key: dict[Any, dict[str, int]] = {}
-        replies = self._wait([self._clients[s].submit("stats") for s in self._servers.live()])
+        asked = [self._clients[s].submit(*protocol.Stats().wire()) for s in self._servers.live()]
+        replies = self._wait(asked)
         for reply in self._serving(replies):
             for shard in reply.meta["shards"]:
                 total = per_key.setdefault(shard["key"], {"slices": 0})
@@ -598,7 +598,9 @@ class DistKVStore(SparseAPI):
         so the file loads into any number of servers. Written to a temporary file, then renamed."""
         self.barrier()
         if self.rank == 0:
-            replies = self._wait([self._clients[s].submit("get_state") for s in self._servers.live()])
+            replies = self._wait(
+                [self._clients[s].submit(*protocol.GetState().wire()) for s in self._servers.live()]
+            )
             optimizer: list = next((r.meta["optimizer"] for r in replies if r.meta["optimizer"]), [])
             tables = self._tables.gather() if self._tables is not None and self._tables.tables else ()
             write_state(path, gather_state(replies), optimizer, tables)
@@ -612,7 +614,7 @@ class DistKVStore(SparseAPI):
         if self.rank == 0:
             per_server = scatter_state(read_state(path), self._keys)
             futures = [  # to every live copy
-                self._clients[t].submit("set_state", {"shards": meta}, tensors)
+                self._clients[t].submit(*protocol.SetState(meta).wire(), tensors)
                 for s, (meta, tensors) in per_server.items()
                 for t in self._servers.chain(s)
                 if t not in self._servers.dead
@@ -639,7 +641,7 @@ class DistKVStore(SparseAPI):
         leaving = []
         for client in self._clients:
             try:
-                leaving.append((client, client.request("leave", {"rank": self.rank})))
+                leaving.append((client, client.request(*protocol.Leave(self.rank).wire())))
             except TransportError as exc:
                 logger.debug("worker %d could not leave %s's rounds: %s", self.rank, client.name, exc)
         deadline = time.monotonic() + min(10.0, self._timeout_s or 10.0)
