@@ -275,26 +275,30 @@ def names() -> tuple[str, ...]:
 
 def parse(value: Policy | str, staleness: int | None = None, owner: str = "KVStoreConfig") -> Policy:
     """A policy from what a user wrote (`owner`'s fields `consistency` and `staleness`): a policy
-    value as it is, or a name ("bounded" takes `staleness`; "rounds", the older wire name, is sync).
-    ValueError names the field and the value."""
+    value as it is, or a name ("rounds", the older wire name, is sync); `staleness` goes to a
+    policy with that field (Bounded). ValueError names the field and the value."""
     if staleness is not None and (
         not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0
     ):
         raise ValueError(f"{owner}.staleness={staleness!r} must be an int >= 0")
-    if isinstance(value, Bounded) and staleness:
-        return Bounded(staleness)
-    name = value.name if isinstance(value, Policy) else value
-    if staleness and name != "bounded":
-        raise ValueError(f"{owner}.staleness={staleness!r} needs consistency='bounded', not {name!r}")
-    if isinstance(value, Policy):
-        return value
-    if not isinstance(value, str):
+    if isinstance(value, str):
+        name = "sync" if value == "rounds" else value
+        if name not in POLICIES:
+            choices = ", ".join(names())
+            raise ValueError(f"{owner}.consistency={value!r} is not one of {choices}{_near(value)}")
+        value = POLICIES[name]()
+    elif not isinstance(value, Policy):
         raise ValueError(f"{owner}.consistency={value!r} is not a consistency policy or one of {names()}")
-    name = "sync" if value == "rounds" else value
-    if name not in POLICIES:
-        choices = ", ".join(names())
-        raise ValueError(f"{owner}.consistency={value!r} is not one of {choices}{_near(value)}")
-    return from_wire(name, {"staleness": staleness or 0} if name == "bounded" else None)
+    if not staleness:
+        return value
+    if not _has_staleness(type(value)):
+        takers = " or ".join(repr(n) for n, c in POLICIES.items() if _has_staleness(c))
+        raise ValueError(f"{owner}.staleness={staleness!r} needs consistency={takers}, not {value.name!r}")
+    return dataclasses.replace(value, staleness=staleness)  # type: ignore[type-var]
+
+
+def _has_staleness(cls: type[Policy]) -> bool:
+    return "staleness" in {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
 
 
 def _near(word: str) -> str:
