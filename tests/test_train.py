@@ -306,3 +306,9 @@ def test_every_engine_has_what_the_trainer_calls():
     members = [n for n in vars(Engine) if not n.startswith("_")] + list(Engine.__annotations__)
     for engine in (LocalEngine, CollectiveEngine, PSEngine, ElasticCollectiveEngine):
         assert [m for m in members if not hasattr(engine, m) and m != "model"] == [], engine
+
+
+def test_a_strategy_as_plain_data_names_its_consistency_policy():
+    # A checkpoint's metadata: the policy as written, not a dataclass's fields without its name.
+    data = json.loads(json.dumps(Strategy.parse("ps:consistency=bounded,staleness=2").as_dict()))
+    assert data["consistency"] == "bounded(2)" and data["architecture"] == "ps"

@@ -137,6 +137,12 @@ class Strategy:
     def replace(self, **changes: Any) -> Strategy:
         return dataclasses.replace(self, **changes)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as plain data (a checkpoint's metadata): the policy as it is written,
+        "bounded(2)"."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return fields | {"consistency": str(self.consistency)}
+
     @property
     def compression_config(self) -> CompressionConfig | None:
         """The compression fields as the compression layer takes them."""

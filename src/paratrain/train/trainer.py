@@ -21,7 +21,6 @@ SGD; also the dense half of "hybrid"), PSEngine (train/ps.py).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import weakref
@@ -494,7 +493,7 @@ class Trainer:
         self.ctx.barrier(name=f"checkpoint-{self.steps}")
         if self.rank != 0:
             return None
-        meta = {"strategy": dataclasses.asdict(self.strategy), "num_workers": self.num_workers}
+        meta = {"strategy": self.strategy.as_dict(), "num_workers": self.num_workers}
         meta["metrics"] = {name: float(value) for name, value in self._scalars.items()}
         return checkpoint.commit(self.checkpoint_dir, self.steps, meta, keep=self.keep)
 
