@@ -4,6 +4,7 @@ routes every op it declares (no processes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,8 @@ def test_a_message_round_trips_through_msgpack_as_its_op_and_meta():
     assert meta == {"name": "s", "n": 3, "x": 1.5, "data": {"k": [1, 2]}, "inner": {"a": 2}, "ranks": (4, 5)}
     got = Sample.from_meta(msgpack.unpackb(msgpack.packb(meta), raw=False))
     assert got == sent and isinstance(got.ranks, tuple)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.name = "t"  # type: ignore[misc]
 
 
 def test_none_fields_stay_off_the_wire_and_absent_fields_take_their_defaults():

@@ -12,10 +12,13 @@ A message class is declared once, its op named where it subclasses `Message`:
 and travels as a frame's op and meta map (frame.py): `client.call(*msg.wire())` sends it,
 `Barrier.from_meta(meta)` reads it back. The field types are read once per class, on its first
 use, into the Python types the wire may carry for each field (msgpack gives int, float, str, bytes,
-bool, list, dict, None): encoding is then one dict comprehension and decoding one type test per
-field, with no reflection per message. A field whose value is None is left out of the map (absent
-means None); a field typed as another message class travels as its map. Keys a receiver does not
-know are ignored, so a sender may add an optional field before every receiver reads it.
+bool, list, dict, None), and an encoder and a decoder are made from them as straight-line code (as
+dataclasses makes __init__): one store and one type test per field, no reflection per message.
+Decoding a push's 13 fields costs about what msgpack's unpacking of that map does (3.9-6.6 us
+against 3.4-3.7 us, on a loaded 2-core machine: take figures on a quiet one). A field whose
+value is None is left out of the map (absent means None); a field typed as another message class
+travels as its map. Keys a receiver does not know are ignored, so a sender may add an optional
+field before every receiver reads it.
 
 A receiver keeps one `Routes` table: message class -> handler. `Routes.serve(request)` decodes a
 request's meta into its class and calls `handler(request, msg)`; `Routes.route(op, meta, *context)`
@@ -121,7 +124,20 @@ def _compile(cls: type[Message]) -> Codec:
         args.append(f"v{i}")
         encode += [f"    v = self.{name}", "    if v is not None:"]
         encode.append(f"        m[{name!r}] = v.to_meta()" if nested else f"        m[{name!r}] = v")
-    decode.append(f"    return cls({', '.join(args)})")
+    slots = [cls.__dict__.get(f.name) for f in fields]
+    if all(isinstance(slot, types.MemberDescriptorType) for slot in slots) and not hasattr(
+        cls, "__post_init__"
+    ):
+        # A frozen dataclass's __init__ sets each field through object.__setattr__ (about half
+        # the decode's time for a push's 13 fields): a slotted one's fields are set directly.
+        env["new"] = object.__new__
+        decode.append("    m = new(cls)")
+        for i, slot in enumerate(slots):
+            env[f"s{i}"] = slot.__set__  # type: ignore[union-attr]
+            decode.append(f"    s{i}(m, v{i})")
+        decode.append("    return m")
+    else:
+        decode.append(f"    return cls({', '.join(args)})")
     encode.append("    return m")
     exec("\n".join(decode + encode), env)  # noqa: S102 - code made above from field names only
     return spec, env["decode"], env["encode"]
