@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _starts_processes(item: pytest.Function) -> bool:
     if item.get_closest_marker("jobs") is not None:
         return True
-    seen: set[object] = set()
+    seen: set[int] = set()  # by id: a callable global may be unhashable (a pytest MarkDecorator)
     todo: list[object] = [item.function]
     for name in item.fixturenames:
         if name == "_fast_tier_starts_no_process":  # the guard itself names what it refuses
@@ -68,9 +68,9 @@ def _starts_processes(item: pytest.Function) -> bool:
             todo.append(fixture.func)
     while todo:
         func = inspect.unwrap(todo.pop())  # type: ignore[arg-type]
-        if func in seen or not _in_tests(func):
+        if id(func) in seen or not _in_tests(func):
             continue
-        seen.add(func)
+        seen.add(id(func))
         try:
             source = inspect.getsource(func)
         except (OSError, TypeError):

@@ -10,6 +10,7 @@ import re
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from paratrain import version
 from paratrain.cluster.barriers import Barriers
 from paratrain.cluster.config import ElasticConfig, JobConfig
 from paratrain.cluster.membership import Members
+from paratrain.cluster.protocol import Register
 from paratrain.cluster.scheduler import Scheduler
 from paratrain.cluster.spec import ClusterSpec
 from paratrain.errors import RegistrationError, RemoteError
@@ -120,49 +122,52 @@ def test_the_job_stops_below_min_workers_naming_the_dead_worker(job):
     assert scheduler.failures[0]["rank"] == 2
 
 
-class _Registration:
-    """What Members and Barriers read of a request: its meta and its connection."""
+def _registration(role: str, rank: int | None, config: JobConfig) -> tuple[Any, Register]:
+    """What Members reads of a registration: its connection and message."""
+    return object(), Register(role, "h", 1, version.__version__, config.digest(), rank=rank, port=1)
 
-    def __init__(self, role: str, rank: int | None, config: JobConfig) -> None:
-        self.meta = {"role": role, "rank": rank, "host": "h", "port": 1, "pid": 1}
-        self.meta |= {"version": version.__version__, "config_digest": config.digest()}
-        self.conn = object()
+
+class _Waiter:
+    """What Barriers keeps of a request."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
 
 
 def test_members_give_free_ranks_and_refuse_duplicates_and_strangers():
     config = JobConfig(elastic=ElasticConfig(min_workers=1, max_workers=3))
     members = Members(ClusterSpec("scheduler", 0, 2, 1, "127.0.0.1", 1, SECRET), config)
-    first = members.admit(_Registration("worker", None, config))
-    assert (first.rank, members.admit(_Registration("worker", None, config)).rank) == (0, 1)
+    first = members.admit(*_registration("worker", None, config))
+    assert (first.rank, members.admit(*_registration("worker", None, config)).rank) == (0, 1)
     assert members.missing() == ["server 0"]
     with pytest.raises(RegistrationError, match="worker 1 is already registered"):
-        members.admit(_Registration("worker", 1, config))
+        members.admit(*_registration("worker", 1, config))
     with pytest.raises(RegistrationError, match="different JobConfig"):
-        members.admit(_Registration("worker", None, JobConfig()))
+        members.admit(*_registration("worker", None, JobConfig()))
     assert members.free_rank(None) == 2 and members.free_rank(1) is None
     with pytest.raises(RegistrationError, match=r"rank 3 is outside 0\.\.2"):
         members.free_rank(3)
     members.drop(first)
-    assert members.free_rank(None) == 0 and members.snapshot()["workers"] == [1]
+    assert members.free_rank(None) == 0 and members.snapshot().workers == (1,)
     assert first.state(job_started=True) == "lost"
 
 
 def test_a_barrier_completes_with_the_workers_left_and_replies_in_rank_order():
     config = JobConfig()
     members = Members(ClusterSpec("scheduler", 0, 3, 1, "127.0.0.1", 1, SECRET), config)
-    nodes = [members.admit(_Registration("worker", r, config)) for r in (2, 0, 1)]
+    nodes = [members.admit(*_registration("worker", r, config)) for r in (2, 0, 1)]
     barriers = Barriers()
     for node in nodes[:2]:
-        barriers.arrive(("workers", "b"), _Registration("worker", node.rank, config), node, node.rank * 10)
+        barriers.arrive(("workers", "b"), _Waiter(node.rank), node, node.rank * 10)  # type: ignore[arg-type]
     assert barriers.complete(3) == [] and len(barriers.waiting()) == 2
     members.drop(nodes[2])  # worker 1 dies before it arrives: the barrier no longer waits for it
     barriers.forget(nodes[2])
     released = barriers.complete(len(members.live_workers()))
     replies: list = []
-    Barriers.release(released, lambda waiter, meta: replies.append((waiter.meta["rank"], meta)))
-    assert replies == [(2, {"data": [[0, 0], [2, 20]]}), (0, {"data": [[0, 0], [2, 20]]})]
+    Barriers.release(released, lambda waiter, data: replies.append((waiter.rank, data)))
+    assert replies == [(2, [[0, 0], [2, 20]]), (0, [[0, 0], [2, 20]])]
     assert barriers.waiting() == []
-    barriers.arrive(("all", "c"), _Registration("worker", 2, config), nodes[0], None)
+    barriers.arrive(("all", "c"), _Waiter(2), nodes[0], None)  # type: ignore[arg-type]
     members.drop(nodes[0])  # worker 2 dies in a barrier: what it brought is taken back
     barriers.forget(nodes[0])
     assert barriers.waiting() == [] and barriers.complete(1) == []
@@ -232,7 +237,7 @@ def admitted(state: ShardState, rank: int, clock: int, grad: list[float]) -> Non
 
 def test_a_round_completes_with_the_workers_left_and_a_joiner_counts_from_its_join():
     server = KVServer()
-    server._configure({"mode": "sync", "members": [0, 1, 2], "average": True})
+    server.configure({"mode": "sync", "members": [0, 1, 2], "average": True})
     state = ShardState("w", 0, 2, 2, [2], "float32", torch.zeros(2), server.rules)
     server._shards["w", 0, 2] = state
     admitted(state, 0, 0, [2.0, 4.0])

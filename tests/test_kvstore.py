@@ -12,6 +12,7 @@ import torch
 from paratrain.errors import KVStoreError
 from paratrain.kvstore import KINDS, KVStoreConfig, create
 from paratrain.kvstore import optim as kvoptim
+from paratrain.kvstore.consistency import Async
 from paratrain.kvstore.placement import Placement, split
 from paratrain.kvstore.shared import PAGE, Arena, ArenaMap
 from paratrain.testing import run_job
@@ -78,7 +79,7 @@ def test_placement_is_the_same_on_every_worker():
 # -- configuration ----------------------------------------------------------------------------------
 def test_mxnet_kinds_map_onto_configs():
     assert KINDS["dist_sync"] == KVStoreConfig()
-    assert KINDS["dist_async"].consistency == "async"
+    assert KINDS["dist_async"].consistency == Async()
     assert KINDS["dist_sync_device"].aggregation == "host"
     assert KINDS["dist_async_device"] == KVStoreConfig(consistency="async", aggregation="host")
     assert KINDS["local"].local and KINDS["device"].local

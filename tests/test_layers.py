@@ -122,4 +122,4 @@ def test_subpackages_work_after_a_bare_import() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == paratrain.__version__
     assert paratrain.pipeline.PipelineConfig(stages=2).stages == 2  # and the others, in this process
-    assert paratrain.train.Strategy.parse("dist_async").consistency == "async"
+    assert str(paratrain.train.Strategy.parse("dist_async").consistency) == "async"

@@ -16,6 +16,7 @@ from test_elastic import SECRET, FakeNode
 
 from paratrain.cluster.config import ElasticConfig, JobConfig
 from paratrain.cluster.fencing import DROPPED, dropped_message, dropped_notice
+from paratrain.cluster.protocol import Dropped
 from paratrain.cluster.scheduler import Scheduler
 from paratrain.cluster.spec import ClusterSpec
 from paratrain.kvstore.api import KVError
@@ -53,7 +54,7 @@ def test_copies_from_a_lost_server_are_refused_and_others_taken():
 
 def test_a_dropped_node_says_its_role_rank_and_why():
     assert dropped_message("worker", 2) == f"worker 2 {DROPPED}"
-    said = dropped_notice({"role": "server", "rank": 1, "reason": "sent no heartbeat for 3.1 s"})
+    said = dropped_notice(Dropped("server", 1, "sent no heartbeat for 3.1 s"))
     assert said.startswith(f"server 1 {DROPPED} (sent no heartbeat for 3.1 s); ")
     assert "rather than rejoin" in said
 
@@ -71,12 +72,13 @@ class FakeRequest:
 
 def test_a_server_refuses_pushes_over_a_dropped_workers_connection_and_copies_from_a_lost_server():
     server = KVServer(rank=0)
-    server._configure({"mode": "sync", "members": [0, 1, 2]})
+    server.configure({"mode": "sync", "members": [0, 1, 2]})
     conns = {rank: object() for rank in range(3)}
     for rank, conn in conns.items():
         server.fence.check_push(conn, rank)  # what each worker's first push records
     server.set_members([0, 1], [])  # worker 2 dropped (it may be alive behind a partition)
-    late = FakeRequest("push", {"rank": 2, "keys": ["w"], "starts": [0], "stops": [2]}, conns[2])
+    push = {"rank": 2, "keys": ["w"], "starts": [0], "stops": [2], "clocks": [0]}
+    late = FakeRequest("push", push, conns[2])
     server.handle(late)
     refused = f"server 0: server 0 refuses this push: worker 2 {DROPPED}, and the rounds went on without it"
     assert len(late.failed) == 1 and late.failed[0].startswith(refused), late.failed  # then the docs link

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from paratrain.cluster.config import JobConfig
+from paratrain.kvstore import protocol
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.consistency import Async, Sync
 from paratrain.kvstore.placement import Placement, replicas
@@ -609,7 +610,8 @@ def test_a_push_in_several_frames_sends_its_lent_slices_to_a_backup_together() -
 
     def push(key: str, clock: int, more: bool) -> None:
         meta = {"rank": 0, "keys": [key], "starts": [0], "stops": [4], "clocks": [clock]}
-        primary._push(frame("push", meta | ({"more": True} if more else {}), [torch.ones(4)]))
+        meta |= {"more": True} if more else {}
+        primary._push(frame("push", meta, [torch.ones(4)]), protocol.Push.from_meta(meta))
 
     def answered(count: int) -> None:
         deadline = time.monotonic() + 10

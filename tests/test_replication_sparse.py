@@ -266,7 +266,7 @@ class Cluster:
 
 def run(policy: Any, seed: int, workers: int = 2, rounds: int = 5) -> None:
     chance = random.Random(seed)
-    deltas = 1 if policy.rounds else workers  # each sent in two steps: before and after
+    deltas = 1 if policy.holds_pushes() else workers  # each sent in two steps: before and after
     per_round = 2 * workers + 2 * deltas  # a pull and a push per worker
     cluster = Cluster(policy, workers, die_at=chance.randrange(1, per_round * rounds + 1))
     counts: dict[int, int] = {}

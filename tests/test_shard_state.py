@@ -8,7 +8,7 @@ import torch
 
 from paratrain.kvstore import KVStore, KVStoreConfig
 from paratrain.kvstore.api import KVError
-from paratrain.kvstore.consistency import Async, Bounded, Sync, policy
+from paratrain.kvstore.consistency import Async, Bounded, Sync, from_wire, parse
 from paratrain.kvstore.server.rules import Push, Rules
 from paratrain.kvstore.server.shard import ShardState
 
@@ -55,7 +55,7 @@ def test_async_applies_every_push_on_arrival() -> None:
 
 
 def test_bounded_rounds_are_sync_rounds_and_pulls_may_lag_by_the_bound() -> None:
-    rules = Rules(policy("bounded", 2), frozenset({0, 1}))
+    rules = Rules(parse("bounded", 2), frozenset({0, 1}))
     s = shard(rules)
     for clock in range(3):  # worker 0 runs 3 rounds ahead of worker 1
         push(s, 0, clock, [1.0, 1.0])
@@ -109,7 +109,7 @@ def test_the_optimizer_steps_once_per_round_on_the_mean() -> None:
 
 
 def test_the_policies_answer_for_both_sides() -> None:
-    assert [policy(n).name for n in ("sync", "rounds", "async", "bounded")] == [
+    assert [parse(n).name for n in ("sync", "rounds", "async", "bounded")] == [
         "sync",
         "sync",
         "async",
@@ -118,7 +118,8 @@ def test_the_policies_answer_for_both_sides() -> None:
     assert (Sync().min_version(5), Async().min_version(5), Bounded(2).min_version(5)) == (5, 0, 3)
     assert KVStoreConfig(consistency="bounded", staleness=4).policy == Bounded(4)
     with pytest.raises(ValueError, match="consistency 'eventual' is not one of"):
-        policy("eventual")
+        from_wire("eventual")
+    assert from_wire(*Bounded(3).to_wire()) == Bounded(3) and str(Bounded(3)) == "bounded(3)"
     with pytest.raises(ValueError, match="KVStoreConfig.consistency='eventual'"):
         KVStoreConfig(consistency="eventual")
 

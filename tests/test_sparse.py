@@ -16,7 +16,7 @@ from torch import nn
 from paratrain.data.criteo import category_id, read_criteo, write_synthetic_criteo, zipf_ranks
 from paratrain.errors import KVStoreError
 from paratrain.kvstore import TableConfig, create, kernels
-from paratrain.kvstore.consistency import Bounded
+from paratrain.kvstore.consistency import Async, Bounded, Sync
 from paratrain.kvstore.server.rowstore import HUGE_MIN_BYTES, IdIndex, RowStore, initial_rows, shard_of, zeros
 from paratrain.kvstore.server.rules import Rules
 from paratrain.kvstore.server.sparse import SparseTables
@@ -144,7 +144,7 @@ def table(config: TableConfig | None = None, dim: int = 4, optimizer=None) -> Sp
 
 
 def push(t: SparseTable, clock: int, ids: np.ndarray, value: float = 1.0) -> None:
-    t.push(0, clock, ids, torch.full((len(ids), t.dim), value), "rounds", frozenset({0}))
+    t.push(0, clock, ids, torch.full((len(ids), t.dim), value), Sync(), frozenset({0}))
 
 
 def test_rows_are_created_on_first_training_pull_with_a_value_fixed_by_id_and_seed():
@@ -228,7 +228,7 @@ def test_a_push_uses_the_slots_of_its_pull_only_while_they_still_hold_its_rows()
     t.read(np.array([5]), 2, True, rank=1)  # evicts 1
     t.read(np.array([3, 4, 6]), 3, True, rank=1)  # 6 takes 1's slot; evicts 2
     assert t.rows.ids[0] == 6 and not t.rows.alive[1]
-    t.push(0, 2, np.array([1, 2, 3, 4]), torch.ones(4, 1), "async", frozenset({0, 1}))
+    t.push(0, 2, np.array([1, 2, 3, 4]), torch.ones(4, 1), Async(), frozenset({0, 1}))
     values = t.read(np.arange(1, 7), 3, False).flatten().tolist()
     assert values == [0.0, 0.0, -1.0, -1.0, 0.0, 0.0]
     assert t.stats()["dropped"] == 2 and t.stats()["evicted_cap"] == 2
@@ -272,7 +272,7 @@ def test_a_round_folded_push_by_push_equals_the_rank_order_sum(arrival):
     for round_, pushed in enumerate(pushes):
         for n, rank in enumerate(arrival):
             ids, grads = pushed[rank]
-            folded.push(rank, round_, ids, grads, "sync", members, apply=False)
+            folded.push(rank, round_, ids, grads, Sync(), members, apply=False)
             folded.apply_complete_rounds(members)  # as the server does after each push
             if n < workers - 1:  # held back only while ranks below it are missing
                 assert len(folded.folding.ranks) == len(sorted_prefix(arrival[: n + 1]))
@@ -305,13 +305,13 @@ def test_a_folded_round_whose_rows_were_evicted_meanwhile_is_summed_again_from_i
     pushes, (folded, reference) = rounds_tables(3, 3)
     pushed = pushes[0]
     for rank in (1, 0):
-        folded.push(rank, 0, *pushed[rank], "sync", members, apply=False)
+        folded.push(rank, 0, *pushed[rank], Sync(), members, apply=False)
         folded.apply_complete_rounds(members)
     assert folded.folding.ranks == [1, 0]
     gone = np.array([int(pushed[0][0][0]), int(pushed[1][0][0])])
     for t in (folded, reference):  # an eviction between the folds and the round's end
         t._evict(t.index.lookup(gone), "evicted_age")
-    folded.push(2, 0, *pushed[2], "sync", members, apply=False)
+    folded.push(2, 0, *pushed[2], Sync(), members, apply=False)
     folded.apply_complete_rounds(members)
     reference.apply([(*pushed[rank], None) for rank in range(3)], 0, add=False)
     assert folded.version == 1 and folded.stats()["dropped"] == reference.stats()["dropped"] > 0

@@ -20,28 +20,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from paratrain import version
+from paratrain.cluster import protocol as p
 from paratrain.cluster.config import JobConfig
 from paratrain.cluster.fencing import dropped_notice
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec
 from paratrain.errors import RemoteError, RendezvousError, TransportError
 from paratrain.transport.client import RpcClient
 from paratrain.transport.frame import Header
+from paratrain.transport.message import Routes
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Membership:
-    """The job's live workers (scheduler.py's module docstring): `generation` goes up by one at
-    each change; `workers` are the live ranks, sorted; `joiners` those that joined the running job."""
-
-    generation: int
-    workers: tuple[int, ...]
-    joiners: tuple[int, ...] = ()
-
-    @classmethod
-    def from_meta(cls, meta: dict) -> Membership:
-        return cls(int(meta["generation"]), tuple(meta["workers"]), tuple(meta.get("joiners", ())))
+Membership = p.Membership  # the name callers know (cluster/context.py)
 
 
 @dataclass(frozen=True)
@@ -77,6 +68,16 @@ class SchedulerLink:
         self._on_members: list[Callable[[Membership], None]] = []
         self._on_server_back: list[Callable[[int, str, int], None]] = []
         self._on_server_lost: list[Callable[[int, str], None]] = []
+        self._notices = Routes(
+            {
+                p.Abort: lambda notice: _exit_aborted(f"the scheduler aborted the job: {notice.reason}"),
+                p.Membership: self._learn,
+                p.ServerBack: self._server_back,
+                p.Dropped: lambda notice: _exit_aborted(dropped_notice(notice)),
+                p.ServerLost: self._server_lost,
+                p.Shutdown: self._shutdown,
+            }
+        )
         self.client = RpcClient(
             spec.scheduler_host,
             spec.scheduler_port,
@@ -91,21 +92,21 @@ class SchedulerLink:
         self._heartbeats.start()
 
     def register(self, role: str, port: int = 0) -> Roster:
-        meta = {
-            "role": role,
-            "rank": self.spec.rank,
-            "host": self.spec.host,
-            "port": port,
-            "pid": os.getpid(),
-            "version": version.__version__,
-            "config": self.config.as_dict(),
-            "config_digest": self.config.digest(),
-        }
+        register = p.Register(
+            role=role,
+            rank=self.spec.rank,
+            host=self.spec.host,
+            port=port,
+            pid=os.getpid(),
+            version=version.__version__,
+            config=self.config.as_dict(),
+            config_digest=self.config.digest(),
+        )
         # Longer than the scheduler's own start timeout: its abort, which names who is missing and
         # what it refused meanwhile, arrives first.
         wait_s = self.config.start_timeout_s + self.config.heartbeat_timeout_s
         try:
-            reply = self.client.call("register", meta, timeout_s=wait_s)
+            reply = self.client.call(*register.wire(), timeout_s=wait_s)
         except RemoteError as exc:
             raise RendezvousError(f"the scheduler refused {role} registration: {exc}") from None
         except TimeoutError:
@@ -113,23 +114,22 @@ class SchedulerLink:
                 f"the job did not start within {wait_s} s: "
                 f"not every node registered with the scheduler at {self.spec.scheduler_address}"
             ) from None
-        m = reply.meta
-        membership = Membership.from_meta(m["membership"]) if "membership" in m else None
-        if membership is not None:
-            self._learn(membership)
+        registered = p.Registered.from_meta(reply.meta)
+        if registered.membership is not None:
+            self._learn(registered.membership)
         return Roster(
-            rank=m["rank"],
-            servers=[(h, p) for h, p in m["servers"]],
-            workers=[(h, p) for h, p in m["workers"]],
-            membership=membership,
-            joined=bool(m.get("joined", False)),
-            lost=tuple(int(rank) for rank in m.get("lost", ())),
+            rank=registered.rank,
+            servers=[(str(host), int(port)) for host, port in registered.servers],
+            workers=[(str(host), int(pid)) for host, pid in registered.workers],
+            membership=registered.membership,
+            joined=registered.joined,
+            lost=registered.lost,
         )
 
     # -- replicated servers ----------------------------------------------------------------------
     def caught_up(self) -> None:
         """A rejoined server holds its copies again: the scheduler counts it and tells every node."""
-        self.client.call("caught_up", {}, timeout_s=self.config.barrier_timeout_s)
+        self.client.call(*p.CaughtUp().wire(), timeout_s=self.config.barrier_timeout_s)
 
     def on_server_back(self, callback: Callable[[int, str, int], None]) -> None:
         """Call `callback(rank, host, port)` when a restarted server has caught up (it listens at
@@ -140,7 +140,7 @@ class SchedulerLink:
     def members(self, timeout_s: float | None = None) -> Membership:
         """The scheduler's membership now (a round trip)."""
         timeout = self.config.barrier_timeout_s if timeout_s is None else timeout_s
-        membership = Membership.from_meta(self.client.call("members", {}, timeout_s=timeout).meta)
+        membership = Membership.from_meta(self.client.call(*p.MembersQuery().wire(), timeout_s=timeout).meta)
         self._learn(membership)
         return membership
 
@@ -188,15 +188,14 @@ class SchedulerLink:
     ) -> dict[int, Any]:
         """Wait for the group; returns each worker's `data` (small, msgpack-able) by rank."""
         timeout = self.config.barrier_timeout_s if timeout_s is None else timeout_s
-        meta = {"group": group, "name": name, "data": data}
-        reply = self.client.call("barrier", meta, timeout_s=timeout)
-        return {rank: value for rank, value in reply.meta["data"]}
+        reply = self.client.call(*p.Barrier(group, name, data).wire(), timeout_s=timeout)
+        return {rank: value for rank, value in p.Gathered.from_meta(reply.meta).data}
 
     def finish(self) -> None:
         """Tell the scheduler this worker is done, then close the link."""
         self._leaving = True
         try:
-            self.client.call("finish", {}, timeout_s=self.config.finish_timeout_s)
+            self.client.call(*p.Finish().wire(), timeout_s=self.config.finish_timeout_s)
         except (TransportError, RemoteError, TimeoutError) as exc:
             logger.warning("could not tell the scheduler we finished: %s", exc)
         self.close()
@@ -207,7 +206,7 @@ class SchedulerLink:
         if self._leaving:
             return
         try:
-            self.client.send("peer_lost", {"role": role, "rank": rank, "error": str(error or "closed")})
+            self.client.send(*p.PeerLost(role, rank, str(error or "closed")).wire())
         except TransportError:
             pass  # the link is down too: _closed reports that
 
@@ -223,7 +222,7 @@ class SchedulerLink:
             if launcher is not None and os.getppid() != launcher:
                 _exit_aborted(f"the launcher (pid {launcher}) is gone")
             try:
-                self.client.send("heartbeat", self._report())
+                self.client.send(*p.Heartbeat(self._report()).wire())
             except TransportError:
                 return  # _closed reports it
 
@@ -231,7 +230,7 @@ class SchedulerLink:
         if self.report is None:
             return None
         try:
-            return {"report": self.report()}
+            return self.report()
         except Exception as exc:  # figures are best effort: never let them stop the heartbeats
             logger.warning("could not gather this process's figures: %r", exc)
             return None
@@ -242,36 +241,35 @@ class SchedulerLink:
         best: tuple[float, float] | None = None
         for _ in range(samples):
             sent = time.time()
-            reply = self.client.call("clock", {}, timeout_s=self.config.barrier_timeout_s)
+            reply = self.client.call(*p.Clock().wire(), timeout_s=self.config.barrier_timeout_s)
             received = time.time()
-            offset = reply.meta["time"] - (sent + received) / 2
+            offset = p.Time.from_meta(reply.meta).time - (sent + received) / 2
             if best is None or received - sent < best[0]:
                 best = (received - sent, offset)
         assert best is not None
         return best[1]
 
     def _notice(self, header: Header, _tensors: list) -> None:
-        if header.op == "abort":
-            _exit_aborted(f"the scheduler aborted the job: {header.meta.get('reason')}")
-        elif header.op == "members":
-            self._learn(Membership.from_meta(header.meta))
-        elif header.op == "server_back":
-            for callback in self._on_server_back:
-                try:
-                    callback(int(header.meta["rank"]), str(header.meta["host"]), int(header.meta["port"]))
-                except Exception:
-                    logger.exception("a server_back callback failed")
-        elif header.op == "dropped":
-            _exit_aborted(dropped_notice(header.meta))
-        elif header.op == "server_lost":
-            for callback in self._on_server_lost:
-                try:
-                    callback(int(header.meta["rank"]), str(header.meta.get("reason", "")))
-                except Exception:
-                    logger.exception("a lost-server callback failed")
-        elif header.op == "shutdown":
-            self._leaving = True
-            self.shutdown.set()
+        if not self._notices.route(header.op, header.meta):
+            logger.warning("the scheduler sent an unknown notice %r", header.op)
+
+    def _server_back(self, notice: p.ServerBack) -> None:
+        for callback in self._on_server_back:
+            try:
+                callback(notice.rank, notice.host, notice.port)
+            except Exception:
+                logger.exception("a server_back callback failed")
+
+    def _server_lost(self, notice: p.ServerLost) -> None:
+        for callback in self._on_server_lost:
+            try:
+                callback(notice.rank, notice.reason)
+            except Exception:
+                logger.exception("a lost-server callback failed")
+
+    def _shutdown(self, _: p.Shutdown) -> None:
+        self._leaving = True
+        self.shutdown.set()
 
     def _closed(self, error: Exception | None) -> None:
         if not self._leaving:

@@ -47,8 +47,8 @@ class Barriers:
     @staticmethod
     def release(released: list[Released], reply: Any) -> None:
         """Reply to every waiter of each completed barrier with what each worker brought to it;
-        `reply(request, meta)` sends one reply (the scheduler's, quiet if the waiter is gone)."""
+        `reply(request, data)` sends one reply (the scheduler's, quiet if the waiter is gone)."""
         for waiters, data in released:
             ordered = sorted(data, key=lambda pair: pair[0])
             for waiter in waiters:
-                reply(waiter, {"data": ordered})
+                reply(waiter, ordered)

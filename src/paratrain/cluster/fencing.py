@@ -9,6 +9,11 @@ whichever of them reaches it first.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paratrain.cluster.protocol import Dropped
+
 DROPPED = "was dropped from the job after a partition"
 
 
@@ -17,7 +22,7 @@ def dropped_message(role: str, rank: int, why: str = "") -> str:
     return f"{role} {rank} {DROPPED}" + (f" ({why})" if why else "")
 
 
-def dropped_notice(meta: dict) -> str:
+def dropped_notice(notice: Dropped) -> str:
     """What a node says as it exits on the scheduler's `dropped {role, rank, reason}` notice."""
-    why = dropped_message(str(meta.get("role")), int(meta.get("rank", -1)), str(meta.get("reason", "")))
+    why = dropped_message(notice.role, notice.rank, notice.reason)
     return f"{why}; the job went on without it, so it exits rather than rejoin as itself"

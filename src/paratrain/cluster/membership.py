@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from paratrain import version
 from paratrain.cluster.config import JobConfig, config_differences
+from paratrain.cluster.protocol import Membership, Register, Roster
 from paratrain.cluster.spec import ClusterSpec
 from paratrain.errors import RegistrationError
 from paratrain.transport.connection import Connection
-from paratrain.transport.rpc import Request
 
 
 @dataclass
@@ -90,47 +89,43 @@ class Members:
         self.generation = 0
         """+1 at each change (elastic jobs notify every node of it)."""
 
-    def check(self, meta: dict) -> tuple[str, Any]:
+    def check(self, register: Register) -> tuple[str, int | None]:
         """(role, requested rank) of a registration whose version and JobConfig match the job's."""
-        who = describe_request(meta)
-        if meta.get("version") != version.__version__:
+        who = register.describe()
+        if register.version != version.__version__:
             raise RegistrationError(
-                f"{who} runs paratrain {meta.get('version')!r} but the scheduler runs {version.__version__!r}"
+                f"{who} runs paratrain {register.version!r} but the scheduler runs {version.__version__!r}"
             )
-        if meta.get("config_digest") != self.config.digest():
-            diffs = config_differences(self.config.as_dict(), meta.get("config") or {})
+        if register.config_digest != self.config.digest():
+            diffs = config_differences(self.config.as_dict(), register.config or {})
             raise RegistrationError(f"{who} has a different JobConfig: {'; '.join(diffs) or 'digest only'}")
-        role = meta.get("role")
-        if role not in ("server", "worker"):
-            raise RegistrationError(f"{who}: role {role!r} cannot register")
-        return str(role), meta.get("rank")
+        if register.role not in ("server", "worker"):
+            raise RegistrationError(f"{who}: role {register.role!r} cannot register")
+        return register.role, register.rank
 
-    def admit(self, request: Request) -> Node:
+    def admit(self, conn: Connection, register: Register) -> Node:
         """A registration before the start: its rank (the one asked for, else the lowest free one)."""
-        meta = request.meta
-        role, rank = self.check(meta)
+        role, rank = self.check(register)
         count = self.spec.num_servers if role == "server" else self.max_workers
         if rank is None:
             taken = {r for (ro, r) in self.nodes if ro == role}
             rank = min((r for r in range(count) if r not in taken), default=count)
-        if not isinstance(rank, int) or not 0 <= rank < count:
+        if not 0 <= rank < count:
             raise RegistrationError(
-                f"{describe_request(meta)}: rank {rank!r} is outside 0..{count - 1} for {count} {role}s"
+                f"{register.describe()}: rank {rank!r} is outside 0..{count - 1} for {count} {role}s"
             )
         if (role, rank) in self.nodes:
-            raise RegistrationError(f"{describe_request(meta)}: {role} {rank} is already registered")
-        return self.add(request, role, rank)
+            raise RegistrationError(f"{register.describe()}: {role} {rank} is already registered")
+        return self.add(conn, register, rank)
 
-    def add(self, request: Request, role: str, rank: int, joiner: bool = False) -> Node:
-        meta = request.meta
-        port = meta.get("port") or 0
-        node = Node(role, rank, str(meta.get("host")), int(port), int(meta.get("pid") or 0), request.conn)
+    def add(self, conn: Connection, register: Register, rank: int, joiner: bool = False) -> Node:
+        node = Node(register.role, rank, register.host, register.port, register.pid, conn)
         node.joiner = joiner
-        old = self.nodes.get((role, rank))
+        old = self.nodes.get((register.role, rank))
         if old is not None:  # a rejoining server: a frozen one's connection, if open, is no longer it
             self.by_conn.pop(old.conn, None)
-        self.nodes[role, rank] = node
-        self.by_conn[request.conn] = node
+        self.nodes[register.role, rank] = node
+        self.by_conn[conn] = node
         return node
 
     def drop(self, node: Node) -> None:
@@ -152,34 +147,26 @@ class Members:
     def all_finished(self) -> bool:
         return all(n.finished for n in self.nodes.values() if n.role == "worker")
 
-    def snapshot(self) -> dict[str, Any]:
-        """{generation, workers, joiners}: see the module docstring."""
+    def snapshot(self) -> Membership:
+        """The membership now: see the module docstring."""
         live = self.live_workers()
-        return {
-            "generation": self.generation,
-            "workers": sorted(n.rank for n in live),
-            "joiners": sorted(n.rank for n in live if n.joiner),
-        }
+        workers = tuple(sorted(n.rank for n in live))
+        return Membership(self.generation, workers, tuple(sorted(n.rank for n in live if n.joiner)))
 
-    def free_rank(self, wanted: Any) -> int | None:
+    def free_rank(self, wanted: int | None) -> int | None:
         """The rank a joiner gets: `wanted` or the lowest free one below max_workers; None while
         none is free. Raises RegistrationError for a rank that can never be."""
         live = {r for (role, r) in self.nodes if role == "worker"}
         if wanted is None:
             return min((r for r in range(self.max_workers) if r not in live), default=None)
-        if not isinstance(wanted, int) or not 0 <= wanted < self.max_workers:
+        if not 0 <= wanted < self.max_workers:
             raise RegistrationError(f"rank {wanted!r} is outside 0..{self.max_workers - 1} (max_workers)")
         return None if wanted in live else wanted
 
-    def roster(self) -> dict[str, list]:
+    def roster(self) -> Roster:
         """Where the servers listen and which pid each worker is, in rank order."""
         nodes = sorted(self.nodes.values(), key=lambda n: (n.role, n.rank))
-        return {
-            "servers": [[n.host, n.port] for n in nodes if n.role == "server"],
-            "workers": [[n.host, n.pid] for n in nodes if n.role == "worker"],
-        }
-
-
-def describe_request(meta: dict) -> str:
-    """`worker 2 (host h, pid 123)` for a registration, before it has a node."""
-    return f"{meta.get('role')} {meta.get('rank', '?')} (host {meta.get('host')}, pid {meta.get('pid')})"
+        return Roster(
+            servers=[[n.host, n.port] for n in nodes if n.role == "server"],
+            workers=[[n.host, n.pid] for n in nodes if n.role == "worker"],
+        )

@@ -1,6 +1,7 @@
 """The scheduler: registration and ranks, the address book, barriers, heartbeats, job end.
 
-Protocol (requests carry an id and get a reply; heartbeats are one-way):
+Protocol (each message a typed value in protocol.py, routed by one table, `Routes`; requests
+carry an id and get a reply; heartbeats are one-way):
 
     register  {role, rank?, host, port, pid, version, config}  -> replied once every node has
               registered: {rank, servers: [[host, port]...], workers: [[host, pid]...],
@@ -51,12 +52,14 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Protocol
 
+from paratrain.cluster import protocol as p
 from paratrain.cluster.barriers import Barriers, Released
 from paratrain.cluster.config import JobConfig
-from paratrain.cluster.membership import Members, Node, describe_request
+from paratrain.cluster.membership import Members, Node
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec
 from paratrain.errors import RegistrationError
 from paratrain.transport.connection import Connection
+from paratrain.transport.message import Message, Routes
 from paratrain.transport.rpc import Handler, Request, RpcServer, listen
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,19 @@ class Scheduler(Handler):
         self._lock = threading.Lock()
         self.members = Members(spec, config)
         self._waiting: list[tuple[Request, Node]] = []
+        self._routes = Routes(
+            {
+                p.Heartbeat: self._heartbeat,
+                p.Clock: lambda request, _: request.reply(p.Time(time.time()).to_meta()),
+                p.Register: self._register,
+                p.Barrier: self._barrier,
+                p.Finish: self._finish,
+                p.PeerLost: self._peer_lost,
+                p.RosterQuery: self._roster_query,
+                p.MembersQuery: self._members,
+                p.CaughtUp: self._caught_up,
+            }
+        )
         self._started = False
         self._barriers = Barriers()
         self._done = threading.Event()
@@ -88,9 +104,9 @@ class Scheduler(Handler):
         self.lost_servers: set[int] = set()
         """Servers that died while their backups held copies (JobConfig.replication): the job goes on."""
         self.elastic = config.elastic
-        self._joining: list[Request] = []
+        self._joining: list[tuple[Request, p.Register]] = []
         """Registrations into the running job that wait for their rank to be freed."""
-        self._fenced: dict[Connection, dict[str, Any]] = {}
+        self._fenced: dict[Connection, p.Dropped] = {}
         """Connections of nodes the job went on without: the `dropped` notice each one gets."""
         sock = listen_socket(spec)
         self.server = RpcServer(spec.secret, self, sock=sock, config=config.transport, name="scheduler")
@@ -144,7 +160,7 @@ class Scheduler(Handler):
         # The notice goes first: a node's reader sees it before the failed reply to its barrier,
         # so the node exits with EXIT_ABORTED (a consequence) rather than raising (a cause).
         for conn in conns:
-            _quietly(conn.send, "abort", 0, {"reason": reason})
+            _notify(conn, p.Abort(reason))
         for request in waiting:
             _quietly(request.fail, f"job aborted: {reason}")
         self._done.set()
@@ -157,7 +173,7 @@ class Scheduler(Handler):
             servers = [n.conn for n in self.members.by_conn.values() if n.role == "server"]
         logger.info("every worker finished; stopping %d server(s)", len(servers))
         for conn in servers:
-            _quietly(conn.send, "shutdown", 0, {})
+            _notify(conn, p.Shutdown())
         self._done.set()
 
     def _monitor(self) -> None:
@@ -204,39 +220,21 @@ class Scheduler(Handler):
 
     # -- requests --------------------------------------------------------------------------------
     def handle(self, request: Request) -> None:
-        op = request.op
-        if op == "heartbeat":
-            self._heartbeat(request)
-        elif op == "clock":
-            request.reply({"time": time.time()})
-        elif op == "register":
-            self._register(request)
-        elif op == "barrier":
-            self._barrier(request)
-        elif op == "finish":
-            self._finish(request)
-        elif op == "peer_lost":
-            self._peer_lost(request)
-        elif op == "roster":
-            self._roster_query(request)
-        elif op == "members":
-            with self._lock:
-                request.reply(self.members.snapshot())
-        elif op == "caught_up":
-            self._caught_up(request)
-        else:
-            request.fail(f"unknown op {op!r}")
+        self._routes.serve(request)
 
-    def _heartbeat(self, request: Request) -> None:
+    def _members(self, request: Request, _: p.MembersQuery) -> None:
+        with self._lock:
+            request.reply(self.members.snapshot().to_meta())
+
+    def _heartbeat(self, request: Request, beat: p.Heartbeat) -> None:
         node = self.members.by_conn.get(request.conn)
         fenced = self._fenced.get(request.conn)
         if fenced is not None:  # it is back from a partition: say again that it was dropped
-            _quietly(request.conn.send, "dropped", 0, fenced)
+            _notify(request.conn, fenced)
         elif node is not None:
             node.last_seen, node.last_seen_wall = time.monotonic(), time.time()
-            report = request.meta.get("report")
-            if report is not None and self.observer is not None:
-                self.observer.record(node.role, node.rank, report)
+            if beat.report is not None and self.observer is not None:
+                self.observer.record(node.role, node.rank, beat.report)
 
     # -- what the dashboard reads -------------------------------------------------------------------
     def roles(self) -> list[dict[str, Any]]:
@@ -277,16 +275,16 @@ class Scheduler(Handler):
             "uptime_s": time.time() - self.started_wall,
         }
 
-    def _register(self, request: Request) -> None:
-        if self._started and self.elastic is not None and request.meta.get("role") == "worker":
-            self._join(request)
+    def _register(self, request: Request, register: p.Register) -> None:
+        if self._started and self.elastic is not None and register.role == "worker":
+            self._join(request, register)
             return
-        if self._started and request.meta.get("role") == "server":
-            self._rejoin(request)
+        if self._started and register.role == "server":
+            self._rejoin(request, register)
             return
         try:
             with self._lock:
-                node = self.members.admit(request)
+                node = self.members.admit(request.conn, register)
                 self._waiting.append((request, node))
                 ready = not self._started and not self.members.missing()
                 if ready:
@@ -298,18 +296,19 @@ class Scheduler(Handler):
         logger.info("registered %s", node.describe())
         if ready:
             with self._lock:
-                roster = {**self.members.roster(), "membership": self.members.snapshot()}
+                roster, membership = self.members.roster(), self.members.snapshot()
             for waiter, member in waiting:
-                _quietly(waiter.reply, {"rank": member.rank, **roster, "joined": False})
+                reply = p.Registered(member.rank, roster.servers, roster.workers, membership)
+                _quietly(waiter.reply, reply.to_meta())
 
     # -- elastic membership ------------------------------------------------------------------------
-    def _notify(self, membership: dict[str, Any]) -> None:
+    def _notify(self, membership: p.Membership) -> None:
         """Tell every node the new membership (elastic jobs only)."""
         with self._lock:
             conns = list(self.members.by_conn)
-        logger.info("membership generation %d: workers %s", membership["generation"], membership["workers"])
+        logger.info("membership generation %d: workers %s", membership.generation, list(membership.workers))
         for conn in conns:
-            _quietly(conn.send, "members", 0, membership)
+            _notify(conn, membership)
 
     def _failed(self, node: Node, reason: str) -> None:
         """A node died: an elastic job drops a worker that died after the start; else abort."""
@@ -352,12 +351,12 @@ class Scheduler(Handler):
         """Every worker finished (and the job started); called with the lock held."""
         return self._started and self.members.all_finished()
 
-    def _join(self, request: Request) -> None:
+    def _join(self, request: Request, register: p.Register) -> None:
         """A worker registering into the running elastic job: a rank now, or once one is freed."""
         try:
             with self._lock:
-                self.members.check(request.meta)
-                self._joining.append(request)
+                self.members.check(register)
+                self._joining.append((request, register))
         except RegistrationError as exc:
             self._refuse(request, exc)
             return
@@ -369,43 +368,45 @@ class Scheduler(Handler):
         with self._lock:
             if self.outcome is not None:
                 return
-            for request in list(self._joining):
+            for entry in list(self._joining):
+                request, register = entry
                 try:
-                    rank = self.members.free_rank(request.meta.get("rank"))
+                    rank = self.members.free_rank(register.rank)
                 except RegistrationError as exc:
-                    self._joining.remove(request)
-                    refused.append((request, exc))
+                    self._joining.remove(entry)
+                    refused.append((request, f"{register.describe()}: {exc}"))
                     continue
                 if rank is None:
                     continue
-                self._joining.remove(request)
-                admitted.append((request, self.members.add(request, "worker", rank, joiner=True)))
+                self._joining.remove(entry)
+                admitted.append((request, self.members.add(request.conn, register, rank, joiner=True)))
                 self.members.generation += 1
             membership = self.members.snapshot()
-        for request, exc in refused:
-            _quietly(request.fail, f"{describe_request(request.meta)}: {exc}")
+        for request, why in refused:
+            _quietly(request.fail, why)
         if not admitted:
             return
         roster = self._roster()
         for request, node in admitted:
             logger.warning("%s joined the running job", node.describe())
-            _quietly(request.reply, {"rank": node.rank, **roster, "membership": membership, "joined": True})
+            reply = p.Registered(node.rank, roster.servers, roster.workers, membership, joined=True)
+            _quietly(request.reply, reply.to_meta())
         self._notify(membership)
 
-    def _roster(self) -> dict:
+    def _roster(self) -> p.Roster:
         with self._lock:
             return self.members.roster()
 
-    def _roster_query(self, request: Request) -> None:
+    def _roster_query(self, request: Request, _: p.RosterQuery) -> None:
         """Where the servers are, for a client that reads from them without joining the job: it
         takes no rank, is in no barrier or round, and its disconnecting ends nothing."""
         if not self._started:
             request.fail("the job has not started: not every node has registered yet")
             return
-        request.reply(self._roster())
+        request.reply(self._roster().to_meta())
 
-    def _barrier(self, request: Request) -> None:
-        group, name = request.meta.get("group", "workers"), str(request.meta.get("name", ""))
+    def _barrier(self, request: Request, barrier: p.Barrier) -> None:
+        group, name = barrier.group, barrier.name
         if group not in ("workers", "all"):
             request.fail(f"barrier group {group!r} is not 'workers' or 'all'")
             return
@@ -414,7 +415,7 @@ class Scheduler(Handler):
             request.fail("barrier from a node that did not register")
             return
         with self._lock:
-            self._barriers.arrive((group, name), request, node, request.meta.get("data"))
+            self._barriers.arrive((group, name), request, node, barrier.data)
             released = self._complete_barriers()
         self._release(released)
 
@@ -424,9 +425,9 @@ class Scheduler(Handler):
 
     @staticmethod
     def _release(released: list[Released]) -> None:
-        Barriers.release(released, lambda waiter, meta: _quietly(waiter.reply, meta))
+        Barriers.release(released, lambda waiter, data: _quietly(waiter.reply, p.Gathered(data).to_meta()))
 
-    def _finish(self, request: Request) -> None:
+    def _finish(self, request: Request, _: p.Finish) -> None:
         node = self.members.by_conn.get(request.conn)
         if node is None:
             request.fail("finish from a node that did not register")
@@ -446,12 +447,11 @@ class Scheduler(Handler):
         if done:
             self._finish_job()
 
-    def _peer_lost(self, request: Request) -> None:
+    def _peer_lost(self, request: Request, notice: p.PeerLost) -> None:
         """A node lost its connection to another (a worker to a server): the other is the cause
         of what follows, whichever disconnect reaches the scheduler first."""
         reporter = self.members.by_conn.get(request.conn)
-        meta = request.meta
-        lost = self.members.nodes.get((meta.get("role"), meta.get("rank")))  # type: ignore[arg-type]
+        lost = self.members.nodes.get((notice.role, notice.rank))
         if reporter is None or lost is None or self.outcome is not None:
             return
         if self._survivable(lost, f"is unreachable from {reporter.describe()}"):
@@ -459,13 +459,13 @@ class Scheduler(Handler):
         self._failed(
             lost,
             f"{lost.describe()} is unreachable: {reporter.describe()} lost its connection to it "
-            f"({meta.get('error')})",
+            f"({notice.error})",
         )
 
     def disconnected(self, conn: Connection, error: Exception | None) -> None:
         with self._lock:
             node = self.members.by_conn.pop(conn, None)
-            self._joining = [r for r in self._joining if r.conn is not conn]
+            self._joining = [entry for entry in self._joining if entry[0].conn is not conn]
             self._fenced.pop(conn, None)
         if node is None or node.finished:
             return
@@ -486,21 +486,21 @@ class Scheduler(Handler):
         self._refused.append((request.conn.peer, str(exc)))
 
     # -- replicated servers: a restarted one rejoins -------------------------------------------------
-    def _rejoin(self, request: Request) -> None:
+    def _rejoin(self, request: Request, register: p.Register) -> None:
         """A restarted server registers into the running job, with the rank of a lost server (the
         placement of slices is a function of the server count: a fresh rank would hold nothing). It
         gets the roster and the other lost servers at once and catches up from the live ones
         (kvstore/server/replica.py); it counts as a copy again only once it reports `caught_up`."""
         try:
             with self._lock:
-                role, rank = self.members.check(request.meta)
-                if rank not in self.lost_servers:
+                role, rank = self.members.check(register)
+                if rank is None or rank not in self.lost_servers:
                     raise RegistrationError(
-                        f"{describe_request(request.meta)}: the job is running and server {rank!r} "
+                        f"{register.describe()}: the job is running and server {rank!r} "
                         f"is not lost (lost: {sorted(self.lost_servers)}); only a lost server's rank can "
                         "rejoin"
                     )
-                node = self.members.add(request, role, rank)
+                node = self.members.add(request.conn, register, rank)
                 lost = sorted(self.lost_servers - {rank})
                 membership = self.members.snapshot()
         except RegistrationError as exc:
@@ -508,10 +508,10 @@ class Scheduler(Handler):
             return
         logger.warning("%s rejoins the running job; it catches up from the live servers", node.describe())
         roster = self._roster()
-        reply = {"rank": rank, **roster, "membership": membership, "joined": True, "lost": lost}
-        _quietly(request.reply, reply)
+        reply = p.Registered(rank, roster.servers, roster.workers, membership, joined=True, lost=tuple(lost))
+        _quietly(request.reply, reply.to_meta())
 
-    def _caught_up(self, request: Request) -> None:
+    def _caught_up(self, request: Request, _: p.CaughtUp) -> None:
         """A rejoined server holds every slice it backs up: it counts as a copy again, and every
         node hears where it listens now (`server_back {rank, host, port}`)."""
         node = self.members.by_conn.get(request.conn)
@@ -524,7 +524,7 @@ class Scheduler(Handler):
         request.reply({})
         logger.warning("%s caught up: it holds copies again", node.describe())
         for conn in conns:
-            _quietly(conn.send, "server_back", 0, {"rank": node.rank, "host": node.host, "port": node.port})
+            _notify(conn, p.ServerBack(node.rank, node.host, node.port))
 
     def _survivable(self, node: Node, what: str) -> bool:
         """Whether the job goes on without `node`: a server, while fewer than JobConfig.replication
@@ -549,15 +549,15 @@ class Scheduler(Handler):
         with self._lock:
             others = [conn for conn in self.members.by_conn if conn is not node.conn]
         for conn in others:
-            _quietly(conn.send, "server_lost", 0, {"rank": node.rank, "reason": what})
+            _notify(conn, p.ServerLost(node.rank, what))
         return True
 
     def _fence(self, node: Node, reason: str) -> None:
         """The job goes on without `node`: tell it so (now, and at each heartbeat it sends later)."""
-        notice = {"role": node.role, "rank": node.rank, "reason": reason}
+        notice = p.Dropped(node.role, node.rank, reason)
         with self._lock:
             self._fenced[node.conn] = notice
-        _quietly(node.conn.send, "dropped", 0, notice)
+        _notify(node.conn, notice)
 
 
 def listen_socket(spec: ClusterSpec):
@@ -568,6 +568,11 @@ def listen_socket(spec: ClusterSpec):
     # Its own address, not the name others reach it by: that may be a DNS alias (a Kubernetes
     # Service) that no local interface carries.
     return listen(spec.host, spec.scheduler_port)
+
+
+def _notify(conn: Connection, notice: Message) -> None:
+    """A one-way notice to a node (id 0), quietly."""
+    _quietly(conn.send, notice.op, 0, notice.to_meta())
 
 
 def _quietly(fn: Callable[..., Any], *args: Any) -> None:

@@ -13,11 +13,11 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from paratrain.errors import KVStoreError, RemoteError, TransportError
-from paratrain.kvstore.consistency import NAMES, Policy, policy
+from paratrain.kvstore.consistency import Async, Policy, Sync, parse
 from paratrain.kvstore.placement import DEFAULT_SLICE_ELEMENTS
 
 if TYPE_CHECKING:
@@ -48,17 +48,17 @@ Keys = Any | Sequence[Any]
 """One key, or a list of keys (with matching lists of values and outs)."""
 
 
-CONSISTENCY = NAMES  # consistency.py: one policy object per model
 AGGREGATION = ("process", "host")
 
 
 @dataclass(frozen=True)
 class KVStoreConfig:
-    consistency: str = "sync"
-    """sync: every round waits for all workers; async: pushes apply on arrival; bounded: a worker may
-    run at most `staleness` rounds ahead of the slowest."""
-    staleness: int = 0
-    """The bound s of bounded consistency (0 is sync)."""
+    consistency: Policy = Sync()
+    """The consistency policy (consistency.py): Sync(), every round waits for all workers; Async(),
+    pushes apply on arrival; Bounded(s), a worker may run at most s rounds ahead of the slowest. A
+    name is accepted too ("sync", "async", "bounded" with `staleness`) and made the policy."""
+    staleness: InitVar[int] = 0
+    """With consistency="bounded" (a name): its bound s. Not kept: it is the policy's field."""
     aggregation: str = "process"
     """process: every worker talks to the servers; host: workers of one host reduce first and one of
     them talks to the servers (MXNet's *_device modes)."""
@@ -92,16 +92,8 @@ class KVStoreConfig:
     slices: a bigger slice is a frame of its own), interleaved across servers, so that a server
     applies and sends back the first slices while the rest still arrive (benchmarks/hosts.py)."""
 
-    def __post_init__(self) -> None:
-        if self.consistency not in CONSISTENCY:
-            raise ValueError(f"KVStoreConfig.consistency={self.consistency!r} is not one of {CONSISTENCY}")
-        if not isinstance(self.staleness, int) or self.staleness < 0:
-            raise ValueError(f"KVStoreConfig.staleness={self.staleness!r} must be an int >= 0")
-        if self.staleness and self.consistency != "bounded":
-            raise ValueError(
-                f"KVStoreConfig.staleness={self.staleness!r} needs consistency='bounded', "
-                f"not {self.consistency!r}"
-            )
+    def __post_init__(self, staleness: int) -> None:
+        object.__setattr__(self, "consistency", parse(self.consistency, staleness, "KVStoreConfig"))
         if self.aggregation not in AGGREGATION:
             raise ValueError(f"KVStoreConfig.aggregation={self.aggregation!r} is not one of {AGGREGATION}")
         if not isinstance(self.slice_elements, int) or self.slice_elements < 1:
@@ -123,8 +115,8 @@ class KVStoreConfig:
 
     @property
     def policy(self) -> Policy:
-        """The consistency model as an object (consistency.py)."""
-        return policy(self.consistency, self.staleness)
+        """The consistency policy (the same as `consistency`)."""
+        return self.consistency
 
 
 MAX_KEY_BYTES = 1024
@@ -155,9 +147,9 @@ KINDS = {
     "local": KVStoreConfig(local=True),
     "device": KVStoreConfig(local=True),
     "dist_sync": KVStoreConfig(),
-    "dist_async": KVStoreConfig(consistency="async"),
+    "dist_async": KVStoreConfig(consistency=Async()),
     "dist_sync_device": KVStoreConfig(aggregation="host"),
-    "dist_async_device": KVStoreConfig(consistency="async", aggregation="host"),
+    "dist_async_device": KVStoreConfig(consistency=Async(), aggregation="host"),
 }
 
 

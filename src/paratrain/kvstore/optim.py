@@ -41,7 +41,9 @@ def check_hyperparameters(hyper: dict[str, Any]) -> dict[str, Any]:
 
 def build(path: str, hyper: dict[str, Any], param: torch.nn.Parameter) -> torch.optim.Optimizer:
     cls = resolve(path)
-    args = {k: tuple(v) if isinstance(v, list) else v for k, v in check_hyperparameters(hyper).items()}
+    args: dict[str, Any] = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in check_hyperparameters(hyper).items()
+    }
     return cls([param], **args)
 
 

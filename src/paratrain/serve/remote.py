@@ -31,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from paratrain.cluster.protocol import Roster, RosterQuery
 from paratrain.cluster.spec import client_credentials
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore.api import Handle, KVStoreConfig, SparseAPI, TableConfig, check_key
@@ -179,8 +180,8 @@ def _servers(host: str, port: int, secret: bytes, timeout_s: float) -> list[tupl
     try:
         while True:
             try:
-                reply = scheduler.call("roster", {}, timeout_s=timeout_s)
-                return [(str(h), int(p)) for h, p in reply.meta["servers"]]
+                reply = scheduler.call(*RosterQuery().wire(), timeout_s=timeout_s)
+                return [(str(h), int(p)) for h, p in Roster.from_meta(reply.meta).servers]
             except RemoteError as exc:  # not started yet: every node must register first
                 if time.monotonic() > deadline:
                     raise ServeError(

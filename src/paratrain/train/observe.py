@@ -137,9 +137,7 @@ def _timed_all_reduce(state, bucket):  # noqa: ANN001, ANN201 (DDP checks real a
 def _describe(strategy: Any) -> str:
     if strategy is None:
         return "local"
-    parts = [strategy.architecture, strategy.consistency]
-    if strategy.consistency == "bounded":
-        parts[-1] += f"({strategy.staleness})"
+    parts = [strategy.architecture, str(strategy.consistency)]
     if strategy.architecture == "ps":
         parts.append(f"update on {strategy.update_on}")
     return ", ".join(parts)

@@ -48,6 +48,7 @@ from torch import nn
 
 from paratrain import kvstore
 from paratrain.metrics.trace import tracer
+from paratrain.train.api import EngineBase
 from paratrain.train.strategy import Strategy, kvstore_config
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def server_hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in groups[0].items()}
 
 
-class PSEngine:
+class PSEngine(EngineBase):
     scales_gradients = True  # pushes grad / accumulation_steps; the servers average over workers
 
     def __init__(

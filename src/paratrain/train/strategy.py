@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from paratrain.compression import CompressionConfig
 from paratrain.kvstore.api import AGGREGATION as AGGREGATIONS
 from paratrain.kvstore.api import KVStoreConfig
-from paratrain.kvstore.consistency import NAMES as CONSISTENCIES
+from paratrain.kvstore.consistency import Policy, Sync, parse
 
 if TYPE_CHECKING:
     from paratrain.pipeline.api import PipelineConfig
@@ -42,11 +42,12 @@ class Strategy:
     """local: no communication (one process, or independent workers); collective: gradients averaged by
     all-reduce (torch DDP); ps: parameters on the servers (the kvstore); hybrid: dense parameters by
     all-reduce, embedding tables (kvstore.worker.embedding.DistributedEmbedding) on the servers."""
-    consistency: str = "sync"
-    """ps, and hybrid's embedding tables. sync, async (each worker's push is applied on arrival) or
-    bounded (see staleness). The names are kvstore/consistency.py's policies."""
-    staleness: int = 0
-    """The bound s of bounded consistency: a worker runs at most s steps ahead of the slowest."""
+    consistency: Policy = Sync()
+    """ps, and hybrid's embedding tables: a kvstore/consistency.py policy, Sync(), Async() (each
+    worker's push is applied on arrival) or Bounded(s) (a worker runs at most s steps ahead of the
+    slowest). Its name is accepted too ("bounded" with `staleness`) and made the policy."""
+    staleness: dataclasses.InitVar[int] = 0
+    """With consistency="bounded" (a name): its bound s. Not kept: it is the policy's field."""
     update_on: str = "server"
     """ps only. server: the optimizer runs on the servers and workers pull weights; worker: servers
     only sum gradients and every worker steps its own optimizer on the pulled mean."""
@@ -88,15 +89,15 @@ class Strategy:
     spans every stage). Under ps with update_on='server' a clip_grad_norm_ of the user's own
     between backward and step cannot reach the servers, and raises an error."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, staleness: int) -> None:
         def bad(field: str, why: str) -> ValueError:
             return ValueError(f"Strategy.{field}={getattr(self, field)!r} {why}")
 
         if self.precision in (32, "fp32", "float32"):  # what a user may write for the default
             object.__setattr__(self, "precision", "32")
+        object.__setattr__(self, "consistency", parse(self.consistency, staleness, "Strategy"))
         for field, allowed in (
             ("architecture", ARCHITECTURES),
-            ("consistency", CONSISTENCIES),
             ("update_on", UPDATE_ON),
             ("aggregation", AGGREGATIONS),
             ("compression", COMPRESSIONS),
@@ -108,7 +109,6 @@ class Strategy:
                 choices = ", ".join(map(str, allowed))
                 raise bad(field, f"is not one of {choices}{did_you_mean(value, allowed)}")
         for field, least in (
-            ("staleness", 0),
             ("accumulation_steps", 1),
             ("local_sgd_period", 0),
             ("pipeline_stages", 1),
@@ -132,16 +132,14 @@ class Strategy:
         ):
             raise bad("clip_grad_norm", "must be a number > 0, or None for no clipping")
         ps = self.architecture == "ps"
-        if self.staleness and self.consistency != "bounded":
-            raise bad("staleness", f"needs consistency='bounded', not {self.consistency!r}")
-        if not ps and self.architecture != "hybrid" and self.consistency != "sync":
+        if not ps and self.architecture != "hybrid" and self.consistency != Sync():
             raise bad("consistency", f"needs architecture='ps' or 'hybrid', not {self.architecture!r}")
         if not ps and self.aggregation != "process":
             raise bad("aggregation", f"needs architecture='ps', not {self.architecture!r}")
-        if ps and self.consistency != "sync" and self.update_on == "worker":
+        if ps and self.consistency != Sync() and self.update_on == "worker":
             raise bad(
                 "update_on",
-                f"with consistency={self.consistency!r} needs 'server': workers stepping on stale sums "
+                f"with consistency={self.consistency} needs 'server': workers stepping on stale sums "
                 "would drift apart",
             )
         if self.local_sgd_period and self.architecture != "collective":
@@ -189,6 +187,12 @@ class Strategy:
     def replace(self, **changes: Any) -> Strategy:
         return dataclasses.replace(self, **changes)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as plain data (a checkpoint's metadata): the policy as it is written,
+        "bounded(2)"."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return fields | {"consistency": str(self.consistency)}
+
     @property
     def compression_config(self) -> CompressionConfig | None:
         """The compression fields as the compression layer takes them."""
@@ -235,7 +239,7 @@ class Strategy:
         return NAMED[base].replace(**changes)
 
 
-FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Strategy)}
+FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Strategy)} | {"staleness": "int"}
 
 
 def did_you_mean(word: object, choices: Iterable[object]) -> str:
@@ -308,7 +312,6 @@ def kvstore_config(strategy: Strategy, *, average: bool = False) -> KVStoreConfi
     `average`: rounds apply the mean of their pushes (the trainer's dense keys), not the sum."""
     return KVStoreConfig(
         consistency=strategy.consistency,
-        staleness=strategy.staleness,
         aggregation=strategy.aggregation,
         average=average,
     )

@@ -24,7 +24,6 @@ the worker's device (docs/training.md).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import weakref
@@ -40,6 +39,7 @@ from paratrain import checkpoint
 from paratrain.cluster.context import current
 from paratrain.data import ShardedLoader, first_rows, to_device
 from paratrain.metrics import MetricsLogger, NullMetrics, Progress, open_loggers
+from paratrain.train.api import Engine, EngineBase
 from paratrain.train.gradients import GradientGate
 from paratrain.train.jobdirs import job_defaults
 from paratrain.train.observe import StepObserver
@@ -72,43 +72,12 @@ def sparse_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in unwrap(model).modules() if getattr(m, "paratrain_sparse", False)]
 
 
-class LocalEngine:
-    """No communication: one process, or workers that train independently."""
-
-    scales_gradients = False
-    """Whether the engine divides accumulated gradients by accumulation_steps itself."""
+class LocalEngine(EngineBase):
+    """No communication: one process, or workers that train independently (train/api.py: what
+    an engine does)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-
-    def set_sync(self, sync: bool) -> None:
-        pass
-
-    def step(self, optimizer: torch.optim.Optimizer, local_step: Any) -> Any:
-        return local_step()
-
-    def save(self, folder: Path) -> None:
-        pass
-
-    def restore(self, folder: Path) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    regroups_itself = False
-    """Whether the engine follows an elastic job's membership itself (then the Trainer's epochs do
-    not meet at the scheduler: the elastic collective engine, whose members run in lockstep)."""
-
-    def after_step(self, trainer: Trainer) -> None:
-        """After every optimizer step (the elastic engine commits its state here)."""
-
-    def before_epoch(self, trainer: Trainer) -> None:
-        """Before every epoch of Trainer.epochs (the elastic engine re-divides the data here)."""
-
-    def recover(self, trainer: Trainer, error: BaseException) -> bool:
-        """Whether the engine recovered from `error`, raised in backward (then the step is skipped)."""
-        return False
 
 
 class CollectiveEngine(LocalEngine):
@@ -156,7 +125,7 @@ class CollectiveEngine(LocalEngine):
         compression.restore(self.model, folder)
 
     @property
-    def per_worker_optimizer(self) -> bool:
+    def per_worker_optimizer(self) -> bool:  # type: ignore[override]
         """Whether each rank's optimizer state is its own (then each saves it in a checkpoint)."""
         return self.local_sgd is not None or self.updates is not None
 
@@ -319,7 +288,7 @@ class Trainer:
         wanted = lead and (metrics_dir is not None or loggers is not None)
         self.metrics = open_loggers(loggers, metrics_dir, rank=self.rank) if wanted else NullMetrics()
         if wanted:
-            self.metrics.log_params({**dataclasses.asdict(self.strategy), "num_workers": self.num_workers})
+            self.metrics.log_params({**self.strategy.as_dict(), "num_workers": self.num_workers})
         self.progress = Progress(enabled=progress and lead, initial=self.steps)
 
     def _bind_model(self) -> None:
@@ -330,7 +299,7 @@ class Trainer:
             self.autocast.attach(self.model)
         self.observe.attach(self.model)
 
-    def _engine(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    def _engine(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Engine:
         arch = self.strategy.architecture
         if not self.ctx.distributed or arch == "local" or self.pipelined:
             return LocalEngine(model)  # a pipeline syncs its stage replicas itself
@@ -380,10 +349,9 @@ class Trainer:
         """The epochs left of `count` (all of them, unless the run resumed part-way). In an elastic
         job each epoch starts with the workers that are left (and those that joined)."""
         start = self.loader.epoch if self.loader is not None else 0
-        if not self.elastic or getattr(self.engine, "regroups_itself", False):
+        if not self.elastic or self.engine.regroups_itself:
             for epoch in range(start, count):
-                if hasattr(self.engine, "before_epoch"):  # PSEngine is no LocalEngine
-                    self.engine.before_epoch(self)
+                self.engine.before_epoch(self)
                 yield epoch
             return
         epoch = start
@@ -407,7 +375,7 @@ class Trainer:
             self._joined_in = True
             epoch = max(told) if told else count
             logger.warning("worker %d joins the running job at epoch %d", self.rank, epoch)
-            if epoch < count and hasattr(self.engine, "join"):
+            if epoch < count:
                 self.engine.join()  # the others wait below: no round is in flight
         if len(told) < len(arrived) and told:
             self.ctx.barrier(name="elastic-joined")
@@ -498,7 +466,7 @@ class Trainer:
             with self.observe.backward():
                 (loss if scaler is None else scaler.scale_loss(loss)).backward()
         except Exception as error:
-            if not (hasattr(self.engine, "recover") and self.engine.recover(self, error)):
+            if not self.engine.recover(self, error):
                 raise
             return  # the step's gradients died with the old all-reduce group
         self._scalars["loss"] = loss.detach()
@@ -540,8 +508,7 @@ class Trainer:
         with self.observe.optimizer():
             result = self.engine.step(self.optimizer, local_step)
         self.steps += 1
-        if hasattr(self.engine, "after_step"):
-            self.engine.after_step(self)
+        self.engine.after_step(self)
         self._after_step()
         return result
 
@@ -589,13 +556,13 @@ class Trainer:
                 worker.update(state)
             else:
                 checkpoint.save_file(folder / "model.pt", state)
-        if not own and getattr(self.engine, "per_worker_optimizer", False):
+        if not own and self.engine.per_worker_optimizer:
             worker["optimizer"] = self.optimizer.state_dict()  # top-k: each worker steps its own
         checkpoint.save_file(folder / f"worker-{self.rank}.pt", worker)
         self.ctx.barrier(name=f"checkpoint-{self.steps}")
         if self.rank != 0:
             return None
-        meta = {"strategy": dataclasses.asdict(self.strategy), "num_workers": self.num_workers}
+        meta = {"strategy": self.strategy.as_dict(), "num_workers": self.num_workers}
         meta["metrics"] = {name: float(value) for name, value in self._scalars.items()}
         return checkpoint.commit(self.checkpoint_dir, self.steps, meta, keep=self.keep)
 

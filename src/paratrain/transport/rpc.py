@@ -18,7 +18,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +122,7 @@ class RpcServer:
         self._admission = Admission(name, self.config)
         self._listener.settimeout(_TICK_S)  # accept wakes up to enforce handshake deadlines
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
+        self._own_ops: dict[str, Callable[[Request], None]] = {"_shm": self._accept_rings}
 
     def start(self) -> RpcServer:
         self._accept_thread.start()
@@ -236,8 +237,9 @@ class RpcServer:
         while True:
             header, tensors = conn.read(destinations, ring_views=handler.ring_views)
             request = Request(conn, header, tensors)
-            if header.op == "_shm":
-                self._accept_rings(request)
+            own = self._own_ops.get(header.op)  # the transport's own requests, never the handler's
+            if own is not None:
+                own(request)
                 continue
             try:
                 handler.handle(request)

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from paratrain.errors import RemoteError, TransportError
+from paratrain.kvstore import protocol
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.shared import TOKEN_BYTES, ArenaMap, Region
 from paratrain.transport.client import Future, Reply, RpcClient
@@ -186,7 +187,8 @@ class Mirrors:
         if known is not None:
             return known
         try:
-            reply = client.call("borrow", {"arena": self._own_arena(shard)}, timeout_s=MIRROR_TIMEOUT_S)
+            borrow = protocol.Borrow(self._own_arena(shard))
+            reply = client.call(*borrow.wire(), timeout_s=MIRROR_TIMEOUT_S)
         except (RemoteError, TransportError, TimeoutError) as exc:  # asked again at the next copy
             logger.info(
                 "server %d: server %d did not say whether it maps this server: %s", self.rank, server, exc
@@ -313,11 +315,11 @@ class Mirrors:
         """Ask the backup for the slice's buffers and map them; None (TCP) where that fails. A
         backup that cannot be mapped gets every copy over TCP (its arena is None); one that did not
         answer (it died, or is catching up and lacks the slice) is asked again at the next copy."""
-        where = {"key": shard.key, "start": shard.start, "stop": shard.stop, "count": SETS * slots}
+        where = protocol.Mirror(shard.key, shard.start, shard.stop, SETS * slots)
         try:
             if self._arenas.get(server, True) is None:
                 return None
-            reply = client.call("mirror", where, timeout_s=MIRROR_TIMEOUT_S)
+            reply = client.call(*where.wire(), timeout_s=MIRROR_TIMEOUT_S)
             if server not in self._arenas:
                 self._arenas[server] = ArenaMap.open(reply.meta["arena"])
             arena = self._arenas[server]

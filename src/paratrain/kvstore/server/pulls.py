@@ -63,7 +63,7 @@ class Pulls:
     def serve_ready(self) -> None:
         ready: list[PendingPull] = []
         with self._lock:
-            waiting = []
+            waiting: list[PendingPull] = []
             for pull in self._pending:
                 (ready if pull.ready() else waiting).append(pull)
             self._pending = waiting

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from paratrain.errors import RemoteError, TransportError
+from paratrain.kvstore import protocol
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.server import replica, sparse_replica
 from paratrain.kvstore.server.shard import ShardState
@@ -101,8 +102,7 @@ def catch_up(kv: KVServer, lost: list[int], timeout_s: float) -> int:
     for server in replicator.others():
         try:
             client = replicator.client(server)
-            meta = {"rank": kv.rank, "address": list(address), "dead": lost}
-            reply = client.call("rejoin", meta, timeout_s=timeout_s)
+            reply = client.call(*protocol.Rejoin(kv.rank, list(address), lost).wire(), timeout_s=timeout_s)
         except (TransportError, OSError) as exc:  # died meanwhile: the scheduler decides what that ends
             logger.warning("server %d: server %d did not answer its rejoin: %s", kv.rank, server, exc)
             continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from paratrain.kvstore.protocol import Waiting
 from paratrain.metrics.telemetry import process_figures
 
 logger = logging.getLogger(__name__)
@@ -54,16 +55,18 @@ def server_report(server: Any, top: int = TOP_KEYS) -> dict[str, Any]:
 
 def _tables(server: Any) -> list[dict[str, Any]]:
     tables = dict(server.tables.tables)
-    rows = [{"key": str(key)[:NAME_CHARS], "rows": int(table.rows.count)} for key, table in tables.items()]
+    rows: list[dict[str, Any]] = [
+        {"key": str(key)[:NAME_CHARS], "rows": int(table.rows.count)} for key, table in tables.items()
+    ]
     return sorted(rows, key=lambda t: t["rows"], reverse=True)[:TOP_KEYS]
 
 
-def waits(server: Any, meta: dict) -> list[dict]:
+def waits(server: Any, query: Waiting) -> list[dict]:
     """`waiting`: the rounds that hold back a waiting worker's pulls: per slice below its min_version,
     the round applied next and the members that have not pushed it."""
-    rank = int(meta["rank"])
-    shards = [server._shard(meta, i) for i in range(len(meta["keys"]))]
-    needs = [s.pull_version(rank, int(need)) for s, need in zip(shards, meta["min_versions"], strict=True)]
+    rank = query.rank
+    shards = server.shards_of(query)
+    needs = [s.pull_version(rank, need) for s, need in zip(shards, query.min_versions, strict=True)]
     behind = [s.waiting(need) for s, need in zip(shards, needs, strict=True)]
     behind = [w for w in behind if w is not None]
     if behind:

@@ -1,10 +1,11 @@
 """The parameter server's wire side: requests in, replies out, for the shards of dense keys it holds
 (their state: shard.py) and its sparse tables (sparse.py).
 
-Requests (meta lists are parallel; every tensor is one flat slice of one key):
+Requests (typed in kvstore/protocol.py and routed by one table, `KVServer._routes`; meta lists
+are parallel; every tensor is one flat slice of one key):
 
-    configure     {mode, staleness, members, average}    from worker 0, before any init: the
-                  consistency model by name (consistency.py), who pushes, sum or mean rounds
+    configure     {mode, params, members, average}       from worker 0, before any init: the
+                  consistency policy by name and fields (consistency.py), who pushes, sum or mean
     init          {keys, starts, stops, shapes, dtypes, numels}     values, or none: check only
     push          {keys, starts, stops, clocks, [added], [weight], [more]}  gradients; reply once
                   added; `more`: more frames of this push follow (outbox.py)
@@ -57,16 +58,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from paratrain.errors import TransportError
 from paratrain.kvstore import optim
+from paratrain.kvstore import protocol as p
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.compressed import ServerCompression
-from paratrain.kvstore.consistency import policy
+from paratrain.kvstore.consistency import from_wire
 from paratrain.kvstore.server import mirror, outbox, rejoin, replica, report
 from paratrain.kvstore.server.fence import Fence
 from paratrain.kvstore.server.pulls import PendingPull, Pulls
@@ -76,6 +78,7 @@ from paratrain.kvstore.server.sparse import SparseTables
 from paratrain.kvstore.shared import Arena, Region
 from paratrain.transport.connection import Connection
 from paratrain.transport.frame import Header
+from paratrain.transport.message import Routes
 from paratrain.transport.rpc import Handler, Request
 from paratrain.transport.tensors import DTYPES
 
@@ -84,7 +87,6 @@ logger = logging.getLogger(__name__)
 # Buffers of a shared shard (shared.py) besides its value: rounds that same-host workers can push
 # into directly. Two let a worker push round r + 1 while round r waits for a slow worker.
 ROUND_BUFFERS = 2
-SLICE = ("keys", "starts", "stops")  # a slice's meta fields; one slice's: the same without the "s"
 Shard = ShardState  # the name other modules knew
 
 
@@ -119,38 +121,74 @@ class KVServer(Handler):
         self._live: frozenset[int] | None = None  # elastic: the scheduler's live workers
         self.fence = Fence(rank)  # dropped workers' pushes and lost servers' copies (fence.py)
         self.arrivals = outbox.Arrivals()  # who is part way through a round's push (outbox.py)
+        self._routes = Routes(self.tables.handlers() | self._handlers())
+        self._receivers: dict[str, Callable[[Header], list[torch.Tensor] | None]] = {
+            p.Push.op: self._push_destinations,  # where a frame's payload goes, by op
+            p.PushPull.op: self._push_destinations,
+            p.Replicate.op: self._copy_destination,
+        }
+
+    def _handlers(self) -> dict:
+        """The dense ops' table: message type (protocol.py) -> handler(request, message)."""
+        return {
+            p.Push: self._on_push,
+            p.Pull: lambda request, pull: self._pull(request, pull, pull.min_versions),
+            p.PushPull: self._on_pushpull,
+            p.Replicate: self._on_replicate,
+            p.Mirror: lambda request, _: request.reply(mirror.offer(self, request.meta)),
+            p.Borrow: lambda request, msg: request.reply(self.replicator.borrowed.check(msg.arena)),
+            p.Rejoin: lambda request, _: rejoin.send_state(self, request, self.replicator.timeout_s),
+            p.Install: self._install,
+            p.Init: self._init,
+            p.Configure: _replying(self._configure),
+            p.SetOptimizer: _replying(lambda msg: self._set_optimizer(msg.path, msg.hyper)),
+            p.Join: _replying(lambda msg: self._join(msg.rank)),
+            p.Leave: _replying(lambda msg: self._leave(msg.rank)),
+            p.GetState: self._get_state,
+            p.SetState: self._set_state,
+            p.Ping: lambda request, _: request.reply(request.meta, request.tensors),
+            p.Stats: lambda request, _: request.reply(report.stats(self)),
+            p.Waiting: lambda request, msg: request.reply({"waits": report.waits(self, msg)}),
+            p.SparsePush: self._sparse_push,
+        }
+
+    def _sparse_push(self, request: Request, push: p.SparsePush) -> None:
+        self.fence.check_push(request.conn, push.rank)  # a dropped worker's late push is refused
+        self.tables.push(request, push)
 
     # -- receiving pushes straight into pooled buffers --------------------------------------------
     def destinations(self, conn: Connection, header: Header) -> Sequence[torch.Tensor] | None:
-        if header.op == "replicate" and header.at is None:  # a backup's copy: into a pooled buffer
-            if {"buffer", "lent", "slices"} & header.meta.keys():  # the values are in memory (mirror.py)
-                return None
-            try:
-                return [self._shard({k: [header.meta[k[:-1]]] for k in SLICE}, 0).buffer()]
-            except (KVError, KeyError, TypeError):
-                return None
-        if header.op not in ("push", "pushpull") or header.at is not None:
-            return None  # no payload, or a same-host one: read in place from the ring
-        if "compression" in header.meta:
+        """Where a frame's payload goes, read before its message is (from the header's map): a
+        push's into its shards' pooled buffers, a backup's copy into its shard's; else new tensors."""
+        receive = self._receivers.get(header.op)
+        return None if receive is None or header.at is not None else receive(header)
+
+    def _copy_destination(self, header: Header) -> list[torch.Tensor] | None:
+        meta = header.meta
+        if {"buffer", "lent", "slices"} & meta.keys():  # the values are in memory (mirror.py)
+            return None
+        try:
+            return [self.shard_of((meta["key"], meta["start"], meta["stop"])).buffer()]
+        except (KVError, KeyError, TypeError):
+            return None
+
+    def _push_destinations(self, header: Header) -> list[torch.Tensor] | None:
+        """A push's payload (a same-host one is read in place from the ring: no destinations)."""
+        meta = header.meta
+        if "compression" in meta:
             return None  # compressed: decoded into pooled buffers in _push
         try:
-            carried = [i for i, added in enumerate(self._flags(header.meta, "added")) if not added]
-            return [self._shard(header.meta, i).buffer() for i in carried[: len(header.specs)]]
+            keys, starts, stops = meta["keys"], meta["starts"], meta["stops"]
+            carried = [
+                i for i, added in enumerate(_flags(meta.get("added"), len(keys), "added")) if not added
+            ]
+            shards = [self.shard_of((keys[i], starts[i], stops[i])) for i in carried[: len(header.specs)]]
+            return [shard.buffer() for shard in shards]
         except (KVError, KeyError, IndexError, TypeError):
             return None  # handle() reports it; the payload goes to fresh tensors meanwhile
 
-    @staticmethod
-    def _flags(meta: dict, name: str) -> list[bool]:
-        """Per-slice flags `added` / `read` (shared shards); all false when absent."""
-        flags = meta.get(name)
-        if flags is None:
-            return [False] * len(meta["keys"])
-        if not isinstance(flags, list) or len(flags) != len(meta["keys"]):
-            raise KVError(f"{name!r} must be a list with one flag per key")
-        return [bool(f) for f in flags]
-
-    def _shard(self, meta: dict, i: int) -> Shard:
-        ident = (meta["keys"][i], meta["starts"][i], meta["stops"][i])
+    def shard_of(self, ident: tuple[Any, int, int]) -> Shard:
+        """The slice (key, start, stop) held here; KVError naming it where it is not."""
         shard = self._shards.get(ident)
         if shard is None:
             raise KVError(
@@ -159,74 +197,43 @@ class KVServer(Handler):
             )
         return shard
 
+    def shards_of(self, msg: p.Slices) -> list[Shard]:
+        return [self.shard_of(msg.ident(i)) for i in range(len(msg.keys))]
+
     # -- dispatch ---------------------------------------------------------------------------------
     def handle(self, request: Request) -> None:
-        op = request.op
         try:
-            if op == "push":
-                self._push(request)
-                self._acknowledge(request)
-            elif op == "pull":
-                self._pull(request, request.meta["min_versions"])
-            elif op == "pushpull":
-                self._push(request)
-                self._pull(request, self._acknowledged_at(request.meta, request.meta["min_versions"]))
-            elif op == "replicate":
-                self.fence.check_replicate(request.meta.get("sender"), self.replicator.dead)
-                request.reply(self._replicate(request))
-            elif op == "mirror":
-                request.reply(mirror.offer(self, request.meta))
-            elif op == "borrow":
-                request.reply(self.replicator.borrowed.check(request.meta["arena"]))
-            elif op == "rejoin":  # a restarted server catches up (rejoin.py)
-                rejoin.send_state(self, request, self.replicator.timeout_s)
-            elif op == "install":
-                rejoin.install(self, request)
-                request.reply({})
-            elif op == "init":
-                self._init(request)
-            elif op == "configure":
-                self._configure(request.meta)
-                request.reply({})
-            elif op == "set_optimizer":
-                self._set_optimizer(request.meta["path"], request.meta["hyper"])
-                request.reply({})
-            elif op == "join":
-                self._join(int(request.meta["rank"]))
-                request.reply({})
-            elif op == "leave":
-                self._leave(int(request.meta["rank"]))
-                request.reply({})
-            elif op == "get_state":
-                self._get_state(request)
-            elif op == "set_state":
-                self._set_state(request)
-            elif op == "ping":
-                request.reply(request.meta, request.tensors)
-            elif op == "stats":
-                request.reply(report.stats(self))
-            elif op == "waiting":
-                request.reply({"waits": report.waits(self, request.meta)})
-            elif op in SparseTables.OPS:
-                if op == "sparse_push":  # a dropped worker's late push is refused here too
-                    self.fence.check_push(request.conn, int(request.meta["rank"]))
-                self.tables.handle(request)
-            else:
-                request.fail(f"unknown op {op!r}")
+            self._routes.serve(request)
         except (KVError, ValueError, TypeError, KeyError) as exc:
             request.fail(f"server {self.rank}: {exc}")
+
+    def _on_push(self, request: Request, push: p.Push) -> None:
+        self._push(request, push)
+        self._acknowledge(request, push)
+
+    def _on_pushpull(self, request: Request, push: p.PushPull) -> None:
+        self._push(request, push)
+        self._pull(request, push, self._acknowledged_at(push, push.min_versions))
+
+    def _install(self, request: Request, _: p.Install) -> None:
+        rejoin.install(self, request)
+        request.reply({})
+
+    def _on_replicate(self, request: Request, msg: p.Replicate) -> None:
+        self.fence.check_replicate(msg.sender, self.replicator.dead)
+        request.reply(self._replicate(request))
 
     def _replicate(self, request: Request, part: dict | None = None) -> dict:
         """A backup's copy of a slice's new state (replica.py), or of several lent ones (`slices`);
         one it does not hold yet, while it catches up after a restart, is dropped: that slice's
         install follows, newer (rejoin.py)."""
         if part is None and "slices" in request.meta:
-            return {"holds": [self._replicate(request, p).get("holds") for p in request.meta["slices"]]}
+            return {"holds": [self._replicate(request, one).get("holds") for one in request.meta["slices"]]}
         meta = request.meta if part is None else part
-        ident = tuple(meta[k[:-1]] for k in SLICE)
+        ident = (meta["key"], meta["start"], meta["stop"])
         if ident not in self._shards and self.replicator.catching_up:
             return {}
-        shard = self._shard({k: [meta[k[:-1]]] for k in SLICE}, 0)
+        shard = self.shard_of(ident)
         return replica.restore(shard, request, self.replicator.dead, self.replicator.borrowed, part)
 
     def _disown(self, server: int) -> None:
@@ -238,19 +245,20 @@ class KVServer(Handler):
             shard.disown()
 
     def configure(self, meta: dict) -> None:
-        """How worker 0 configured the servers (also a restarted server's, from the others)."""
-        self._configure(meta)
+        """How worker 0 configured the servers (also a restarted server's, from the others): a
+        `configure` message's map."""
+        self._configure(p.Configure.from_meta(meta))
 
-    def _configure(self, meta: dict) -> None:
-        self.configuration = dict(meta)
-        chosen = policy(meta["mode"], int(meta.get("staleness", 0)))
-        self.replicator.configure(int(meta.get("replication", 1)), meta.get("servers", []))
+    def _configure(self, msg: p.Configure) -> None:
+        chosen = from_wire(msg.mode, msg.params)
+        self.configuration = msg.to_meta()
+        self.replicator.configure(msg.replication, msg.servers or [])
         with self._lock:
             self.rules.policy = chosen
-            self._configured = frozenset(int(rank) for rank in meta["members"])
+            self._configured = frozenset(msg.members)
             live = self._configured if self._live is None else self._live
             self.rules.members = (self._configured & live) - self.rules.joiners
-            self.rules.average = bool(meta.get("average", False))
+            self.rules.average = msg.average
 
     def set_members(self, workers: Sequence[int], joiners: Sequence[int]) -> None:
         """The scheduler's membership changed (elastic jobs): rounds stop waiting for workers that
@@ -325,13 +333,13 @@ class KVServer(Handler):
                 self._shards[ident] = shard
             return shard
 
-    def _init(self, request: Request) -> None:
+    def _init(self, request: Request, init: p.Init) -> None:
         """Creates or checks each slice; a worker on this host gets where the shared ones are."""
-        meta, regions = request.meta, []
+        regions = []
         same_host = request.conn.recv_ring is not None
-        for i, key in enumerate(meta["keys"]):
-            ident = (key, meta["starts"][i], meta["stops"][i])
-            shape, dtype, numel = list(meta["shapes"][i]), meta["dtypes"][i], meta["numels"][i]
+        for i, key in enumerate(init.keys):
+            ident = init.ident(i)
+            shape, dtype, numel = list(init.shapes[i]), init.dtypes[i], init.numels[i]
             with self._lock:
                 shard = self._shards.get(ident)
                 if shard is None:
@@ -341,7 +349,7 @@ class KVServer(Handler):
                     if value.numel() != ident[2] - ident[1] or dtype not in DTYPES:
                         raise KVError(f"init of key {key!r} sent a value of the wrong size")
                     shard = ShardState(key, ident[1], ident[2], numel, shape, dtype, value, self.rules)
-                    self.replicator.attach(shard, [int(s) for s in meta.get("chain", [self.rank])])
+                    self.replicator.attach(shard, init.chain or [self.rank])
                     if same_host and value.numel() and self._shares(shard):
                         self._share(shard)
                     else:
@@ -384,41 +392,41 @@ class KVServer(Handler):
     def _share(self, shard: Shard) -> None:
         """Move a new shard's value into the arena, with round buffers in rounds mode (holds
         self._lock)."""
-        count = 1 + (ROUND_BUFFERS if self.rules.policy.rounds else 0)
+        count = 1 + self.rules.policy.round_buffers(ROUND_BUFFERS)
         shard.share(self._own_arena().region(shard.value.numel(), shard.value.dtype, count))
 
     # -- push -------------------------------------------------------------------------------------
-    def _push(self, request: Request) -> None:
-        meta, rank = request.meta, int(request.meta["rank"])
+    def _push(self, request: Request, msg: p.Push | p.PushPull) -> None:
+        rank = msg.rank
         self.fence.check_push(request.conn, rank)
         owned = request.header.at is None  # else the tensors view the ring until handle() returns
-        weight = int(meta.get("weight", 1))
         tensors = request.tensors
-        if "compression" in meta:  # decoded into pooled buffers first (compressed.py)
-            tensors = self.compression.decode_push(meta, tensors, lambda i: self._shard(meta, i), owned)
+        if msg.compression is not None:  # decoded into pooled buffers first (compressed.py)
+            shard_of = lambda i: self.shard_of(msg.ident(i))  # noqa: E731
+            tensors = self.compression.decode_push(request.meta, tensors, shard_of, owned)
             owned = True
-        added = self._flags(meta, "added")
+        added = _flags(msg.added, len(msg.keys), "added")
         if len(tensors) != added.count(False):
             raise KVError(
-                f"push of {len(meta['keys'])} slices, {added.count(True)} added, carried "
-                f"{len(tensors)} tensors"
+                f"push of {len(msg.keys)} slices, {added.count(True)} added, carried {len(tensors)} tensors"
             )
         # Every slice is checked before any is counted: a frame is refused whole, never half-added.
         grads, work = iter(tensors), []
-        self.replicator.mark_dead(meta.get("dead", []))
+        self.replicator.mark_dead(msg.dead or [])
+        policy = self.rules.policy
         for i, was_added in enumerate(added):
-            shard = self._shard(meta, i)
-            push = Push(rank, int(meta["clocks"][i]), None if was_added else next(grads), owned, weight)
+            shard = self.shard_of(msg.ident(i))
+            push = Push(rank, msg.clocks[i], None if was_added else next(grads), owned, msg.weight)
             push = shard.admit(push)
             if self.replicator.enabled and shard.repeat(push):
                 continue  # sent again after a fail-over; the dead primary's backups had it
             shard.check(push)
             work.append((shard, push))
-        self.arrivals.pushed(rank, bool(meta.get("more")))
+        self.arrivals.pushed(rank, msg.more)
         with self.replicator.batch(self.arrivals.more):  # the backups get these slices in one frame
             for shard, push in work:
-                behind = push.clock if self.rules.policy.rounds else shard.version
-                self.staleness[max(0, behind - shard.read.get(rank, 0))] += 1
+                behind = policy.pushed_at(push.clock, shard.version) - shard.read.get(rank, 0)
+                self.staleness[max(0, behind)] += 1
                 shard.push(push)
         self.pulls.serve_ready()
 
@@ -445,37 +453,33 @@ class KVServer(Handler):
         self.pulls.serve_ready()
         self.tables.members_changed()
 
-    def _acknowledge(self, request: Request) -> None:
+    def _acknowledge(self, request: Request, push: p.Push) -> None:
         """A push's reply: at once, or with replication once its updates are on the backups."""
         if not self.replicator.enabled:
             request.reply({})
             return
-        meta = request.meta
-        shards = [self._shard(meta, i) for i in range(len(meta["keys"]))]
-        needs = self._acknowledged_at(meta, [0] * len(shards))
+        shards = self.shards_of(push)
+        needs = self._acknowledged_at(push, [0] * len(shards))
         self.pulls.wait(PendingPull(request, shards, needs, [True] * len(shards), ack_only=True))
 
-    def _acknowledged_at(self, meta: dict, min_versions: list[int]) -> list[int]:
+    def _acknowledged_at(self, push: p.Push | p.PushPull, min_versions: list[int]) -> list[int]:
         """With replication, a push is acknowledged (or its pushpull answered) only once its
-        update is on the backups: in round modes its own round, in async the version its push made
-        (or a later one). An acknowledged update is never lost."""
+        update is on the backups: the version its push makes (the policy's), or a later one. An
+        acknowledged update is never lost."""
         if not self.replicator.enabled:
             return min_versions
-        if self.rules.policy.rounds:
-            return [max(int(v), int(c) + 1) for v, c in zip(min_versions, meta["clocks"], strict=True)]
-        shards = [self._shard(meta, i) for i in range(len(meta["keys"]))]
-        return [max(int(v), s.version) for v, s in zip(min_versions, shards, strict=True)]
+        made = self.rules.policy.durable_after
+        slices = zip(min_versions, push.clocks, self.shards_of(push), strict=True)
+        return [max(v, made(clock, shard.version)) for v, clock, shard in slices]
 
     # -- pull -------------------------------------------------------------------------------------
-    def _pull(self, request: Request, min_versions: list[int]) -> None:
-        meta = request.meta
-        shards = [self._shard(meta, i) for i in range(len(meta["keys"]))]
-        read = self._flags(meta, "read")
+    def _pull(self, request: Request, pull: p.Pull | p.PushPull, min_versions: list[int]) -> None:
+        shards = self.shards_of(pull)
+        read = _flags(pull.read, len(shards), "read")
         for shard, reads in zip(shards, read, strict=True):
             if reads and shard.region is None:
                 raise KVError(f"{shard.describe()} is not in shared memory: it cannot be read there")
-        rank = int(meta.get("rank", -1))
-        needs = [s.pull_version(rank, int(v)) for s, v in zip(shards, min_versions, strict=True)]
+        needs = [s.pull_version(pull.rank, v) for s, v in zip(shards, min_versions, strict=True)]
         self.pulls.wait(PendingPull(request, shards, needs, read))
 
     def _refuse(self, request: Request, message: str) -> None:
@@ -508,7 +512,7 @@ class KVServer(Handler):
             shard.attach_optimizer(path, hyper)
 
     # -- state ------------------------------------------------------------------------------------
-    def _get_state(self, request: Request) -> None:
+    def _get_state(self, request: Request, _: p.GetState) -> None:
         """Every shard's value and optimizer state, each tagged with its key and element range."""
         entries, tensors = [], []
         with self._lock:
@@ -521,14 +525,31 @@ class KVServer(Handler):
             tensors += parts + [t.clone() for t in extra.values()]
         request.reply({"shards": entries, "optimizer": list(self.optimizer_spec or ())}, tensors)
 
-    def _set_state(self, request: Request) -> None:
-        meta, tensors, i = request.meta, request.tensors, 0
-        for entry in meta["shards"]:
-            shard = self._shard(
-                {"keys": [entry["key"]], "starts": [entry["start"]], "stops": [entry["stop"]]}, 0
-            )
+    def _set_state(self, request: Request, msg: p.SetState) -> None:
+        tensors, i = request.tensors, 0
+        for entry in msg.shards:
+            shard = self.shard_of((entry["key"], entry["start"], entry["stop"]))
             value, state = tensors[i], dict(zip(entry["state"], tensors[i + 1 :], strict=False))
             i += 1 + len(entry["state"])
             state = self.compression.load_state(shard, state)  # its pull residual (compressed.py)
             shard.load(value, state)
         request.reply({})
+
+
+def _flags(flags: list | None, count: int, name: str) -> list[bool]:
+    """Per-slice flags `added` / `read` (shared shards); all false when absent."""
+    if flags is None:
+        return [False] * count
+    if not isinstance(flags, list) or len(flags) != count:
+        raise KVError(f"{name!r} must be a list with one flag per key")
+    return [bool(f) for f in flags]
+
+
+def _replying(act: Callable[[Any], None]) -> Callable[[Request, Any], None]:
+    """A handler that does `act(message)`, then replies `{}`."""
+
+    def handle(request: Request, msg: Any) -> None:
+        act(msg)
+        request.reply({})
+
+    return handle

@@ -112,9 +112,13 @@ class ShardState:
         return self.rules.members | (self.offsets.keys() & self.rules.joiners)
 
     def admit(self, push: Push) -> Push:
+        """A push in the shard's clocks (the policy's: a joiner's are shifted in round models)."""
+        return self.rules.policy.admit(self, push)
+
+    def admit_joiner(self, push: Push) -> Push:
         """A joiner's push in the shard's rounds, in the shard's clocks. One that did not `join`
         first joins with its first push (the round applied next: it may have missed rounds)."""
-        if push.rank not in self.rules.joiners or not self.rules.policy.rounds:
+        if push.rank not in self.rules.joiners:
             return push
         with self.cond:
             if push.rank not in self.offsets:
@@ -192,9 +196,9 @@ class ShardState:
 
     def lendable(self) -> bool:
         """Whether the backups may take the value as it is, in this server's memory (mirror.py):
-        a shared shard whose rounds' sums become the value, so none is written in place."""
-        rounds = self.rules.policy.rounds
-        return self.lending and self.region is not None and self.optimizer is None and rounds
+        a shared shard whose rounds' sums become the value, so none is written in place (the
+        policy's)."""
+        return self.rules.policy.lends(self)
 
     def reclaim(self) -> None:
         """Before the value is written in place (holds cond): where a backup holds its buffer, send
@@ -240,10 +244,14 @@ class ShardState:
         grad = push.grad
         if grad is not None and (grad.dtype != self.value.dtype or grad.numel() != self.value.numel()):
             raise KVError(f"push to {self.describe()}: {grad.dtype}[{grad.numel()}] does not match")
-        if not self.rules.policy.rounds:
-            if grad is None:
-                raise KVError(f"push to {self.describe()}: async pushes carry their payload")
-            return
+        self.rules.policy.check(self, push)
+
+    def check_arrival(self, push: Push) -> None:
+        if push.grad is None:
+            raise KVError(f"push to {self.describe()}: async pushes carry their payload")
+
+    def check_round(self, push: Push) -> None:
+        grad = push.grad
         with self.cond:
             if push.clock < self.version:
                 raise KVError(f"push to {self.describe()} for round {push.clock}, already applied")
@@ -263,10 +271,14 @@ class ShardState:
         """Whether this push was applied (or joined its round) already: a worker that failed over
         to this server sends again what the dead primary had not acknowledged."""
         with self.cond:
-            if not self.rules.policy.rounds:
-                return push.rank in self.applied and self.applied[push.rank].has(push.clock)
-            entry = self.rounds.get(push.clock)
-            return push.clock < self.version or (entry is not None and push.rank in entry.pushed)
+            return self.rules.policy.repeated(self, push)
+
+    def was_applied(self, push: Push) -> bool:
+        return push.rank in self.applied and self.applied[push.rank].has(push.clock)
+
+    def in_round(self, push: Push) -> bool:
+        entry = self.rounds.get(push.clock)
+        return push.clock < self.version or (entry is not None and push.rank in entry.pushed)
 
     def apply_now(self, push: Push) -> None:
         """Apply one push on its own (async); its payload is consumed here (a ring view will do).
@@ -299,10 +311,10 @@ class ShardState:
                 assert grad is not None
                 acc = grad if push.owned else self.buffer().copy_(grad)  # cond is re-entrant
             else:
+                assert grad is not None  # a push without a payload has its round's buffer open
                 acc = entry.acc
                 acc.add_(grad)
                 if push.owned:
-                    assert grad is not None
                     self.recycle(grad)
             if entry is None:
                 self.rounds[push.clock] = Round(acc, {push.rank}, push.weight)
@@ -354,14 +366,22 @@ class ShardState:
 
     def _update(self, grad: torch.Tensor, weight: int = 1, buffer: int | None = None) -> None:
         """The one update of the value: an optimizer step, or without one a round's sum (or mean)
-        becoming the value, or an async push added to it. `weight`: the workers a round's sum
-        stands for (its mean divides by it). `buffer`: the shared buffer that holds `grad` (it is
-        returned to the shard's free buffers). Waits until no pull reads the value; holds cond."""
+        becoming the value, or an async push added to it (the policy's). `weight`: the workers a
+        round's sum stands for (its mean divides by it). `buffer`: the shared buffer that holds
+        `grad` (it is returned to the shard's free buffers). Waits until no pull reads the value;
+        holds cond."""
         self.settle()
-        rounds = self.rules.policy.rounds
-        if rounds and self.rules.average and weight > 1:
+        self.rules.policy.update(self, grad, weight, buffer)
+
+    def apply_arrival(self, grad: torch.Tensor) -> None:
+        """One push applied on its own: an optimizer step, or added to the value."""
+        self._write(grad, lambda: self.value.add_(grad))
+
+    def apply_round(self, grad: torch.Tensor, weight: int, buffer: int | None) -> None:
+        """A complete round: an optimizer step, or its sum (mean) becoming the value."""
+        if self.rules.average and weight > 1:
             grad.div_(weight)
-        if self.optimizer is None and rounds and (buffer is not None or self.region is None):
+        if self.optimizer is None and (buffer is not None or self.region is None):
             # The round's sum becomes the value: no reader holds the old one (the reader count;
             # same-host readers hold a lock on its buffer, which open_free_buffers waits for).
             if buffer is None:
@@ -372,6 +392,11 @@ class ShardState:
                 self.value_buffer = buffer
             self.value, self.version = grad, self.version + 1
             return
+        # else a round summed outside the shared buffers: into the shared value
+        self._write(grad, lambda: self.value.copy_(grad))
+
+    def _write(self, grad: torch.Tensor, without_optimizer: Callable[[], Any]) -> None:
+        """The value changed in place: an optimizer step on `grad`, or `without_optimizer`."""
         self.reclaim()  # a backup may hold the value's buffer: never written under it
         self.settle()
         with self.writing():
@@ -380,10 +405,8 @@ class ShardState:
                 self.param.grad = grad
                 self.optimizer.step()
                 self.param.grad = None
-            elif not rounds:
-                self.value.add_(grad)
-            else:  # a round summed outside the shared buffers: into the shared value
-                self.value.copy_(grad)
+            else:
+                without_optimizer()
             self.version += 1
             if self.region is not None:
                 self.region.stamp(self.version)
@@ -430,15 +453,21 @@ class ShardState:
     def state(self) -> tuple[dict, list[torch.Tensor]]:
         """This shard's entry of a state file and its tensors: value, then optimizer state."""
         with self.cond:
-            state = optim.state_tensors(self.optimizer, self.param) if self.optimizer else {}
+            state = self._optimizer_state()
             entry = {"key": self.key, "start": self.start, "stop": self.stop, "numel": self.numel}
             entry |= {"shape": self.shape, "dtype": self.dtype, "version": self.version, "state": list(state)}
             return entry, [self.value.clone()] + [t.clone() for t in state.values()]
 
+    def _optimizer_state(self) -> dict[str, torch.Tensor]:
+        if self.optimizer is None:
+            return {}
+        assert self.param is not None  # an optimizer has its parameter
+        return optim.state_tensors(self.optimizer, self.param)
+
     def replica(self) -> tuple[dict, list[torch.Tensor]]:
         """What a backup needs (holds cond, so nothing changes while it is sent): version, the
         async pushes applied, the value and the optimizer state, uncopied."""
-        state = optim.state_tensors(self.optimizer, self.param) if self.optimizer else {}
+        state = self._optimizer_state()
         where = {"key": self.key, "start": self.start, "stop": self.stop, "version": self.version}
         applied = [[rank, c.below, sorted(c.ahead)] for rank, c in self.applied.items()]
         return where | {"applied": applied, "state": list(state)}, [self.value, *state.values()]

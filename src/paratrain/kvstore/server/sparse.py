@@ -2,7 +2,8 @@
 module is the wire side; one table's shard (its rows, rounds, updates and eviction) is a
 `SparseTable` (sparse_table.py), stored in rowstore.py, updated by sparse_optim.py.
 
-Protocol (KVServer hands the ops in `OPS` to `SparseTables.handle`):
+Protocol (the messages' types: kvstore/protocol.py; `SparseTables.handlers` is KVServer's table for
+them):
 
     sparse_init       {key, dim, config}                      every worker; the first one creates
     sparse_pull       {key, clock, min_version, train, rank}  ids -> rows (zeros for absent ids)
@@ -36,10 +37,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from paratrain.kvstore import protocol as p
 from paratrain.kvstore.api import TableConfig, TableError
 from paratrain.kvstore.server.sparse_optim import SparseOptimizer, build_optimizer
 from paratrain.kvstore.server.sparse_replica import TableReplicas, adopt, install
 from paratrain.kvstore.server.sparse_table import PendingPull, SparseTable
+from paratrain.transport.message import Routes
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +53,6 @@ class SparseTables:
     """The sparse ops of one KVServer; reads its rules (consistency policy, members) and default
     optimizer."""
 
-    OPS = frozenset(
-        ("sparse_init", "sparse_pull", "sparse_push", "sparse_optimizer", "sparse_stats")
-        + ("sparse_get_state", "sparse_set_state", "sparse_waiting", "sparse_replicate", "sparse_install")
-    )
-
     def __init__(self, server: Any) -> None:
         self.server = server
         self.tables: dict[Any, SparseTable] = {}
@@ -63,6 +61,7 @@ class SparseTables:
         self._lock = threading.Lock()
         self._default: tuple[str, dict] | None = None
         self._replicas: TableReplicas | None = None
+        self._routes = Routes(self.handlers())
 
     @property
     def replicas(self) -> TableReplicas | None:
@@ -82,52 +81,63 @@ class SparseTables:
         return [t for t in tables if key is None or t.key == key]
 
     def handle(self, request: Any) -> None:
-        op, meta = request.op, request.meta
-        if op == "sparse_pull":
-            self._pull(request)
-        elif op == "sparse_push":
-            self._push(request)
-        elif op == "sparse_init":
-            self._init(meta["key"], int(meta["dim"]), TableConfig(**meta["config"]), meta.get("chains"))
-            request.reply({})
-        elif op == "sparse_optimizer":
-            self._table(meta["key"])
-            for table in self.all_tables(meta["key"]):  # with replication, the copies too
-                built = build_optimizer(meta["path"], meta["hyper"])
-                with table.lock:
-                    table.set_optimizer(built)
-                    table.own_optimizer = True
-            request.reply({})
-        elif op == "sparse_replicate":
-            replicas = self.replicas
-            if replicas is None:
-                raise TableError(f"server {self.server.rank} keeps no copies: replication is off")
-            table = self._copy_of(meta)
-            if table is None:  # while catching up after a restart: that table's transfer follows
-                request.reply({})
-                return
-            replicas.restore(table, request)
-        elif op == "sparse_install":
-            self._install(request)
-        elif op == "sparse_stats":
-            table = self._table(meta["key"], meta.get("primary"))
-            with table.lock:
-                stats = table.stats()
-            request.reply(stats)
-        elif op == "sparse_get_state":
-            self._get_state(request)
-        elif op == "sparse_waiting":
-            request.reply({"waits": self._waiting(meta)})
-        elif op == "sparse_set_state":
-            table = self._table(meta["key"], meta.get("primary"))
-            with table.lock:
-                table.load(list(meta["names"]), request.tensors)
-            request.reply({})
+        """A sparse request on its own (KVServer routes them with its other ops: `handlers`)."""
+        self._routes.serve(request)
 
-    def _waiting(self, meta: dict) -> list[dict]:
+    def handlers(self) -> dict:
+        """The sparse ops' part of the server's table: message type -> handler(request, message)."""
+        return {
+            p.SparsePull: self._pull,
+            p.SparsePush: self.push,
+            p.SparseInit: self._on_init,
+            p.SparseOptimizer: self._set_optimizer,
+            p.SparseReplicate: self._replicate,
+            p.SparseInstall: lambda request, _: self._install(request),
+            p.SparseStats: self._stats,
+            p.SparseGetState: self._get_state,
+            p.SparseWaiting: lambda request, query: request.reply({"waits": self._waiting(query)}),
+            p.SparseSetState: self._set_state,
+        }
+
+    def _on_init(self, request: Any, msg: p.SparseInit) -> None:
+        self._init(msg.key, msg.dim, TableConfig(**msg.config), msg.chains)
+        request.reply({})
+
+    def _set_optimizer(self, request: Any, msg: p.SparseOptimizer) -> None:
+        self._table(msg.key)
+        for table in self.all_tables(msg.key):  # with replication, the copies too
+            built = build_optimizer(msg.path, msg.hyper)
+            with table.lock:
+                table.set_optimizer(built)
+                table.own_optimizer = True
+        request.reply({})
+
+    def _replicate(self, request: Any, msg: p.SparseReplicate) -> None:
+        replicas = self.replicas
+        if replicas is None:
+            raise TableError(f"server {self.server.rank} keeps no copies: replication is off")
+        table = self._copy_of(msg)
+        if table is None:  # while catching up after a restart: that table's transfer follows
+            request.reply({})
+            return
+        replicas.restore(table, request)
+
+    def _stats(self, request: Any, msg: p.SparseStats) -> None:
+        table = self._table(msg.key, msg.primary)
+        with table.lock:
+            stats = table.stats()
+        request.reply(stats)
+
+    def _set_state(self, request: Any, msg: p.SparseSetState) -> None:
+        table = self._table(msg.key, msg.primary)
+        with table.lock:
+            table.load(list(msg.names), request.tensors)
+        request.reply({})
+
+    def _waiting(self, query: p.SparseWaiting) -> list[dict]:
         """What holds a waiting worker's pull back: the table's next round and the members that
         have not pushed it (logged here too, so that the wait is not silent on this side)."""
-        table, need = self._table(meta["key"], meta.get("primary")), int(meta["min_version"])
+        table, need = self._table(query.key, query.primary), query.min_version
         members = frozenset(self.server.members)
         with table.lock:
             if table.version >= need:
@@ -136,7 +146,7 @@ class SparseTables:
         logger.warning(
             "server %d: worker %s waits for round %d of table %r, which worker(s) %s have not pushed",
             self.server.rank,
-            meta.get("rank"),
+            query.rank,
             round_,
             table.key,
             ", ".join(map(str, missing)) or "none (being applied)",
@@ -145,8 +155,8 @@ class SparseTables:
 
     def _table(self, key: Any, primary: int | None = None) -> SparseTable:
         """The table's rows of server `primary` (None: this server's own)."""
-        if primary is not None and int(primary) != self.server.rank:
-            table = self.copies.get((key, int(primary)))
+        if primary is not None and primary != self.server.rank:
+            table = self.copies.get((key, primary))
             if table is None:
                 raise TableError(
                     f"server {self.server.rank} keeps no copy of server {primary}'s rows of table {key!r}"
@@ -157,11 +167,11 @@ class SparseTables:
             raise TableError(f"table {key!r} is not on server {self.server.rank}: call init_table first")
         return table
 
-    def _copy_of(self, meta: dict) -> SparseTable | None:
+    def _copy_of(self, msg: p.SparseReplicate) -> SparseTable | None:
         """The table a delta is for; None where this server is a restarted one catching up and has
         no transfer of it yet (rejoin.py: the transfer, taken after the delta, is newer)."""
         try:
-            return self._table(meta["key"], meta["primary"])
+            return self._table(msg.key, msg.primary)
         except TableError:
             if not self.server.replicator.catching_up:
                 raise
@@ -180,6 +190,7 @@ class SparseTables:
         replicas.attach(table, chain)
         with table.lock:
             install(table, meta, request.tensors)
+            assert table.replica is not None  # attached above
             table.replica.source = request.conn  # drained before this copy serves (TableReplicas.serve)
         with self._lock:
             if chain[0] == self.server.rank:
@@ -188,13 +199,13 @@ class SparseTables:
                 self.copies[(key, chain[0])] = table
         request.reply({})
 
-    def _serving(self, meta: dict) -> SparseTable:
+    def _serving(self, msg: p.SparsePull | p.SparsePush) -> SparseTable:
         """The table a worker's pull or push is for; with replication, a copy whose primary died
         first takes every delta that primary sent (sparse_replica.py)."""
-        table = self._table(meta["key"], meta.get("primary"))
+        table = self._table(msg.key, msg.primary)
         replicas = self.replicas
         if replicas is not None:
-            replicas.serve(table, [int(s) for s in meta.get("dead", [])])
+            replicas.serve(table, msg.dead or [])
         return table
 
     def _init(self, key: Any, dim: int, config: TableConfig, chains: list | None = None) -> None:
@@ -251,12 +262,11 @@ class SparseTables:
             self._send(ready)
 
     # -- pull and push ----------------------------------------------------------------------------
-    def _pull(self, request: Any) -> None:
-        meta, table = request.meta, self._serving(request.meta)
+    def _pull(self, request: Any, msg: p.SparsePull) -> None:
+        table = self._serving(msg)
         ids = self._ids(request, table)
-        rank = meta.get("rank")
-        pull = PendingPull(request, ids, int(meta["clock"]), int(meta["min_version"]), bool(meta["train"]))
-        pull.rank = None if rank is None else int(rank)
+        pull = PendingPull(request, ids, msg.clock, msg.min_version, msg.train)
+        pull.rank = msg.rank
         with table.lock:
             ready = self._catch_up(table)
             if table.broken is not None:
@@ -274,8 +284,8 @@ class SparseTables:
         if rows is not None:
             request.reply({"versions": [version]}, [rows])
 
-    def _push(self, request: Any) -> None:
-        meta, table = request.meta, self._serving(request.meta)
+    def push(self, request: Any, msg: p.SparsePush) -> None:
+        table = self._serving(msg)
         ids = self._ids(request, table)
         grads = request.tensors[1]
         if grads.dtype != torch.float32 or tuple(grads.shape) != (len(ids), table.dim):
@@ -283,28 +293,29 @@ class SparseTables:
                 f"push to table {table.key!r}: gradients must be float32 [{len(ids)}, {table.dim}]"
             )
         rules = self.server.rules
-        members, rounds = rules.members, rules.policy.rounds
-        borrowed = request.header.at is not None and rounds  # views of the ring until this call returns
+        members, policy = rules.members, rules.policy
+        holds = policy.holds_pushes()  # until its round completes; else applied now
+        borrowed = request.header.at is not None and holds  # views of the ring until this call returns
         with table.lock:
-            rank, clock = int(meta["rank"]), int(meta["clock"])
+            rank, clock = msg.rank, msg.clock
             copy = table.replica
-            repeat = copy is not None and copy.repeat(table, rank, clock, rounds)  # after a fail-over
+            repeat = copy is not None and copy.repeat(table, rank, clock, holds)  # after a fail-over
             if copy is not None and copy.promoted and not repeat:  # rows the dead primary made
                 adopt(table, ids, clock)
             if borrowed and not repeat and not table.completes(rank, clock, members):
                 ids, grads = ids.copy(), grads.clone()  # kept past this call (the round's last is not)
             if not repeat:
-                table.push(rank, clock, ids, grads, rules.policy, members, apply=not rounds)
+                table.push(rank, clock, ids, grads, policy, members, apply=not holds)
             if copy is not None:  # acknowledged once its update is on the backups (sparse_replica.py)
-                need = clock + 1 if rounds else table.version
+                need = policy.durable_after(clock, table.version)
                 table.pending.append(PendingPull(request, None, clock, need, False))
-            ready = [] if rounds and not repeat else self._take_ready(table)
+            ready = [] if holds and not repeat else self._take_ready(table)
         if repeat:
             self._send(ready)
             return
         if copy is None:
             request.reply({})  # in rounds modes a push is done once it joined its round
-        if rounds:  # the round's update runs while the pusher goes on to its next step
+        if holds:  # the round's update runs while the pusher goes on to its next step
             ready = self._apply_rounds(table, members)
         self._send(ready)
 
@@ -348,7 +359,8 @@ class SparseTables:
     @staticmethod
     def _take_ready(table: SparseTable) -> list[tuple[Any, torch.Tensor | None, int | str]]:
         """Serve the pulls the table's version now allows (holds table.lock)."""
-        ready, waiting = [], []
+        ready: list[tuple[Any, torch.Tensor | None, int | str]] = []
+        waiting = []
         for pull in table.pending:
             if table.visible < pull.min_version:
                 waiting.append(pull)
@@ -386,12 +398,12 @@ class SparseTables:
         self._send(ready)
 
     # -- state ------------------------------------------------------------------------------------
-    def _get_state(self, request: Any) -> None:
-        key, full = request.meta.get("key"), bool(request.meta.get("full", True))
-        primary = request.meta.get("primary")  # with replication: that server's rows, from a copy
+    def _get_state(self, request: Any, msg: p.SparseGetState) -> None:
+        key, full = msg.key, msg.full
+        primary = msg.primary  # with replication: that server's rows, from a copy
         with self._lock:
-            if primary is not None and int(primary) != self.server.rank:
-                tables = [t for (k, p), t in self.copies.items() if p == int(primary) and key in (None, k)]
+            if primary is not None and primary != self.server.rank:
+                tables = [t for (k, at), t in self.copies.items() if at == primary and key in (None, k)]
             else:
                 tables = [self._table(key)] if key is not None else list(self.tables.values())
         entries, tensors = [], []

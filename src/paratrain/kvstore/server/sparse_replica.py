@@ -102,8 +102,9 @@ class TableCopy:
         return [s for s in self.chain if s != self.rank]
 
     def repeat(self, table: SparseTable, rank: int, clock: int, rounds: bool) -> bool:
-        """Whether worker `rank`'s push `clock` was applied (or joined its round) here already; an
-        async push that is not is recorded as applied (the caller applies it under the same lock)."""
+        """Whether worker `rank`'s push `clock` was applied (or joined its round: `rounds`, the
+        policy holds pushes) here already; an async push that is not is recorded as applied (the
+        caller applies it under the same lock)."""
         if rounds:
             return clock < table.version or rank in table.rounds.get(clock, {})
         clocks = self.applied.setdefault(rank, Clocks())

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from paratrain.kvstore import consistency, kernels
+from paratrain.kvstore import kernels
 from paratrain.kvstore.api import TableConfig, TableError
 from paratrain.kvstore.consistency import Policy
 from paratrain.kvstore.server.rowstore import (
@@ -47,8 +47,8 @@ from paratrain.kvstore.server.sparse_replica import TableCopy
 
 __all__ = ["PendingPull", "SparseTable"]
 
-COUNTS = ("pulls", "pushes", "rows_pulled", "rows_pushed", "created", "not_admitted", "dropped")
-COUNTS += ("evicted_age", "evicted_cap")
+COUNTS: tuple[str, ...] = ("pulls", "pushes", "rows_pulled", "rows_pushed", "created", "not_admitted")
+COUNTS += ("dropped", "evicted_age", "evicted_cap")
 
 
 # Slots found for some ids earlier, with the table's eviction count then: checked again where rows
@@ -213,7 +213,7 @@ class SparseTable:
         clock: int,
         ids: np.ndarray,
         grads: torch.Tensor,
-        policy: Policy | str,
+        policy: Policy,
         members: frozenset,
         apply: bool = True,
     ) -> None:
@@ -223,19 +223,17 @@ class SparseTable:
         self.counts["rows_pushed"] += len(ids)
         pulled = self.pulled.pop(rank, None)
         hint = pulled[1] if pulled is not None and np.array_equal(pulled[0], ids) else None
-        if isinstance(policy, str):  # a consistency model's name (consistency.py)
-            policy = consistency.policy(policy)
-        if not policy.rounds:  # applied on arrival (async)
-            self.apply([(ids, grads, hint)], clock, add=True)
-            return
+        if policy.on_table_push(self, rank, clock, (ids, grads, hint), apply) and apply:
+            self.apply_complete_rounds(members)
+
+    def join_round(self, rank: int, clock: int, entry: tuple) -> None:
+        """Worker `rank`'s push joins round `clock` (applied once complete)."""
         if clock < self.version:
             raise TableError(f"push to table {self.key!r} for round {clock}, already applied")
         pushed = self.rounds.setdefault(clock, {})
         if rank in pushed:
             raise TableError(f"worker {rank} pushed table {self.key!r} twice in round {clock}")
-        pushed[rank] = (ids, grads, hint)
-        if apply:
-            self.apply_complete_rounds(members)
+        pushed[rank] = entry
 
     def completes(self, rank: int, clock: int, members: frozenset) -> bool:
         """Whether `rank`'s push for round `clock` would complete the next round to apply: then it

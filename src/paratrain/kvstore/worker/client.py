@@ -29,7 +29,7 @@ import torch
 
 from paratrain.cluster.context import Context
 from paratrain.errors import KVStoreError, RemoteError, TransportError
-from paratrain.kvstore import optim
+from paratrain.kvstore import optim, protocol
 from paratrain.kvstore.api import Handle, Keys, KVStoreConfig, SparseAPI
 from paratrain.kvstore.compressed import WorkerCompression, compression_config
 from paratrain.kvstore.placement import Placement, Slice
@@ -96,7 +96,7 @@ class DistKVStore(SparseAPI):
         # Smaller slices only where every slice of a key is at one version after each round (sync),
         # and where the servers are on several hosts (on one, more frames only cost CPU).
         spread = len({host for host, _ in ctx.servers}) > 1
-        most = config.max_slice_bytes if config.consistency == "sync" and spread else None
+        most = config.max_slice_bytes if config.policy.cuts_keys() and spread else None
         self._placement = Placement(len(self._clients), config.slice_elements, most)
         self._frame_bytes = config.frame_bytes if most is None else min(config.frame_bytes, most)
         self._servers = Servers(self._clients, ctx.config.replication)  # copies, fail-over
@@ -116,12 +116,17 @@ class DistKVStore(SparseAPI):
         # training), and its pushes join the rounds from the next one its first push reaches.
         self._joined = ctx.joined
         if self.rank == 0 and not self._joined:
-            meta = {"mode": config.policy.name, "staleness": config.staleness, "members": self._members}
-            meta["average"] = config.average
-            if ctx.config.replication > 1:
-                meta["replication"] = ctx.config.replication
-                meta["servers"] = [list(address) for address in ctx.servers]
-            self._all_servers("configure", meta)
+            mode, params = config.policy.to_wire()
+            replicated = ctx.config.replication > 1
+            configure = protocol.Configure(
+                mode,
+                list(self._members),
+                params or None,
+                config.average,
+                ctx.config.replication,
+                [list(address) for address in ctx.servers] if replicated else None,
+            )
+            self._all_servers(*configure.wire())
         if ctx.link is not None and ctx.config.replication > 1:
             ctx.link.on_server_lost(self._server_dropped)
         if not self._joined:
@@ -334,7 +339,8 @@ class DistKVStore(SparseAPI):
 
     def pull_async(self, keys: Keys, out: Any) -> Handle:
         keys, outs = as_lists(keys, out)
-        futures, after = [], []
+        futures: list[Any] = []
+        after: list[Callable[[], None]] = []
         views = self._out_views(keys, outs, after)
         frames = self._frames(
             keys,
@@ -374,9 +380,9 @@ class DistKVStore(SparseAPI):
         need and the workers that have not pushed them (the servers log the same)."""
         probes = []
         for s, meta in waiting:
-            query = {k: meta[k] for k in ("keys", "starts", "stops", "rank")}
-            query["min_versions"] = meta["min_versions"] if pulls else [0] * len(meta["keys"])
-            probes.append((self._clients[self._servers.serving(s)], "waiting", query))
+            needs = meta["min_versions"] if pulls else [0] * len(meta["keys"])
+            query = protocol.Waiting(meta["keys"], meta["starts"], meta["stops"], needs, meta["rank"])
+            probes.append((self._clients[self._servers.serving(s)], *query.wire()))
         return explain_wait(probes, self._timeout_s)
 
     def pull(self, keys: Keys, out: Any) -> int | None:
@@ -422,11 +428,12 @@ class DistKVStore(SparseAPI):
         for s, meta in frames:
             if meta is not last[s]:  # more of this push follows to that server (server/outbox.py)
                 meta["more"] = True
-        futures, reads = [], []
+        futures: list[Any] = []
+        reads: list[tuple[Region, torch.Tensor]] = []
         if self._weight != 1:
             for _, meta in frames:
                 meta["weight"] = self._weight
-        rounds = self.config.policy.rounds  # async pushes are applied by the server
+        adds = self.config.policy.adds_in_place()  # else the server applies each push itself
         for s, meta in frames:
             tensors, added, in_place = [], [], self._servers.in_place(s)
             slices = zip(meta["keys"], meta["starts"], meta["stops"], meta["clocks"], strict=True)
@@ -439,7 +446,7 @@ class DistKVStore(SparseAPI):
                 region = self._keys[k].regions.get(a) if in_place else None
                 piece = flat[k][a:b]
                 # A joiner's clocks are its own (the server shifts them): it never adds in place.
-                added.append(rounds and not self._joined and region is not None and region.add(clock, piece))
+                added.append(adds and not self._joined and region is not None and region.add(clock, piece))
                 if not added[-1]:
                     tensors.append(piece)
             if any(added):
@@ -519,7 +526,8 @@ class DistKVStore(SparseAPI):
     def _pulls_compressed(self) -> bool:
         """Whether pulled values come compressed: gradient sums only (no optimizer on the servers,
         rounds)."""
-        return self._compression is not None and not self._server_optimizer and self.config.policy.rounds
+        policy = self.config.policy
+        return self._compression is not None and not self._server_optimizer and policy.adds_in_place()
 
     def _compressed_pull(self, meta: dict) -> bool:
         """Whether a frame's pulled values come compressed (_pulls_compressed); marks the frame so."""
@@ -529,9 +537,10 @@ class DistKVStore(SparseAPI):
         meta["pull_compression"] = self._compression.wire
         return True
 
-    def _decoder(self, meta: dict, future: Future, views: dict) -> Callable[[], None]:
+    def _decoder(self, meta: dict, future: Any, views: dict | None) -> Callable[[], None]:
         compression = self._compression
         assert compression is not None
+        assert views is not None
         return lambda: compression.decode_reply(meta, future.wait(0), views)
 
     def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
@@ -543,13 +552,13 @@ class DistKVStore(SparseAPI):
         if self._joined:
             return  # the servers have it, with its state
         if self.rank == 0:
-            self._all_servers("set_optimizer", {"path": path, "hyper": hyper})
+            self._all_servers(*protocol.SetOptimizer(path, hyper).wire())
         self._barrier("kvstore-optimizer")
 
     def join(self) -> None:
         """A worker that joined a running elastic job: every round from the next one on waits for
         it. Call it while the other workers wait (at a barrier), so that none is in flight."""
-        self._all_servers("join", {"rank": self.rank})
+        self._all_servers(*protocol.Join(self.rank).wire())
 
     def barrier(self) -> None:
         self._barrier("kvstore-barrier")
@@ -560,7 +569,8 @@ class DistKVStore(SparseAPI):
         # Every slice sees each push and pull of its key: counts are the same on all of them.
         combine = {"version": min, "pushes": max, "pulls": max}
         per_key: dict[Any, dict[str, int]] = {}
-        replies = self._wait([self._clients[s].submit("stats") for s in self._servers.live()])
+        asked = [self._clients[s].submit(*protocol.Stats().wire()) for s in self._servers.live()]
+        replies = self._wait(asked)
         for reply in self._serving(replies):
             for shard in reply.meta["shards"]:
                 total = per_key.setdefault(shard["key"], {"slices": 0})
@@ -588,8 +598,10 @@ class DistKVStore(SparseAPI):
         so the file loads into any number of servers. Written to a temporary file, then renamed."""
         self.barrier()
         if self.rank == 0:
-            replies = self._wait([self._clients[s].submit("get_state") for s in self._servers.live()])
-            optimizer = next((r.meta["optimizer"] for r in replies if r.meta["optimizer"]), [])
+            replies = self._wait(
+                [self._clients[s].submit(*protocol.GetState().wire()) for s in self._servers.live()]
+            )
+            optimizer: list = next((r.meta["optimizer"] for r in replies if r.meta["optimizer"]), [])
             tables = self._tables.gather() if self._tables is not None and self._tables.tables else ()
             write_state(path, gather_state(replies), optimizer, tables)
         if self._compression is not None:  # every worker's own push residuals
@@ -602,7 +614,7 @@ class DistKVStore(SparseAPI):
         if self.rank == 0:
             per_server = scatter_state(read_state(path), self._keys)
             futures = [  # to every live copy
-                self._clients[t].submit("set_state", {"shards": meta}, tensors)
+                self._clients[t].submit(*protocol.SetState(meta).wire(), tensors)
                 for s, (meta, tensors) in per_server.items()
                 for t in self._servers.chain(s)
                 if t not in self._servers.dead
@@ -629,7 +641,7 @@ class DistKVStore(SparseAPI):
         leaving = []
         for client in self._clients:
             try:
-                leaving.append((client, client.request("leave", {"rank": self.rank})))
+                leaving.append((client, client.request(*protocol.Leave(self.rank).wire())))
             except TransportError as exc:
                 logger.debug("worker %d could not leave %s's rounds: %s", self.rank, client.name, exc)
         deadline = time.monotonic() + min(10.0, self._timeout_s or 10.0)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -36,12 +36,13 @@ from torch import nn
 from paratrain.checkpoint import save_file
 from paratrain.cluster.context import Context
 from paratrain.errors import KVStoreError, RemoteError, TransportError
-from paratrain.kvstore import kernels, optim
+from paratrain.kvstore import kernels, optim, protocol
 from paratrain.kvstore.api import Handle, KVStoreConfig, SparseAPI, TableConfig, check_key, resolve_kind
 from paratrain.kvstore.server.rowstore import SHARD_SALT, shard_of
 from paratrain.kvstore.worker.checks import check_finite, explain_wait
 from paratrain.kvstore.worker.failover import Servers
 from paratrain.kvstore.worker.state import TableEntry
+from paratrain.transport.message import Message
 
 logger = logging.getLogger(__name__)
 
@@ -100,24 +101,24 @@ class TableClient:
         except (RemoteError, TransportError, TimeoutError) as exc:
             raise KVStoreError(str(exc)) from None
 
-    def _all(self, op: str, meta: dict) -> list:
-        """`op` on every (live) server."""
+    def _all(self, msg: Message) -> list:
+        """`msg` to every (live) server."""
         live = self._servers.live() if self._servers is not None else range(len(self._clients))
-        return self._wait([self._clients[s].submit(op, meta) for s in live])
+        return self._wait([self._clients[s].submit(*msg.wire()) for s in live])
 
-    def _per_primary(self, op: str, meta: dict) -> list:
-        """`op` for each server's rows: at that server, or with replication at its first live copy."""
+    def _per_primary(self, msg: Any) -> list:
+        """`msg` for each server's rows: at that server, or with replication at its first live copy."""
         if self._servers is None:
-            return self._all(op, meta)
-        return self._wait([self._request(p, op, meta) for p in range(len(self._clients))])
+            return self._all(msg)
+        return self._wait([self._request(s, msg) for s in range(len(self._clients))])
 
-    def _request(
-        self, primary: int, op: str, meta: dict, tensors: Sequence[torch.Tensor] = (), out: Any = None
-    ) -> Any:
-        """A request for server `primary`'s rows; with replication one that fails over to its copies."""
+    def _request(self, primary: int, msg: Any, tensors: Sequence[torch.Tensor] = (), out: Any = None) -> Any:
+        """A request (a message with a `primary` field) for server `primary`'s rows; with replication
+        one that fails over to its copies."""
         if self._servers is None:
-            return self._clients[primary].submit(op, meta, tensors, out=out)
-        return self._servers.request(primary, op, dict(meta, primary=primary), tensors, out)
+            return self._clients[primary].submit(*msg.wire(), tensors, out=out)
+        op, meta = replace(msg, primary=primary).wire()
+        return self._servers.request(primary, op, meta, tensors, out)
 
     def _client(self, primary: int) -> Any:
         """The client of the server that serves `primary`'s rows now."""
@@ -130,14 +131,14 @@ class TableClient:
         known = self.tables.get(key)
         if known is not None and (known.dim, known.config) != (dim, config):
             raise ValueError(f"table {key!r} was declared with dim {known.dim} and {known.config}")
-        meta = {"key": key, "dim": dim, "config": asdict(config)}
+        init = protocol.SparseInit(key, dim, asdict(config))
         if self._servers is None:
-            self._all("sparse_init", meta)
+            self._all(init)
         else:  # each server keeps its own rows and copies of the rows of the chains it is on
             chains = [self._servers.chain(p) for p in range(len(self._clients))]
             live = self._servers.live()
-            sent = [dict(meta, chains=[c for c in chains if s in c]) for s in live]
-            self._wait([self._clients[s].submit("sparse_init", m) for s, m in zip(live, sent, strict=True)])
+            sent = [replace(init, chains=[c for c in chains if s in c]) for s in live]
+            self._wait([self._clients[s].submit(*m.wire()) for s, m in zip(live, sent, strict=True)])
         self.tables.setdefault(key, TableInfo(dim, config))
 
     # -- routing, pull and push -------------------------------------------------------------------
@@ -169,20 +170,20 @@ class TableClient:
         """Start pulling the rows of route.ids; they land in the returned tensor, in route order."""
         info = self._info(key)
         rows = torch.empty(len(route.ids), info.dim)
-        meta = {"key": key, "clock": info.clock, "min_version": self._min_version(info), "train": train}
-        meta["rank"] = self.rank
+        need = self._min_version(info)
+        pull = protocol.SparsePull(key, info.clock, need, train, self.rank)
         servers = [s for s, (a, b) in enumerate(route.bounds) if b > a]
         futures = [
-            self._request(s, "sparse_pull", meta, [route.ids[a:b]], out=[rows[a:b]])
+            self._request(s, pull, [route.ids[a:b]], out=[rows[a:b]])
             for s, (a, b) in enumerate(route.bounds)
             if b > a
         ]
-        query = {"key": key, "min_version": meta["min_version"], "rank": self.rank}
         handle = self._handle(f"sparse pull of table {key!r}", futures)
-        handle.diagnose = lambda pending: explain_wait(
-            [(self._client(servers[i]), "sparse_waiting", dict(query, primary=servers[i])) for i in pending],
-            self._timeout_s,
-        )
+
+        def probe(s: int) -> tuple[Any, str, dict]:
+            return (self._client(s), *protocol.SparseWaiting(key, need, self.rank, s).wire())
+
+        handle.diagnose = lambda pending: explain_wait([probe(servers[i]) for i in pending], self._timeout_s)
         return handle, rows
 
     def push(self, key: Any, route: Route, grads: torch.Tensor) -> Handle:
@@ -194,11 +195,11 @@ class TableClient:
         grads = grads.detach().to("cpu").contiguous()
         if self._config.refuse_non_finite:  # before the clock moves: a refused push leaves no trace
             check_finite([key], [grads], self.rank, "table")
-        meta = {"key": key, "clock": info.clock, "rank": self.rank}
+        push = protocol.SparsePush(key, info.clock, self.rank)
         info.clock += 1
-        everyone = self._config.policy.rounds
+        everyone = self._config.policy.pushes_everywhere()
         futures = [
-            self._request(s, "sparse_push", meta, [route.ids[a:b], grads[a:b]])
+            self._request(s, push, [route.ids[a:b], grads[a:b]])
             for s, (a, b) in enumerate(route.bounds)
             if b > a or everyone
         ]
@@ -216,7 +217,7 @@ class TableClient:
             raise ValueError(f"out for table {key!r} must be a tensor of shape [{len(flat)}, {info.dim}]")
         route, where = self.dedup(flat)
         handle, rows = self.pull(key, route, train)
-        handle.after.append(lambda: out.copy_(rows[where]))
+        handle.after.append(lambda: _discard(out.copy_(rows[where])))
         handle.wait()
         return handle.version
 
@@ -241,14 +242,14 @@ class TableClient:
         self._info(key)
         path = optim.class_path(optimizer)
         optim.resolve(path)
-        meta = {"key": key, "path": path, "hyper": optim.check_hyperparameters(hyper)}
+        msg = protocol.SparseOptimizer(key, path, optim.check_hyperparameters(hyper))
         if self.rank == 0:
-            self._all("sparse_optimizer", meta)
+            self._all(msg)
         self._barrier("kvstore-table-optimizer")
 
     def table_stats(self, key: Any) -> list[dict[str, Any]]:
         self._info(key)
-        return [reply.meta for reply in self._per_primary("sparse_stats", {"key": key})]
+        return [reply.meta for reply in self._per_primary(protocol.SparseStats(key))]
 
     def export_table(self, key: Any, path: str | os.PathLike[str]) -> None:
         info = self._info(key)
@@ -262,7 +263,7 @@ class TableClient:
     def gather(self, key: Any = None, full: bool = True) -> list[TableEntry]:
         """Every table (or `key`) from every server, rows sorted by id: state-file entries."""
         parts: dict[Any, list[_TablePart]] = {}
-        for reply in self._per_primary("sparse_get_state", {"key": key, "full": full}):
+        for reply in self._per_primary(protocol.SparseGetState(key, full)):
             at = 0
             for meta in reply.meta["tables"]:
                 parts.setdefault(meta["key"], []).append(
@@ -288,8 +289,7 @@ class TableClient:
                 columns = [c[order] for c in columns]
             futures = [  # with replication, to every live copy of each server's rows
                 self._clients[t].submit(
-                    "sparse_set_state",
-                    {"key": key, "names": names, "primary": p},
+                    *protocol.SparseSetState(key, names, p).wire(),
                     [route.ids[a:b]] + [c[a:b].contiguous() for c in columns],
                 )
                 for p, (a, b) in enumerate(route.bounds)
@@ -507,11 +507,15 @@ class ServingEmbedding(nn.Module):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        held = len(self.ids)
-        at = torch.searchsorted(self.ids, ids.to(torch.int64)).clamp_(max=max(held - 1, 0))
-        where = torch.where(self.ids[at] == ids, at, held) if held else torch.zeros_like(at)
+        known, values = self.ids, self.values
+        assert isinstance(known, torch.Tensor) and isinstance(values, torch.Tensor)  # buffers
+        held = len(known)
+        at = torch.searchsorted(known, ids.to(torch.int64)).clamp_(max=max(held - 1, 0))
+        where = torch.where(known[at] == ids, at, held) if held else torch.zeros_like(at)
         if self.mode is None:
-            return F.embedding(where, self.values)
-        return F.embedding_bag(
-            where, self.values, offsets, mode=self.mode, per_sample_weights=per_sample_weights
-        )
+            return F.embedding(where, values)
+        return F.embedding_bag(where, values, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
+
+
+def _discard(_: Any) -> None:
+    """A handle's `after` step returns nothing (Tensor.copy_ returns its tensor)."""

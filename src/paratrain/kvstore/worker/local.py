@@ -73,10 +73,8 @@ class LocalKVStore:
                 self._params[key].grad = grad.to(current.dtype)
                 self._optimizers[key].step()
                 self._params[key].grad = None
-            elif not self.config.policy.rounds:  # async: pushes add up
-                current.add_(grad)
             else:
-                current.copy_(grad)
+                self.config.policy.local_update(current, grad)
         return Handle([])
 
     def pull_async(self, keys: Keys, out: Any) -> Handle:

@@ -49,7 +49,7 @@ class InProcessServer:
         meta: dict
         tensors: list[torch.Tensor]
         header: Any = None
-        result: tuple | None = None
+        result: tuple[dict | None, Sequence[torch.Tensor], str | None] | None = None
 
         def reply(self, meta: dict | None = None, tensors: Sequence[torch.Tensor] = ()) -> None:
             self.result = (meta, tensors, None)

@@ -1,0 +1,303 @@
+"""The parameter servers' messages, one typed value each (transport/message.py), routed on a server
+by one table (`KVServer`'s, server/server.py; the sparse ops by `SparseTables`', server/sparse.py).
+
+What each one does is told where it is handled (server/server.py's and server/sparse.py's module
+docstrings); here is only its form. Dense requests address slices by parallel lists (`keys`,
+`starts`, `stops`: slice i is elements [starts[i], stops[i]) of keys[i]), each slice one flat
+tensor of the payload. Workers build push and pull frames as maps field by field (their frames
+grow as slices are placed: worker/client.py); these classes are what a server reads them as.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from paratrain.transport.message import Message
+
+
+class Slices:
+    """What the dense requests share: parallel lists of slices."""
+
+    __slots__ = ()
+    keys: list
+    starts: list[int]
+    stops: list[int]
+
+    def ident(self, i: int) -> tuple[Any, int, int]:
+        """(key, start, stop) of slice i."""
+        return self.keys[i], self.starts[i], self.stops[i]
+
+
+# -- configuration (worker 0, before any init) ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Configure(Message, op="configure"):
+    mode: str
+    """The consistency policy's name (consistency.py's registry)."""
+    members: list[int]
+    params: dict | None = None
+    """The policy's own fields (Bounded: {"staleness": s})."""
+    average: bool = False
+    replication: int = 1
+    servers: list[list] | None = None
+    """Every server's [host, port], with replication."""
+
+
+@dataclass(frozen=True, slots=True)
+class SetOptimizer(Message, op="set_optimizer"):
+    path: str
+    hyper: dict
+
+
+@dataclass(frozen=True, slots=True)
+class Join(Message, op="join"):
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class Leave(Message, op="leave"):
+    rank: int
+
+
+# -- dense keys ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Init(Slices, Message, op="init"):
+    keys: list
+    starts: list[int]
+    stops: list[int]
+    shapes: list[list[int]]
+    dtypes: list[str]
+    numels: list[int]
+    chain: list[int] | None = None
+    """With replication: the servers holding these slices, primary first."""
+    rank: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Push(Slices, Message, op="push"):
+    keys: list
+    starts: list[int]
+    stops: list[int]
+    clocks: list[int]
+    rank: int
+    added: list[bool] | None = None
+    """Per slice: the worker added it into the round's shared buffer itself (no payload)."""
+    weight: int = 1
+    more: bool = False
+    """More frames of this push follow (server/outbox.py)."""
+    compression: dict | None = None
+    dead: list[int] | None = None
+    min_versions: list[int] | None = None
+    read: list[bool] | None = None
+    pull_compression: dict | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PushPull(Slices, Message, op="pushpull"):
+    """A push and a pull of the same slices in one frame."""
+
+    keys: list
+    starts: list[int]
+    stops: list[int]
+    clocks: list[int]
+    rank: int
+    min_versions: list[int]
+    added: list[bool] | None = None
+    weight: int = 1
+    more: bool = False
+    compression: dict | None = None
+    dead: list[int] | None = None
+    read: list[bool] | None = None
+    """Per slice: the worker copies it out of shared memory itself (the reply carries none)."""
+    pull_compression: dict | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pull(Slices, Message, op="pull"):
+    keys: list
+    starts: list[int]
+    stops: list[int]
+    min_versions: list[int]
+    rank: int = -1
+    read: list[bool] | None = None
+    pull_compression: dict | None = None
+    dead: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting(Slices, Message, op="waiting"):
+    """From a worker whose call waits long: what holds each slice back."""
+
+    keys: list
+    starts: list[int]
+    stops: list[int]
+    min_versions: list[int]
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class GetState(Message, op="get_state"):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class SetState(Message, op="set_state"):
+    shards: list[dict]
+    """Per shard: {key, start, stop, state: [names]}; the payload: its value, then its state."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(Message, op="ping"):
+    """Echoed back whole, tensors included (the transport benchmarks)."""
+
+    data: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stats(Message, op="stats"):
+    pass
+
+
+# -- replication (server to server) ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(Message, op="replicate"):
+    """A slice's state from its primary to a backup (server/replica.py), or several lent ones
+    (`slices`, server/mirror.py)."""
+
+    sender: int | None = None
+    key: Any = None
+    start: int | None = None
+    stop: int | None = None
+    version: int | None = None
+    applied: Any = None
+    state: list[str] | None = None
+    slices: list[dict] | None = None
+    lent: Any = None
+    buffer: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Mirror(Message, op="mirror"):
+    key: Any
+    start: int
+    stop: int
+    count: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Borrow(Message, op="borrow"):
+    arena: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Rejoin(Message, op="rejoin"):
+    rank: int
+    address: list
+    dead: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Install(Message, op="install"):
+    """A slice's whole state, to a restarted server (made there if new)."""
+
+    key: Any
+    start: int
+    stop: int
+    numel: int
+    shape: list[int]
+    dtype: str
+    chain: list[int]
+    version: int
+    applied: Any = None
+    state: list[str] | None = None
+    optimizer: list | None = None
+
+
+# -- sparse tables ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SparseInit(Message, op="sparse_init"):
+    key: Any
+    dim: int
+    config: dict
+    chains: list[list[int]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SparsePull(Message, op="sparse_pull"):
+    key: Any
+    clock: int
+    min_version: int
+    train: bool
+    rank: int | None = None
+    primary: int | None = None
+    dead: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SparsePush(Message, op="sparse_push"):
+    key: Any
+    clock: int
+    rank: int
+    primary: int | None = None
+    dead: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SparseOptimizer(Message, op="sparse_optimizer"):
+    key: Any
+    path: str
+    hyper: dict
+    primary: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SparseStats(Message, op="sparse_stats"):
+    key: Any
+    primary: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SparseGetState(Message, op="sparse_get_state"):
+    key: Any = None
+    full: bool = True
+    primary: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SparseSetState(Message, op="sparse_set_state"):
+    key: Any
+    names: list[str]
+    primary: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SparseWaiting(Message, op="sparse_waiting"):
+    key: Any
+    min_version: int
+    rank: int | None = None
+    primary: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SparseReplicate(Message, op="sparse_replicate"):
+    key: Any
+    primary: int
+    version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SparseInstall(Message, op="sparse_install"):
+    key: Any
+    dim: int
+    config: dict
+    chain: list[int]
+    optimizer: list | None = None
+    own_optimizer: bool = False

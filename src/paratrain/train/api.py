@@ -1,0 +1,97 @@
+"""What the Trainer calls on its engine: the `Engine` protocol, and `EngineBase`, its defaults.
+
+An engine is how one strategy moves gradients and state between workers (trainer.py's LocalEngine
+and CollectiveEngine, ps.py's PSEngine, elastic.py's ElasticCollectiveEngine). The Trainer calls
+every member below on whichever engine it made, and nothing else; an engine that has nothing to do
+at a hook inherits EngineBase's no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from paratrain.train.trainer import Trainer
+
+
+class Engine(Protocol):
+    model: nn.Module
+    """The model as the engine runs it (DDP-wrapped, for one): the Trainer's forward calls it."""
+    scales_gradients: bool
+    """Whether the engine divides accumulated gradients by accumulation_steps itself."""
+    regroups_itself: bool
+    """Whether the engine follows an elastic job's membership itself (then the Trainer's epochs do
+    not meet at the scheduler)."""
+    per_worker_optimizer: bool
+    """Whether each worker's optimizer state is its own (then each saves it in a checkpoint)."""
+
+    def set_sync(self, sync: bool) -> None:
+        """Whether this micro-batch's backward sends gradients (the last of an accumulation)."""
+        ...
+
+    def step(self, optimizer: torch.optim.Optimizer, local_step: Callable[[], Any]) -> Any:
+        """One optimizer step; `local_step` is the optimizer's own, which the engine runs."""
+        ...
+
+    def after_step(self, trainer: Trainer) -> None:
+        """After every optimizer step (the elastic engine commits its state here)."""
+        ...
+
+    def before_epoch(self, trainer: Trainer) -> None:
+        """Before every epoch of Trainer.epochs (the elastic engine re-divides the data here)."""
+        ...
+
+    def join(self) -> None:
+        """This worker joined a running elastic job, while the others wait at a barrier."""
+        ...
+
+    def recover(self, trainer: Trainer, error: BaseException) -> bool:
+        """Whether the engine recovered from `error`, raised in backward (then the step is skipped)."""
+        ...
+
+    def save(self, folder: Path) -> None: ...
+
+    def restore(self, folder: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class EngineBase:
+    """Engine's defaults: no hook does anything, no flag is set."""
+
+    model: nn.Module
+    scales_gradients = False
+    regroups_itself = False
+    per_worker_optimizer = False
+
+    def set_sync(self, sync: bool) -> None:
+        pass
+
+    def step(self, optimizer: torch.optim.Optimizer, local_step: Callable[[], Any]) -> Any:
+        return local_step()
+
+    def after_step(self, trainer: Trainer) -> None:
+        pass
+
+    def before_epoch(self, trainer: Trainer) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
+
+    def recover(self, trainer: Trainer, error: BaseException) -> bool:
+        return False
+
+    def save(self, folder: Path) -> None:
+        pass
+
+    def restore(self, folder: Path) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
