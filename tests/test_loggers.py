@@ -90,6 +90,7 @@ def wandb_history(folder: Path) -> tuple[dict, dict[int, float]]:
 
 
 # -- one process ------------------------------------------------------------------------------------
+@pytest.mark.jobs  # mlflow runs `uname -p` (platform) while it starts a run
 def test_mlflow_run_has_params_and_each_step(trackers: Path) -> None:
     metrics = MLflowMetrics(run_name="unit")
     metrics.log_params({"strategy": "ps", "num_workers": 2})
@@ -102,6 +103,7 @@ def test_mlflow_run_has_params_and_each_step(trackers: Path) -> None:
     assert history == {1: 1.0, 2: 0.5, 3: pytest.approx(1 / 3)}
 
 
+@pytest.mark.jobs  # mlflow runs `uname -p` (platform) while it starts a run
 def test_mlflow_made_but_unused_makes_no_run(trackers: Path) -> None:
     """Workers other than rank 0 make the logger too; only a logged call starts a run."""
     MLflowMetrics().close()

@@ -23,7 +23,7 @@ from paratrain.launch.api import LaunchConfig, check_strategy
 from paratrain.launch.cli import main
 from paratrain.launch.lines import Fold
 from paratrain.launch.report import ChildFailure, _exception_line, _failure_report, interrupted_exit_code
-from paratrain.metrics import TensorBoardMetrics, open_metrics
+from paratrain.metrics import TensorBoardMetrics
 from paratrain.train.strategy import Strategy, idle_servers_warning
 
 PARATRAIN = str(Path(sys.executable).parent / "paratrain")
@@ -350,7 +350,6 @@ def test_scikit_learn_and_tensorboard_are_extras_not_core_dependencies():
     [
         (("sklearn", "sklearn.datasets"), lambda tmp: digits(), "paratrain[examples]"),
         (("torch.utils.tensorboard",), lambda tmp: TensorBoardMetrics(tmp), "paratrain[tensorboard]"),
-        (("torch.utils.tensorboard",), lambda tmp: open_metrics(tmp, rank=0), "paratrain[tensorboard]"),
     ],
 )
 def test_a_missing_extra_is_named_with_its_install_command(monkeypatch, tmp_path, missing, use, extra):

@@ -93,12 +93,7 @@ def _number_as_text(value: Any) -> Any:
     return value
 
 
-ScriptArg = Annotated[
-    str,
-    BeforeValidator(_number_as_text),
-    Field(max_length=TEXT_MAX),
-    WithJsonSchema({"type": ["string", "number"]}),
-]
+ScriptArg = Annotated[Text, BeforeValidator(_number_as_text), WithJsonSchema({"type": ["string", "number"]})]
 
 
 class _Strict(BaseModel):
