@@ -2,7 +2,8 @@
 
 argv: strategy steps [options]   options: compile, tol=X, ckpt=DIR, stop=N (checkpoint every step,
 stop after step N: the next run with the same ckpt resumes), loss=mse|ce, delay=S (sleep S seconds
-after each step, so that a test can kill a process in the middle of training)
+after each step, so that a test can kill a process in the middle of training), adamw (AdamW in
+place of SGD with momentum)
 
 The reference simulates the workers in one process: W replicas of the same model, each computing the
 gradient of its own ShardedLoader batches (split into the strategy's micro-batches), then: averaged
@@ -18,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
+from paratrain.collective.fsdp import full_state_dict
 from paratrain.data import ShardedLoader
 from paratrain.train import Strategy, Trainer, unwrap
 
@@ -35,6 +37,8 @@ data = TensorDataset(torch.randn(150, 8, generator=g), torch.randn(150, 3, gener
 def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    if "adamw" in opts:
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=1e-2)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
 
 
@@ -115,7 +119,9 @@ while taken < steps:
                         p.copy_(mean)
 
 expected = replica_models[trainer.replica][0].state_dict()
-got = unwrap(trainer.model).state_dict()
+got = (
+    full_state_dict(trainer.model) if strategy.architecture == "fsdp" else unwrap(trainer.model).state_dict()
+)
 if pipelined:  # this worker trained its stage's parameters only
     mine = {id(p) for p in trainer.pipe.module.parameters()}
     names = {name for name, p in unwrap(trainer.model).named_parameters() if id(p) in mine}

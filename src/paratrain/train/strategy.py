@@ -28,7 +28,7 @@ from paratrain.kvstore.consistency import NAMES as CONSISTENCIES
 if TYPE_CHECKING:
     from paratrain.pipeline.api import PipelineConfig
 
-ARCHITECTURES = ("local", "collective", "ps", "hybrid")
+ARCHITECTURES = ("local", "collective", "ps", "hybrid", "fsdp")
 UPDATE_ON = ("server", "worker")
 COMPRESSIONS = (None, "2bit", "topk", "fp16", "bf16", "powersgd")
 SCHEDULES = ("1f1b", "gpipe")
@@ -40,7 +40,9 @@ class Strategy:
     architecture: str = "collective"
     """local: no communication (one process, or independent workers); collective: gradients averaged by
     all-reduce (torch DDP); ps: parameters on the servers (the kvstore); hybrid: dense parameters by
-    all-reduce, embedding tables (kvstore.worker.embedding.DistributedEmbedding) on the servers."""
+    all-reduce, embedding tables (kvstore.worker.embedding.DistributedEmbedding) on the servers; fsdp:
+    sharded data parallel (torch's FSDP2): each worker holds 1/N of the parameters, gradients and
+    optimizer state (collective/fsdp.py)."""
     consistency: str = "sync"
     """ps, and hybrid's embedding tables. sync, async (each worker's push is applied on arrival) or
     bounded (see staleness). The names are kvstore/consistency.py's policies."""
@@ -76,6 +78,13 @@ class Strategy:
     """1f1b or gpipe."""
     bucket_mb: float = 25.0
     """Gradients are sent in buckets of about this size as backward produces them."""
+    fsdp_blocks: str | None = None
+    """fsdp only. The submodules sharded one by one (dotted names, separated by spaces), each
+    gathered whole for its forward and backward; default: a Sequential's children, else the modules
+    of every ModuleList (a transformer's blocks)."""
+    reshard_after_forward: bool = True
+    """fsdp only. Free each block's gathered parameters after its forward (gathered again for
+    backward): less memory, one more all-gather per block."""
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -112,6 +121,17 @@ class Strategy:
             raise bad("compression_ratio", "must be a number in (0, 1]")
         if not isinstance(self.error_feedback, bool):
             raise bad("error_feedback", "must be a bool")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise bad("reshard_after_forward", "must be a bool")
+        if self.fsdp_blocks is not None and not isinstance(self.fsdp_blocks, str):
+            raise bad("fsdp_blocks", "must be module names separated by spaces, or None")
+        fsdp = self.architecture == "fsdp"
+        if not fsdp and (self.fsdp_blocks or not self.reshard_after_forward):
+            field = "fsdp_blocks" if self.fsdp_blocks else "reshard_after_forward"
+            raise bad(field, f"needs architecture='fsdp', not {self.architecture!r}")
+        if fsdp and (self.compression or self.pipeline_stages > 1):
+            field = "compression" if self.compression else "pipeline_stages"
+            raise bad(field, "cannot run with architecture='fsdp'")
         ps = self.architecture == "ps"
         if self.staleness and self.consistency != "bounded":
             raise bad("staleness", f"needs consistency='bounded', not {self.consistency!r}")
@@ -160,7 +180,7 @@ class Strategy:
     @classmethod
     def parse(cls, name: str | Strategy) -> Strategy:
         """A strategy from its name: local, device, dist_sync, dist_async, dist_sync_device,
-        dist_async_device (MXNet's kvstore types), collective, ps, hybrid, with optional
+        dist_async_device (MXNet's kvstore types), collective, ps, hybrid, fsdp, with optional
         `field=value` settings after a colon: "collective:accumulation_steps=4,compression=bf16"."""
         if isinstance(name, Strategy):
             return name
@@ -222,6 +242,7 @@ NAMED = {
     "dist_sync_device": Strategy(architecture="ps", aggregation="host"),
     "dist_async_device": Strategy(architecture="ps", consistency="async", aggregation="host"),
     "hybrid": Strategy(architecture="hybrid"),
+    "fsdp": Strategy(architecture="fsdp"),
 }
 
 
