@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from paratrain import checkpoint
+from paratrain import checkpoint, serve
 from paratrain.checkpoint import sharded
 from paratrain.collective.fsdp import find_blocks
 from paratrain.testing import run_job
 from paratrain.train import Strategy
-from paratrain.train.fsdp import resharded_loader_state
+from paratrain.train.fsdp import load_state, resharded_loader_state
 
 JOBS = Path(__file__).parent / "jobs"
 
@@ -86,12 +86,24 @@ def test_fsdp_matches_single_process_adamw(workers, strategy):
         assert any(line.startswith("parity ok") for line in outcome.lines("worker", rank)), outcome.stdout
 
 
-def test_a_checkpoint_of_two_fsdp_workers_resumes_on_one(tmp_path):
+def test_a_checkpoint_of_two_fsdp_workers_resumes_on_one_loads_whole_and_exports(tmp_path):
     args = ("fsdp", "6", "adamw", f"ckpt={tmp_path}")
     first = run_job(JOBS / "train_parity.py", workers=2, args=(*args, "stop=3"), timeout_s=240)
     assert "trained steps 0..3" in first.lines("worker", 0)
     found = checkpoint.latest(tmp_path)
     assert found.step == 3 and not found.file("model.pt").exists()
+    # In this process, with no process group: a plain model and optimizer take the sharded state.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    start = {name: value.clone() for name, value in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    load_state(found.path, model, optimizer)
+    assert optimizer.state_dict()["state"][0]["step"] == 3
+    assert all(not torch.equal(start[name], value) for name, value in model.state_dict().items())
+    exported = serve.export(tmp_path, tmp_path / "model.safetensors")
+    weights = serve.load(exported)
+    assert weights.keys() == start.keys()
+    assert all(torch.equal(weights[name], value) for name, value in model.state_dict().items())
     second = run_job(JOBS / "train_parity.py", workers=1, args=args, timeout_s=240)
     lines = second.lines("worker", 0)
     assert "trained steps 3..6" in lines and any(line.startswith("parity ok") for line in lines), lines

@@ -15,9 +15,12 @@ entries already load with `weights_only=True` in DCP itself.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,8 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from paratrain.errors import CheckpointError
 
+FOLDER = "sharded"
+"""The folder of a Trainer checkpoint that holds a sharded save (train/fsdp.py, serve/weights.py)."""
 METADATA = ".metadata"
 """The file DCP writes last, on the coordinating rank: its presence marks a complete sharded save."""
 
@@ -106,6 +111,14 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
+@contextlib.contextmanager
+def _alone_is_meant() -> Iterator[None]:
+    """DCP warns that it assumes one process when no process group is up; here that is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def is_sharded(folder: str | os.PathLike[str]) -> bool:
     """Whether `folder` holds a complete sharded save."""
     return (Path(folder) / METADATA).is_file()
@@ -114,7 +127,8 @@ def is_sharded(folder: str | os.PathLike[str]) -> bool:
 def save(folder: str | os.PathLike[str], state: dict[str, Any]) -> None:
     """Every rank of the default process group (or a lone process) writes its shards of `state`."""
     writer = dcp.FileSystemWriter(Path(folder), sync_files=True)
-    dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+    with _alone_is_meant():
+        dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
 
 
 def load(folder: str | os.PathLike[str], state: dict[str, Any]) -> None:
@@ -122,11 +136,30 @@ def load(folder: str | os.PathLike[str], state: dict[str, Any]) -> None:
     if not is_sharded(folder):
         raise CheckpointError(f"{folder} holds no sharded checkpoint (no {METADATA})")
     try:
-        dcp.load(
-            state,
-            storage_reader=SafeReader(Path(folder)),
-            planner=_SafeLoadPlanner(),
-            no_dist=not dist.is_initialized(),
-        )
+        with _alone_is_meant():
+            dcp.load(
+                state,
+                storage_reader=SafeReader(Path(folder)),
+                planner=_SafeLoadPlanner(),
+                no_dist=not dist.is_initialized(),
+            )
     except CheckpointException as error:  # DCP gathers every rank's failure into one
         raise CheckpointError(f"cannot load the sharded checkpoint in {folder}: {error}") from error
+
+
+def load_tensors(folder: str | os.PathLike[str], prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor saved under the top-level key `prefix` ("model") of the sharded save in
+    `folder`, whole, in one process: for export, where no model is at hand to say the layout."""
+    if not is_sharded(folder):
+        raise CheckpointError(f"{folder} holds no sharded checkpoint (no {METADATA})")
+    saved = SafeReader(Path(folder)).read_metadata().state_dict_metadata
+    start = prefix + "."
+    tensors = {
+        key[len(start) :]: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in saved.items()
+        if key.startswith(start) and isinstance(entry, dcp_metadata.TensorStorageMetadata)
+    }
+    if not tensors:
+        raise CheckpointError(f"the sharded checkpoint in {folder} holds no {prefix!r} tensors")
+    load(folder, {prefix: tensors})
+    return tensors

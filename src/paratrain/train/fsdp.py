@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SHARDED = "sharded"
+SHARDED = sharded.FOLDER
 """The folder of a checkpoint that holds the sharded model and optimizer state."""
 
 
