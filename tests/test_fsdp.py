@@ -74,25 +74,26 @@ def test_sharded_checkpoint_round_trips_and_runs_no_code_on_load(tmp_path, capsy
 
 # -- jobs: parity with the single-process reference ------------------------------------------------
 @pytest.mark.parametrize(
-    ("workers", "strategy"),
+    ("workers", "strategy", "options"),
     [
-        (2, "fsdp"),
-        (4, "fsdp:accumulation_steps=3,reshard_after_forward=false"),
+        (2, "fsdp", ()),
+        (4, "fsdp:accumulation_steps=3,reshard_after_forward=false", ("schedule",)),
     ],
 )
-def test_fsdp_matches_single_process_adamw(workers, strategy):
-    outcome = run_job(JOBS / "train_parity.py", workers=workers, args=(strategy, "5", "adamw"), timeout_s=240)
+def test_fsdp_matches_single_process_adamw(workers, strategy, options):
+    args = (strategy, "5", "adamw", *options)
+    outcome = run_job(JOBS / "train_parity.py", workers=workers, args=args, timeout_s=240)
     for rank in range(workers):
         assert any(line.startswith("parity ok") for line in outcome.lines("worker", rank)), outcome.stdout
 
 
-def test_a_checkpoint_of_two_fsdp_workers_resumes_on_one_loads_whole_and_exports(tmp_path):
+def test_a_checkpoint_of_four_fsdp_workers_resumes_on_two_loads_whole_and_exports(tmp_path):
     args = ("fsdp", "6", "adamw", f"ckpt={tmp_path}")
-    first = run_job(JOBS / "train_parity.py", workers=2, args=(*args, "stop=3"), timeout_s=240)
+    first = run_job(JOBS / "train_parity.py", workers=4, args=(*args, "stop=3"), timeout_s=240)
     assert "trained steps 0..3" in first.lines("worker", 0)
     found = checkpoint.latest(tmp_path)
     assert found.step == 3 and not found.file("model.pt").exists()
-    # In this process, with no process group: a plain model and optimizer take the sharded state.
+    # In this process, with no process group: a plain model and optimizer take the four workers' state.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     start = {name: value.clone() for name, value in model.state_dict().items()}
@@ -104,6 +105,7 @@ def test_a_checkpoint_of_two_fsdp_workers_resumes_on_one_loads_whole_and_exports
     weights = serve.load(exported)
     assert weights.keys() == start.keys()
     assert all(torch.equal(weights[name], value) for name, value in model.state_dict().items())
-    second = run_job(JOBS / "train_parity.py", workers=1, args=args, timeout_s=240)
-    lines = second.lines("worker", 0)
-    assert "trained steps 3..6" in lines and any(line.startswith("parity ok") for line in lines), lines
+    second = run_job(JOBS / "train_parity.py", workers=2, args=args, timeout_s=240)
+    for rank in range(2):
+        lines = second.lines("worker", rank)
+        assert "trained steps 3..6" in lines and any(line.startswith("parity ok") for line in lines), lines

@@ -3,7 +3,8 @@
 argv: strategy steps [options]   options: compile, tol=X, ckpt=DIR, stop=N (checkpoint every step,
 stop after step N: the next run with the same ckpt resumes), loss=mse|ce, delay=S (sleep S seconds
 after each step, so that a test can kill a process in the middle of training), adamw (AdamW in
-place of SGD with momentum)
+place of SGD with momentum), schedule (the learning rate halves every 2 steps: a StepLR made after
+the Trainer; not with ckpt, whose checkpoints hold no scheduler)
 
 The reference simulates the workers in one process: W replicas of the same model, each computing the
 gradient of its own ShardedLoader batches (split into the strategy's micro-batches), then: averaged
@@ -70,6 +71,8 @@ trainer = Trainer(
     progress=False,
 )
 resumed_at = trainer.steps
+halving = "schedule" in opts
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5) if halving else None
 if "delay" in opts:  # a test that kills this run checks where it started
     print(f"starting at step {resumed_at}", flush=True)
 for _ in trainer.epochs(100):
@@ -80,6 +83,8 @@ for _ in trainer.epochs(100):
             trainer.train_step(x, y)  # the pipeline cuts the batch into micro-batches itself
         else:
             train_micro(trainer.model, x, y, trainer.step)
+        if scheduler is not None:
+            scheduler.step()
         time.sleep(float(opts.get("delay", 0)))
     if trainer.steps >= stop:
         break
@@ -92,6 +97,7 @@ if stop < steps:
 
 # -- the reference --------------------------------------------------------------------------------
 replica_models = [build() for _ in range(replicas)]
+schedulers = [torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) for _, opt in replica_models if halving]
 loaders = [ShardedLoader(data, BATCH, num_replicas=replicas, rank=r, shuffle=True) for r in range(replicas)]
 taken = 0
 while taken < steps:
@@ -111,6 +117,8 @@ while taken < steps:
                     p.grad.copy_(gm)
         for _, opt in replica_models:
             opt.step()
+        for reference_scheduler in schedulers:
+            reference_scheduler.step()
         if strategy.local_sgd_period and taken % strategy.local_sgd_period == 0:
             with torch.no_grad():
                 for ps in zip(*(m.parameters() for m, _ in replica_models), strict=True):
