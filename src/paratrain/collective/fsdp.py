@@ -13,9 +13,8 @@ import logging
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
-
-from paratrain.collective.ddp import broadcast_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +58,9 @@ def shard_model(
     from torch.distributed.fsdp import fully_shard
 
     names = {id(p): name for name, p in model.named_parameters()}
-    broadcast_parameters(model)  # fully_shard keeps each rank's own slice of its own values
+    with torch.no_grad():  # fully_shard keeps each rank's own slice of its own values
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, 0)  # one by one: no flat copy of a model meant to be large
     chosen = find_blocks(model, blocks)
     for block in chosen:
         fully_shard(block, reshard_after_forward=reshard_after_forward)
