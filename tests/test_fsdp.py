@@ -1,6 +1,7 @@
 """Sharded data parallel (Strategy architecture "fsdp": torch's FSDP2) and checkpoints that reshard."""
 
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -87,12 +88,14 @@ def test_fsdp_matches_single_process_adamw(workers, strategy, options):
         assert any(line.startswith("parity ok") for line in outcome.lines("worker", rank)), outcome.stdout
 
 
-def test_a_checkpoint_of_four_fsdp_workers_resumes_on_two_loads_whole_and_exports(tmp_path):
-    args = ("fsdp", "6", "adamw", f"ckpt={tmp_path}")
-    first = run_job(JOBS / "train_parity.py", workers=4, args=(*args, "stop=3"), timeout_s=240)
+def test_a_checkpoint_of_four_fsdp_workers_resumes_on_two_under_fsdp_and_ddp_and_exports(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    args = ("6", "adamw", f"ckpt={ckpt}")
+    first = run_job(JOBS / "train_parity.py", workers=4, args=("fsdp", *args, "stop=3"), timeout_s=240)
     assert "trained steps 0..3" in first.lines("worker", 0)
-    found = checkpoint.latest(tmp_path)
+    found = checkpoint.latest(ckpt)
     assert found.step == 3 and not found.file("model.pt").exists()
+    shutil.copytree(ckpt, tmp_path / "ddp")
     # In this process, with no process group: a plain model and optimizer take the four workers' state.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -101,11 +104,15 @@ def test_a_checkpoint_of_four_fsdp_workers_resumes_on_two_loads_whole_and_export
     load_state(found.path, model, optimizer)
     assert optimizer.state_dict()["state"][0]["step"] == 3
     assert all(not torch.equal(start[name], value) for name, value in model.state_dict().items())
-    exported = serve.export(tmp_path, tmp_path / "model.safetensors")
+    exported = serve.export(ckpt, tmp_path / "model.safetensors")
     weights = serve.load(exported)
     assert weights.keys() == start.keys()
     assert all(torch.equal(weights[name], value) for name, value in model.state_dict().items())
-    second = run_job(JOBS / "train_parity.py", workers=2, args=args, timeout_s=240)
-    for rank in range(2):
-        lines = second.lines("worker", rank)
-        assert "trained steps 3..6" in lines and any(line.startswith("parity ok") for line in lines), lines
+    for strategy, folder in (("fsdp", ckpt), ("collective", tmp_path / "ddp")):
+        resumed = (strategy, "6", "adamw", f"ckpt={folder}")
+        second = run_job(JOBS / "train_parity.py", workers=2, args=resumed, timeout_s=240)
+        for rank in range(2):
+            lines = second.lines("worker", rank)
+            assert "trained steps 3..6" in lines and any(line.startswith("parity ok") for line in lines), (
+                lines
+            )
