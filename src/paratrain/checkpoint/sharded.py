@@ -86,12 +86,12 @@ class SafeReader(dcp.FileSystemReader):
             except Exception as error:
                 raise CheckpointError(
                     f"sharded checkpoint metadata {path} is corrupt or not plain data: {error}"
-                )
+                ) from error
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise CheckpointError(f"sharded checkpoint metadata {path} holds a {type(metadata).__name__}")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage = getattr(metadata, "storage_meta", None) or dcp_metadata.StorageMeta()
+        storage.load_id = self.load_id
+        metadata.storage_meta = storage
         return metadata
 
 

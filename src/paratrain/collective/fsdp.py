@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,7 +80,7 @@ def shard_model(
     return model
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module) -> dict[str, Any]:
     """The whole model's state dict as plain tensors on every rank (a collective under FSDP: every
     rank calls it); a plain model's own state dict otherwise."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

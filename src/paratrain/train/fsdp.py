@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from paratrain import checkpoint
 from paratrain.checkpoint import sharded
@@ -55,7 +56,7 @@ class FSDPEngine(LocalEngine):
         self.optimizer = optimizer
 
     def set_sync(self, sync: bool) -> None:
-        self.model.set_requires_gradient_sync(sync)
+        cast(FSDPModule, self.model).set_requires_gradient_sync(sync)
 
     def save(self, folder: Path) -> None:
         save_state(folder, self.model, self.optimizer)
@@ -87,11 +88,11 @@ def load_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     saved = sharded.SafeReader(folder / SHARDED).read_metadata().state_dict_metadata
     if any(key.startswith("optimizer.") for key in saved):
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
         sharded.load(folder / SHARDED, state)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     else:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model)}  # saved before the optimizer's first step
         sharded.load(folder / SHARDED, state)
         set_model_state_dict(model, state["model"])
 
