@@ -6,7 +6,9 @@ after each step, so that a test can kill a process in the middle of training), r
 two parameter groups, no weight decay on biases, and a warmup LambdaLR), rel (tol is relative to
 each tensor's largest value), inject=N (replica 0's batch of step N holds an inf: with fp16 that
 step must be skipped everywhere, exactly, and the loss scale halve), ref32 (the reference runs in
-fp32 whatever the strategy's precision)
+fp32 whatever the strategy's precision), adamw (AdamW in place of SGD with momentum), schedule
+(the learning rate halves every 2 steps: a StepLR made after the Trainer; not with ckpt, whose
+checkpoints hold no scheduler)
 
 The reference simulates the workers in one process: W replicas of the same model, each computing the
 gradient of its own ShardedLoader batches (split into the strategy's micro-batches), then: averaged
@@ -23,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
+from paratrain.collective.fsdp import full_state_dict
 from paratrain.data import ShardedLoader
 from paratrain.train import Strategy, Trainer, unwrap
 
@@ -44,6 +47,8 @@ data = TensorDataset(torch.randn(150, 8, generator=g), torch.randn(150, 3, gener
 def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    if "adamw" in opts:
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=1e-2)
     if "recipe" not in opts:
         return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
@@ -95,6 +100,8 @@ trainer = Trainer(
 )
 sched = schedule(optimizer)
 resumed_at = trainer.steps
+halving = "schedule" in opts
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5) if halving else None
 if "delay" in opts:  # a test that kills this run checks where it started
     print(f"starting at step {resumed_at}", flush=True)
 for _ in trainer.epochs(100):
@@ -113,6 +120,8 @@ for _ in trainer.epochs(100):
             assert all(torch.equal(before[name], after[name]) for name in before), "step not skipped"
         if sched is not None:
             sched.step()
+        if scheduler is not None:
+            scheduler.step()
         time.sleep(float(opts.get("delay", 0)))
     if trainer.steps >= stop:
         break
@@ -137,6 +146,7 @@ def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(x).float()
 
 
+halving_schedulers = [torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) for _, opt in replica_models if halving]
 loaders = [ShardedLoader(data, BATCH, num_replicas=replicas, rank=r, shuffle=True) for r in range(replicas)]
 taken = 0
 while taken < steps:
@@ -164,6 +174,8 @@ while taken < steps:
             scaler.update()
             if sched is not None:
                 sched.step()
+        for reference_scheduler in halving_schedulers:
+            reference_scheduler.step()
         if strategy.local_sgd_period and taken % strategy.local_sgd_period == 0:
             with torch.no_grad():
                 for ps in zip(*(m.parameters() for m, _ in replica_models), strict=True):
@@ -172,7 +184,10 @@ while taken < steps:
                         p.copy_(mean)
 
 expected = replica_models[trainer.replica][0].state_dict()
-got = {name: value.cpu() for name, value in unwrap(trainer.model).state_dict().items()}  # on any device
+got = (
+    full_state_dict(trainer.model) if strategy.architecture == "fsdp" else unwrap(trainer.model).state_dict()
+)
+got = {name: value.cpu() for name, value in got.items()}  # on any device
 if pipelined:  # this worker trained its stage's parameters only
     mine = {id(p) for p in trainer.pipe.module.parameters()}
     names = {name for name, p in unwrap(trainer.model).named_parameters() if id(p) in mine}

@@ -5,7 +5,8 @@
     paratrain.serve.export("ckpt", "model.safetensors")  # weights only: loads with no code execution
 
 A Trainer checkpoint keeps the model's state dict in `model.pt` (strategies with one model) or in each
-`worker-R.pt` (local, local SGD, pipelines): worker 0's is served. Checkpoint files are read with
+`worker-R.pt` (local, local SGD, pipelines): worker 0's is served; fsdp's is sharded (DCP, in
+`sharded/`) and is gathered whole here. Checkpoint files are read with
 torch's `weights_only` loader and safetensors files hold raw tensors, so neither runs code.
 """
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from paratrain import checkpoint
+from paratrain.checkpoint import sharded
 from paratrain.errors import CheckpointError
 from paratrain.system import atomic_write
 
@@ -27,6 +29,8 @@ SAFETENSORS_SUFFIX = ".safetensors"
 
 def checkpoint_state(found: checkpoint.Checkpoint) -> dict[str, torch.Tensor]:
     """The model state dict a Trainer saved in checkpoint `found`."""
+    if sharded.is_sharded(found.file(sharded.FOLDER)):  # saved by fsdp workers: gathered here, whole
+        return sharded.load_tensors(found.file(sharded.FOLDER), "model")
     for name in ("model.pt", "worker-0.pt"):
         if name in found.meta.get("files", []) or found.file(name).is_file():
             state = checkpoint.load_file(found.file(name))

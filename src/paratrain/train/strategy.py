@@ -28,7 +28,7 @@ from paratrain.kvstore.consistency import Policy, Sync, parse
 if TYPE_CHECKING:
     from paratrain.pipeline.api import PipelineConfig
 
-ARCHITECTURES = ("local", "collective", "ps", "hybrid")
+ARCHITECTURES = ("local", "collective", "ps", "hybrid", "fsdp")
 UPDATE_ON = ("server", "worker")
 COMPRESSIONS = (None, "2bit", "topk", "fp16", "bf16", "powersgd")
 PRECISIONS = ("32", "bf16", "fp16")
@@ -41,7 +41,9 @@ class Strategy:
     architecture: str = "collective"
     """local: no communication (one process, or independent workers); collective: gradients averaged by
     all-reduce (torch DDP); ps: parameters on the servers (the kvstore); hybrid: dense parameters by
-    all-reduce, embedding tables (kvstore.worker.embedding.DistributedEmbedding) on the servers."""
+    all-reduce, embedding tables (kvstore.worker.embedding.DistributedEmbedding) on the servers; fsdp:
+    sharded data parallel (torch's FSDP2): each worker holds 1/N of the parameters, gradients and
+    optimizer state (collective/fsdp.py)."""
     consistency: Policy = Sync()
     """ps, and hybrid's embedding tables: a kvstore/consistency.py policy, Sync(), Async() (each
     worker's push is applied on arrival) or Bounded(s) (a worker runs at most s steps ahead of the
@@ -88,6 +90,13 @@ class Strategy:
     torch.nn.utils.clip_grad_norm_ gives in one process on the global batch (a pipeline's norm
     spans every stage). Under ps with update_on='server' a clip_grad_norm_ of the user's own
     between backward and step cannot reach the servers, and raises an error."""
+    fsdp_blocks: str | None = None
+    """fsdp only. The submodules sharded one by one (dotted names, separated by spaces), each
+    gathered whole for its forward and backward; default: a Sequential's children, else the modules
+    of every ModuleList (a transformer's blocks)."""
+    reshard_after_forward: bool = True
+    """fsdp only. Free each block's gathered parameters after its forward (gathered again for
+    backward): less memory, one more all-gather per block."""
 
     def __post_init__(self, staleness: int) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -131,6 +140,17 @@ class Strategy:
             isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0
         ):
             raise bad("clip_grad_norm", "must be a number > 0, or None for no clipping")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise bad("reshard_after_forward", "must be a bool")
+        if self.fsdp_blocks is not None and not isinstance(self.fsdp_blocks, str):
+            raise bad("fsdp_blocks", "must be module names separated by spaces, or None")
+        fsdp = self.architecture == "fsdp"
+        if not fsdp and (self.fsdp_blocks or not self.reshard_after_forward):
+            field = "fsdp_blocks" if self.fsdp_blocks else "reshard_after_forward"
+            raise bad(field, f"needs architecture='fsdp', not {self.architecture!r}")
+        if fsdp and (self.compression or self.pipeline_stages > 1):
+            field = "compression" if self.compression else "pipeline_stages"
+            raise bad(field, "cannot run with architecture='fsdp'")
         ps = self.architecture == "ps"
         if not ps and self.architecture != "hybrid" and self.consistency != Sync():
             raise bad("consistency", f"needs architecture='ps' or 'hybrid', not {self.architecture!r}")
@@ -214,7 +234,7 @@ class Strategy:
     @classmethod
     def parse(cls, name: str | Strategy) -> Strategy:
         """A strategy from its name: local, device, dist_sync, dist_async, dist_sync_device,
-        dist_async_device (MXNet's kvstore types), collective, ps, hybrid, with optional
+        dist_async_device (MXNet's kvstore types), collective, ps, hybrid, fsdp, with optional
         `field=value` settings after a colon: "collective:accumulation_steps=4,compression=bf16"."""
         if isinstance(name, Strategy):
             return name
@@ -278,6 +298,7 @@ NAMED = {
     "dist_sync_device": Strategy(architecture="ps", aggregation="host"),
     "dist_async_device": Strategy(architecture="ps", consistency="async", aggregation="host"),
     "hybrid": Strategy(architecture="hybrid"),
+    "fsdp": Strategy(architecture="fsdp"),
 }
 
 

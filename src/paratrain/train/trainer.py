@@ -16,10 +16,10 @@ steps (or, with the optimizer on the servers, copies the new weights in), and wh
 keeps gradients between micro-steps. LR schedulers made afterwards wrap that step as usual. A forward
 pre-hook on the model tells the engine whether this micro-step's backward must sync (the last one
 does). Engines: LocalEngine (one process, or architecture "local"), CollectiveEngine (DDP or local
-SGD; also the dense half of "hybrid"), PSEngine (train/ps.py). Once an engine has aggregated the
-gradient it calls the local step through GradientGate (train/gradients.py: fp16's unscaling and
-overflow skip, clipping); the forward runs under the strategy's autocast (train/precision.py), on
-the worker's device (docs/training.md).
+SGD; also the dense half of "hybrid"), PSEngine (train/ps.py), FSDPEngine (train/fsdp.py). Once
+an engine has aggregated the gradient it calls the local step through GradientGate
+(train/gradients.py: fp16's unscaling and overflow skip, clipping); the forward runs under the
+strategy's autocast (train/precision.py), on the worker's device (docs/training.md).
 """
 
 from __future__ import annotations
@@ -268,6 +268,10 @@ class Trainer:
         self.engine = self._engine(model, optimizer)
         if found is not None:
             self.engine.restore(found.path)
+            from paratrain.train import fsdp
+
+            if fsdp.is_sharded(found):  # into the engine's model: fsdp's shards, or DDP's replica
+                fsdp.load_state(found.path, self.engine.model, optimizer)
             self._log_resume(found.path)
         self.observe = StepObserver(self.ctx, self.strategy, trace_dir)
         self._bind_model()
@@ -303,6 +307,12 @@ class Trainer:
         arch = self.strategy.architecture
         if not self.ctx.distributed or arch == "local" or self.pipelined:
             return LocalEngine(model)  # a pipeline syncs its stage replicas itself
+        if arch == "fsdp":
+            from paratrain.train import fsdp
+
+            if self.elastic:
+                raise ValueError("Strategy.architecture='fsdp' cannot run with JobConfig.elastic")
+            return fsdp.FSDPEngine(model, optimizer, self.strategy, self.ctx)
         if arch == "ps":
             from paratrain.train.ps import PSEngine
 
@@ -550,7 +560,7 @@ class Trainer:
         if self.gate.scaler is not None:
             worker["loss_scale"] = self.gate.scaler.state_dict()
         own = self._per_worker_model()
-        if own or self.rank == 0:
+        if not getattr(self.engine, "sharded_state", False) and (own or self.rank == 0):
             state = {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict()}
             if own:
                 worker.update(state)
@@ -567,6 +577,10 @@ class Trainer:
         return checkpoint.commit(self.checkpoint_dir, self.steps, meta, keep=self.keep)
 
     def _restore_local(self, found: checkpoint.Checkpoint, model: nn.Module) -> None:
+        from paratrain.train import fsdp
+
+        if fsdp.is_sharded(found):  # the model and optimizer load once the engine has sharded them
+            return fsdp.restore_worker(self, found)
         if found.meta.get("num_workers") != self.num_workers:
             raise checkpoint.CheckpointError(
                 f"checkpoint {found.path} was taken with {found.meta.get('num_workers')} workers; this job "
