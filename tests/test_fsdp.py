@@ -79,10 +79,11 @@ def test_sharded_checkpoint_round_trips_and_runs_no_code_on_load(tmp_path, capsy
     [
         (2, "fsdp", ()),
         (4, "fsdp:accumulation_steps=3,reshard_after_forward=false", ("schedule",)),
+        (2, "fsdp:clip_grad_norm=0.5", ("recipe", "rel", "tol=1e-5")),
     ],
 )
 def test_fsdp_matches_single_process_adamw(workers, strategy, options):
-    args = (strategy, "5", "adamw", *options)
+    args = (strategy, "5", *(options if "recipe" in options else ("adamw", *options)))
     outcome = run_job(JOBS / "train_parity.py", workers=workers, args=args, timeout_s=240)
     for rank in range(workers):
         assert any(line.startswith("parity ok") for line in outcome.lines("worker", rank)), outcome.stdout
