@@ -100,7 +100,8 @@ class ParatrainStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def setup_environment(self) -> None:
-        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank  # Lightning's rank-0-only output
+        # Lightning's own way to set who prints: an attribute its decorator reads (not typed).
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's rank-0-only output
         super().setup_environment()
 
     # -- training -------------------------------------------------------------------------------
@@ -118,6 +119,7 @@ class ParatrainStrategy(ParallelStrategy):
                 "ParatrainStrategy trains with one optimizer; configure_optimizers gave "
                 f"{len(self.optimizers)}"
             )
+        assert self.lightning_module is not None  # Lightning's setup connected it
         self.trainer_ = ParatrainTrainer(
             self.lightning_module,
             self.optimizers[0],

@@ -270,6 +270,9 @@ class KVStore(Protocol):
     def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
         """Run `optimizer` (a torch.optim class or its path) where the values are kept."""
 
+    def set_gradient_compression(self, compression: Any) -> None:
+        """Gradients travel compressed from now on (a CompressionConfig, or MXNet's dict)."""
+
     def barrier(self) -> None: ...
 
     def stats(self) -> dict:

@@ -22,13 +22,30 @@ if TYPE_CHECKING:
 class Engine(Protocol):
     model: nn.Module
     """The model as the engine runs it (DDP-wrapped, for one): the Trainer's forward calls it."""
-    scales_gradients: bool
-    """Whether the engine divides accumulated gradients by accumulation_steps itself."""
-    regroups_itself: bool
-    """Whether the engine follows an elastic job's membership itself (then the Trainer's epochs do
-    not meet at the scheduler)."""
-    per_worker_optimizer: bool
-    """Whether each worker's optimizer state is its own (then each saves it in a checkpoint)."""
+
+    # Read-only properties: an engine may answer with a class attribute, an instance attribute or
+    # a property of its own.
+    @property
+    def scales_gradients(self) -> bool:
+        """Whether the engine divides accumulated gradients by accumulation_steps itself."""
+        ...
+
+    @property
+    def regroups_itself(self) -> bool:
+        """Whether the engine follows an elastic job's membership itself (then the Trainer's epochs
+        do not meet at the scheduler)."""
+        ...
+
+    @property
+    def per_worker_optimizer(self) -> bool:
+        """Whether each worker's optimizer state is its own (then each saves it in a checkpoint)."""
+        ...
+
+    @property
+    def sharded_state(self) -> bool:
+        """Whether the engine saves the model and optimizer itself, sharded (then the Trainer writes
+        no model.pt)."""
+        ...
 
     def set_sync(self, sync: bool) -> None:
         """Whether this micro-batch's backward sends gradients (the last of an accumulation)."""
@@ -68,6 +85,7 @@ class EngineBase:
     scales_gradients = False
     regroups_itself = False
     per_worker_optimizer = False
+    sharded_state = False
 
     def set_sync(self, sync: bool) -> None:
         pass

@@ -143,6 +143,7 @@ class ElasticCollectiveEngine(CollectiveEngine):
 
     def _await_change(self, generation: int) -> bool:
         """Wait for the scheduler to announce a generation newer than `generation`."""
+        assert self.ctx.link is not None  # an elastic job has a scheduler
         try:
             self.ctx.link.wait_members(generation, self.drop_s)
         except TimeoutError:

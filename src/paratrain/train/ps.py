@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from paratrain import kvstore
+from paratrain.kvstore.worker.client import DistKVStore
 from paratrain.metrics.trace import tracer
 from paratrain.train.api import EngineBase
 from paratrain.train.strategy import Strategy, kvstore_config
@@ -134,11 +135,13 @@ class PSEngine(EngineBase):
         if not self.sync_now or self.sends_updates:
             return  # an accumulation micro-step (or top-k's updates): the gradient stays in .grad
         i = self.index[id(param)]
-        self._pushed[i] = (id(param.grad), param.grad._version)
+        grad = param.grad
+        assert grad is not None  # a post-accumulate-grad hook runs once the gradient exists
+        self._pushed[i] = (id(grad), grad._version)
         if i in self._sent:
             return  # a second backward through the same step: sent with step()'s check below
         self._bucket.append(i)
-        self._bucket_size += param.grad.numel() * param.grad.element_size()
+        self._bucket_size += grad.numel() * grad.element_size()
         first = not self._in_flight
         if self._bucket_size >= (self.first_bucket_bytes if first else self.bucket_bytes):
             self._send_bucket()
@@ -270,6 +273,7 @@ class PSEngine(EngineBase):
 
     def join(self) -> None:
         """Elastic: this worker joined the running job; the others wait at a barrier meanwhile."""
+        assert isinstance(self.kv, DistKVStore)  # only a job with servers is elastic
         self.kv.join()
         self.pull_parameters()
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from paratrain.compression import CompressionConfig
 from paratrain.kvstore.api import AGGREGATION as AGGREGATIONS
 from paratrain.kvstore.api import KVStoreConfig
-from paratrain.kvstore.consistency import Policy, Sync, parse
+from paratrain.kvstore.consistency import Async, Policy, Sync, parse
 
 if TYPE_CHECKING:
     from paratrain.pipeline.api import PipelineConfig
@@ -294,9 +294,9 @@ NAMED = {
     "collective": Strategy(architecture="collective"),
     "ps": Strategy(architecture="ps"),
     "dist_sync": Strategy(architecture="ps"),
-    "dist_async": Strategy(architecture="ps", consistency="async"),
+    "dist_async": Strategy(architecture="ps", consistency=Async()),
     "dist_sync_device": Strategy(architecture="ps", aggregation="host"),
-    "dist_async_device": Strategy(architecture="ps", consistency="async", aggregation="host"),
+    "dist_async_device": Strategy(architecture="ps", consistency=Async(), aggregation="host"),
     "hybrid": Strategy(architecture="hybrid"),
     "fsdp": Strategy(architecture="fsdp"),
 }

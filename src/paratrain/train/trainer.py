@@ -29,7 +29,7 @@ import random
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -52,6 +52,9 @@ from paratrain.train.strategy import (
     resolve_strategy,
 )
 
+if TYPE_CHECKING:
+    from paratrain.kvstore.worker.embedding import DistributedEmbedding
+
 logger = logging.getLogger(__name__)
 
 
@@ -67,9 +70,10 @@ def unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def sparse_modules(model: nn.Module) -> list[nn.Module]:
+def sparse_modules(model: nn.Module) -> list[DistributedEmbedding]:
     """Modules whose tables live on the servers and push their own gradients (kvstore.worker.embedding)."""
-    return [m for m in unwrap(model).modules() if getattr(m, "paratrain_sparse", False)]
+    found = [m for m in unwrap(model).modules() if getattr(m, "paratrain_sparse", False)]
+    return cast("list[DistributedEmbedding]", found)
 
 
 class LocalEngine(EngineBase):
@@ -259,7 +263,7 @@ class Trainer:
         self.checkpoint_every, self.keep, self.log_every = checkpoint_every, keep, log_every
         self._micro = 0
         self._samples = 0
-        self._scalars: dict[str, float] = {}
+        self._scalars: dict[str, float | torch.Tensor] = {}
         self.loader = self._shard(loader, seed)
         self.optimizer = optimizer
         found = checkpoint.latest(self.checkpoint_dir) if self.checkpoint_dir and resume else None
@@ -438,13 +442,14 @@ class Trainer:
 
         config = pipeline_config(self.strategy)
         sample = inputs[: max(1, inputs.shape[0] // config.micro_batches)]
-        blocks = as_blocks(unwrap(self.model))
+        model = cast(nn.Sequential, unwrap(self.model))  # Strategy checked: a pipeline cuts a Sequential
+        blocks = as_blocks(model)
         if self.autocast is not None:
             for i, block in enumerate(blocks):  # fp32 between blocks only where the loss is taken
                 Autocast(self.autocast.device_type, self.autocast.dtype, i == len(blocks) - 1).attach(block)
         scaler = self.gate.scaler
         self.pipe = pipeline_for(
-            unwrap(self.model),
+            model,
             config,
             loss_fn=self.loss_fn if scaler is None else scaler.scaled(self.loss_fn),
             sample_input=sample,
@@ -552,7 +557,7 @@ class Trainer:
             raise ValueError("save_checkpoint between accumulation micro-steps would lose gradients")
         folder = checkpoint.staging_dir(self.checkpoint_dir, self.steps)
         self.engine.save(folder)
-        worker = {
+        worker: dict[str, Any] = {
             "steps": self.steps,
             "loader": self.loader.state_dict() if self.loader is not None else None,
             "rng": {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])},
@@ -560,7 +565,7 @@ class Trainer:
         if self.gate.scaler is not None:
             worker["loss_scale"] = self.gate.scaler.state_dict()
         own = self._per_worker_model()
-        if not getattr(self.engine, "sharded_state", False) and (own or self.rank == 0):
+        if not self.engine.sharded_state and (own or self.rank == 0):
             state = {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict()}
             if own:
                 worker.update(state)
