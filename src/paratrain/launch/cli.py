@@ -137,7 +137,7 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
     type=click.IntRange(min=0),
     default=0,
     show_default=True,
-    help="ray, slurm, k8s: GPUs reserved for each worker.",
+    help="GPUs of its own for each worker (servers and the scheduler get none where the engine can say so).",
 )
 @click.option("--dry-run", is_flag=True, help="slurm, k8s: print the sbatch script or manifests only.")
 @observe_options

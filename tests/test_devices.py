@@ -1,0 +1,57 @@
+"""Each engine's devices and local places: the environment it gives each process (process-free),
+and one real local job whose workers report what their Context makes of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.launch.engines.local.job import LocalJobConfig, ProcessHost, device_env
+from paratrain.testing import run_job
+
+
+@pytest.mark.parametrize(
+    ("role", "local_rank", "gpus", "visible", "env"),
+    [
+        ("worker", 3, 0, None, {}),  # no GPUs asked for: the machine's own view stands
+        ("worker", 0, 1, None, {"CUDA_VISIBLE_DEVICES": "0", "PARATRAIN_GPUS_PER_WORKER": "1"}),
+        ("worker", 1, 2, None, {"CUDA_VISIBLE_DEVICES": "2,3", "PARATRAIN_GPUS_PER_WORKER": "2"}),
+        ("worker", 1, 2, "4,5,6,7", {"CUDA_VISIBLE_DEVICES": "6,7", "PARATRAIN_GPUS_PER_WORKER": "2"}),
+        ("server", 0, 2, "4,5", {"CUDA_VISIBLE_DEVICES": ""}),
+        ("scheduler", 0, 1, None, {"CUDA_VISIBLE_DEVICES": ""}),
+    ],
+)
+def test_the_local_engine_gives_each_worker_its_own_gpus_and_servers_none(
+    role, local_rank, gpus, visible, env
+):
+    assert device_env(role, local_rank, gpus, visible) == env
+
+
+def test_more_gpus_than_the_machine_shows_are_refused_naming_the_variable():
+    with pytest.raises(ValueError, match=r"CUDA_VISIBLE_DEVICES='0,1' shows 2"):
+        device_env("worker", 1, 2, "0,1")
+
+
+def test_a_worker_s_local_place_counts_the_workers_on_its_host():
+    hosts = [ProcessHost("10.0.0.1"), ProcessHost("10.0.0.2"), ProcessHost("10.0.0.1")]
+    config = LocalJobConfig(script="train.py", num_workers=3, placements={"worker": hosts})
+    assert [config.local_place(rank) for rank in range(3)] == [(0, 2), (0, 1), (1, 2)]
+    assert LocalJobConfig(script="train.py", num_workers=4).local_place(3) == (3, 4)
+
+
+REPORT = """
+import os
+names = ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+print("env", *(repr(os.environ.get(name)) for name in names))
+import paratrain
+ctx = paratrain.init()
+print("place", ctx.local_rank, ctx.local_world_size, ctx.device)
+"""
+
+
+def test_a_local_job_s_workers_know_their_local_rank_and_device():
+    outcome = run_job(REPORT, workers=2, servers=1, gpus_per_worker=1, timeout_s=120)
+    for rank in range(2):
+        lines = outcome.lines("worker", rank, "stdout")
+        assert f"env '{rank}' '{rank}' '2'" in lines
+        assert f"place {rank} 2 cpu" in lines  # this machine has no CUDA: the worker's GPU is the CPU
+    assert "env '' None None" in outcome.lines("server", 0, "stdout")
