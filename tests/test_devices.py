@@ -55,3 +55,10 @@ def test_a_local_job_s_workers_know_their_local_rank_and_device():
         assert f"env '{rank}' '{rank}' '2'" in lines
         assert f"place {rank} 2 cpu" in lines  # this machine has no CUDA: the worker's GPU is the CPU
     assert "env '' None None" in outcome.lines("server", 0, "stdout")
+
+
+def test_a_ray_worker_s_local_place_counts_the_worker_actors_on_its_node():
+    from paratrain.launch.engines.ray.driver import local_places
+
+    workers = [(2, "b"), (0, "a"), (1, "b"), (3, "a"), (4, "c")]
+    assert local_places(workers) == {0: (0, 2), 3: (1, 2), 1: (0, 2), 2: (1, 2), 4: (0, 1)}
