@@ -61,19 +61,42 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
     help="Number of worker processes.",
 )
 @click.option(
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "nproc_per_node",
+    type=click.IntRange(min=1),
+    default=None,
+    help="torchrun's spelling of -w on one machine.",
+)
+@click.option(
+    "--nnodes",
+    default=None,
+    help="torchrun's: 1 is accepted; the local engine runs on one machine (see the guide for more).",
+)
+@click.option(
+    "--node-rank", "--node_rank", "node_rank", type=int, default=None, help="torchrun's: 0 is accepted."
+)
+@click.option(
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "rdzv_endpoint",
+    default=None,
+    help="torchrun's: not needed on one machine (the launcher picks a free port).",
+)
+@click.option(
     "-s",
     "--servers",
     type=click.IntRange(min=0),
-    default=1,
-    show_default=True,
-    help="Number of server processes (0: no servers, e.g. a collective job).",
+    default=None,
+    help="Number of server processes (0: no servers, e.g. a collective job). Default: 0 for a strategy "
+    "that uses none (collective, ddp, local), else 1; the first line printed says what was chosen.",
 )
 @click.option(
     "--strategy",
     default=None,
-    help="The Trainer's strategy for this job (PARATRAIN_STRATEGY): dist_sync, dist_async, collective, "
-    "hybrid, ... with optional settings, e.g. 'collective:accumulation_steps=4'. Default: dist_sync with "
-    "servers, collective without.",
+    help="The Trainer's strategy for this job (PARATRAIN_STRATEGY): dist_sync, dist_async, collective "
+    "(or ddp), hybrid, ... with optional settings, e.g. 'collective:accumulation_steps=4'. Default: "
+    "dist_sync with servers, collective without.",
 )
 @click.option(
     "--host",
@@ -148,7 +171,11 @@ def launch(
     ctx: click.Context,
     backend: str,
     workers: int,
-    servers: int,
+    nproc_per_node: int | None,
+    nnodes: str | None,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+    servers: int | None,
     strategy: str | None,
     host: str,
     timeout_s: float | None,
@@ -179,9 +206,12 @@ def launch(
     if (elastic or max_restarts) and not engine.elastic:
         where = ", ".join(engines.names(lambda e: e.elastic))
         raise click.UsageError(f"--elastic and --max-restarts work with --backend {where}; not {backend}")
+    workers = _torchrun_workers(ctx, workers, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     source = "--strategy"
     if strategy is None and os.environ.get(STRATEGY_VAR):
         strategy, source = os.environ[STRATEGY_VAR], f"{STRATEGY_VAR} (from the environment)"
+    said = _defaults_line(workers, servers, strategy)
+    servers = _default_servers(strategy) if servers is None else servers
     try:
         config = LaunchConfig(
             script=script,
@@ -197,6 +227,8 @@ def launch(
         )
     except (ValueError, TypeError) as exc:
         raise click.UsageError(_as_given(str(exc), source)) from None
+    if said:
+        logging.getLogger(__name__).info("%s", said)
     for warning in config.warnings():
         logging.getLogger(__name__).warning("warning: %s", _as_given(warning, source))
     args = LaunchArgs(
@@ -222,6 +254,65 @@ def launch(
     except PortUnavailable as exc:  # --dashboard-port taken: one line, no traceback
         raise click.ClickException(str(exc)) from None
     ctx.exit(exit_code)
+
+
+def _default_servers(strategy: str | None) -> int:
+    """-s when not given: none for a strategy that uses none, else one (a parameter-server job)."""
+    from paratrain.train.strategy import Strategy  # train/ is below launch/; imported late for speed
+
+    try:
+        architecture = Strategy.parse(strategy).architecture if strategy else "ps"
+    except (ValueError, TypeError):
+        return 1  # LaunchConfig names what is wrong with it
+    return 0 if architecture in ("collective", "local") else 1
+
+
+def _defaults_line(workers: int, servers: int | None, strategy: str | None) -> str:
+    """What the launch chose for the user, said before anything starts: a torchrun user's
+    `paratrain launch -w 4 train.py` is a parameter-server job, and must say so. "" when both the
+    servers and the strategy were given."""
+    if servers is not None and strategy is not None:
+        return ""
+    count = servers if servers is not None else _default_servers(strategy)
+    job = f"{workers} worker{'s' * (workers != 1)}, {count} server{'s' * (count != 1)}"
+    if strategy is not None:
+        why = "it uses none; -s N to add servers" if count == 0 else "the default for it; -s N for more"
+        return f"{job}, strategy {strategy} ({why})"
+    if count:
+        hint = "; -s 0 for all-reduce (ddp)" if servers is None else ""
+        return f"{job}, strategy dist_sync (the default with servers{hint})"
+    return f"{job}, strategy collective (the default without servers: all-reduce, as DDP)"
+
+
+def _torchrun_workers(
+    ctx: click.Context,
+    workers: int,
+    nproc_per_node: int | None,
+    nnodes: str | None,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+) -> int:
+    """-w, from torchrun's options where they mean the same on one machine; a UsageError saying
+    what to use where they ask for more machines."""
+    if nnodes not in (None, "1", "1:1") or node_rank not in (None, 0):
+        asked = f"--nnodes {nnodes}" if nnodes not in (None, "1", "1:1") else f"--node-rank {node_rank}"
+        raise click.UsageError(
+            f"{asked}: paratrain launch starts every process itself, from one command on one machine "
+            "(--backend local). Across machines: --backend slurm --nodes N, --backend ray or "
+            "--backend k8s; or start the script with torchrun itself (paratrain reads its RANK, "
+            "WORLD_SIZE and MASTER_ADDR; PARATRAIN_NUM_SERVERS=S makes S of the processes servers)"
+        )
+    if rdzv_endpoint is not None:
+        logging.getLogger(__name__).info(
+            "--rdzv-endpoint %s is not needed on one machine: the scheduler listens on a free port",
+            rdzv_endpoint,
+        )
+    if nproc_per_node is None:
+        return workers
+    given = ctx.get_parameter_source("workers") == click.core.ParameterSource.COMMANDLINE
+    if given and workers != nproc_per_node:
+        raise click.UsageError(f"-w {workers} and --nproc-per-node {nproc_per_node} disagree: give one")
+    return nproc_per_node
 
 
 def _as_given(message: str, source: str) -> str:

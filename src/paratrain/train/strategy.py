@@ -210,7 +210,7 @@ class Strategy:
     @classmethod
     def parse(cls, name: str | Strategy) -> Strategy:
         """A strategy from its name: local, device, dist_sync, dist_async, dist_sync_device,
-        dist_async_device (MXNet's kvstore types), collective, ps, hybrid, with optional
+        dist_async_device (MXNet's kvstore types), collective (or ddp), ps, hybrid, with optional
         `field=value` settings after a colon: "collective:accumulation_steps=4,compression=bf16"."""
         if isinstance(name, Strategy):
             return name
@@ -274,6 +274,7 @@ NAMED = {
     "dist_sync_device": Strategy(architecture="ps", aggregation="host"),
     "dist_async_device": Strategy(architecture="ps", consistency="async", aggregation="host"),
     "hybrid": Strategy(architecture="hybrid"),
+    "ddp": Strategy(architecture="collective"),  # torch's name for it: DistributedDataParallel
 }
 
 

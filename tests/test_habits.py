@@ -1,0 +1,125 @@
+"""A torchrun user's habits at `paratrain launch`: each spelling does what they expect, or says
+plainly what to use (the Slurm dry run shows what would start, with no process started)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from paratrain.launch.cli import main
+from paratrain.train.strategy import Strategy
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def dry_run(tmp_path: Path, caplog: pytest.LogCaptureFixture, *args: str) -> tuple[int, int, list[str]]:
+    """(workers, servers) of the job `paratrain launch ARGS train.py` would submit, and what it said."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('never run')\n")
+    with caplog.at_level(logging.INFO, logger="paratrain.launch.cli"):
+        done = CliRunner().invoke(main, ["launch", "--backend", "slurm", "--dry-run", *args, str(script)])
+    assert done.exit_code == 0, done.output
+    tasks = int(re.search(r"^#SBATCH --ntasks=(\d+)$", done.output, re.M)[1])
+    servers = int(re.search(r"^export PARATRAIN_NUM_SERVERS=(\d+)$", done.output, re.M)[1])
+    said = [r.getMessage() for r in caplog.records if r.name == "paratrain.launch.cli"]
+    return tasks - servers, servers, said
+
+
+@pytest.mark.parametrize(
+    "args, workers, servers, said",
+    [
+        (["-w", "4"], 4, 1, "4 workers, 1 server, strategy dist_sync (the default with servers; -s 0 for"),
+        (["-w", "4", "--strategy", "ddp"], 4, 0, "4 workers, 0 servers, strategy ddp (it uses none; -s N"),
+        (["--strategy", "dist_async"], 2, 1, "2 workers, 1 server, strategy dist_async (the default for it"),
+        (
+            ["--nproc-per-node", "4", "-s", "0"],
+            4,
+            0,
+            "4 workers, 0 servers, strategy collective (the default",
+        ),
+        (
+            ["--nproc_per_node=3", "--nnodes=1", "--node-rank=0", "--strategy=ddp"],
+            3,
+            0,
+            "3 workers, 0 servers",
+        ),
+        (["-w", "3", "-s", "2", "--strategy", "dist_sync"], 3, 2, None),  # all given: nothing to say
+    ],
+)
+def test_what_a_launch_chose_is_said_first(tmp_path, caplog, monkeypatch, args, workers, servers, said):
+    monkeypatch.delenv("PARATRAIN_STRATEGY", raising=False)
+    got_workers, got_servers, lines = dry_run(tmp_path, caplog, *args)
+    assert (got_workers, got_servers) == (workers, servers)
+    if said is None:
+        assert lines == []
+    else:
+        assert lines[0].startswith(said), lines
+
+
+def test_ddp_is_torch_s_name_for_collective():
+    assert Strategy.parse("ddp:accumulation_steps=2") == Strategy(
+        architecture="collective", accumulation_steps=2
+    )
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            ["--nnodes", "2", "--nproc-per-node", "4"],
+            "--nnodes 2: paratrain launch starts every process itself",
+        ),
+        (["--node-rank", "1"], "--backend slurm --nodes N"),
+        (["-w", "2", "--nproc-per-node", "4"], "-w 2 and --nproc-per-node 4 disagree"),
+    ],
+)
+def test_torchrun_options_that_ask_for_more_machines_say_what_to_use(tmp_path, args, says):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('never run')\n")
+    done = CliRunner().invoke(main, ["launch", *args, str(script)])
+    assert done.exit_code == 2 and says in done.output, done.output
+
+
+REPORT = """
+import paratrain
+from paratrain.train.strategy import resolve_strategy
+ctx = paratrain.init()
+print("job", ctx.num_servers, resolve_strategy(None, ctx.num_servers).architecture)
+"""
+
+
+def test_python_m_paratrain_launches_a_ddp_job_without_servers(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(REPORT)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env.pop("PARATRAIN_STRATEGY", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "paratrain",
+        "launch",
+        "-w",
+        "2",
+        "--strategy",
+        "ddp",
+        "--timeout",
+        "120",
+        str(script),
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert (
+        done.stderr.splitlines()[0]
+        == "paratrain: 2 workers, 0 servers, strategy ddp (it uses none; -s N to add servers)"
+    )
+    assert sorted(re.findall(r"^\[worker \d\] job .*$", done.stdout, re.M)) == [
+        "[worker 0] job 0 collective",
+        "[worker 1] job 0 collective",
+    ]
