@@ -87,39 +87,50 @@ def test_torchrun_options_that_ask_for_more_machines_say_what_to_use(tmp_path, a
     assert done.exit_code == 2 and says in done.output, done.output
 
 
+def test_m_runs_a_module_and_what_follows_it_is_the_module_s(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="paratrain.launch.cli"):
+        done = CliRunner().invoke(
+            main, ["launch", "--backend", "slurm", "--dry-run", "-s", "0", "-m", "pkg.train", "-w", "4", "x"]
+        )
+    assert done.exit_code == 0, done.output
+    (srun,) = [line for line in done.output.splitlines() if line.startswith("srun ")]
+    assert srun.endswith(" -u -m pkg.train -w 4 x && exit 0")
+    assert "--ntasks=2 " in srun  # -w 4 went to the module, not the launcher
+
+
+def test_a_launch_without_script_or_module_says_both():
+    done = CliRunner().invoke(main, ["launch", "-w", "2"])
+    assert done.exit_code == 2 and "Missing argument 'SCRIPT' (or -m MODULE)" in done.output
+
+
 REPORT = """
+import sys
 import paratrain
 from paratrain.train.strategy import resolve_strategy
 ctx = paratrain.init()
-print("job", ctx.num_servers, resolve_strategy(None, ctx.num_servers).architecture)
+print("job", ctx.num_servers, resolve_strategy(None, ctx.num_servers).architecture, *sys.argv[1:])
 """
 
 
-def test_python_m_paratrain_launches_a_ddp_job_without_servers(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(REPORT)
+def test_python_m_paratrain_launches_a_ddp_module_without_servers(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "train.py").write_text(REPORT)
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     env.pop("PARATRAIN_STRATEGY", None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "paratrain",
-        "launch",
-        "-w",
-        "2",
-        "--strategy",
-        "ddp",
-        "--timeout",
-        "120",
-        str(script),
-    ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr
-    assert (
-        done.stderr.splitlines()[0]
-        == "paratrain: 2 workers, 0 servers, strategy ddp (it uses none; -s N to add servers)"
+    launch = ["launch", "-w", "2", "--strategy", "ddp", "--timeout", "120", "-m", "pkg.train", "-w", "4"]
+    done = subprocess.run(
+        [sys.executable, "-m", "paratrain", *launch],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
+    assert done.returncode == 0, done.stderr
+    first = done.stderr.splitlines()[0]
+    assert first == "paratrain: 2 workers, 0 servers, strategy ddp (it uses none; -s N to add servers)"
     assert sorted(re.findall(r"^\[worker \d\] job .*$", done.stdout, re.M)) == [
-        "[worker 0] job 0 collective",
-        "[worker 1] job 0 collective",
+        "[worker 0] job 0 collective -w 4",
+        "[worker 1] job 0 collective -w 4",
     ]

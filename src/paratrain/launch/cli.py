@@ -42,7 +42,31 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
     main.add_command(_command)
 
 
+class _LaunchCommand(click.Command):
+    """`launch`, whose -m MODULE ends its own options as python's -m does: what follows is the
+    module's, options included."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        takes_value = {
+            name: not (param.is_flag or param.count)
+            for param in self.params
+            if isinstance(param, click.Option)
+            for name in (*param.opts, *param.secondary_opts)
+        }
+        i = 0
+        while i < len(args) and args[i].startswith("-") and args[i] != "--":
+            name = args[i].split("=", 1)[0]
+            if name not in takes_value:
+                break  # unknown: the script's (or misspelt: said once the script is read)
+            if name == "-m" and "=" not in args[i] and i + 1 < len(args):
+                args = [*args[: i + 2], "--", *args[i + 2 :]]
+                break
+            i += 2 if takes_value[name] and "=" not in args[i] else 1
+        return super().parse_args(ctx, args)
+
+
 @main.command(
+    cls=_LaunchCommand,
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
 @click.option(
@@ -163,8 +187,16 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
     help="GPUs of its own for each worker (servers and the scheduler get none where the engine can say so).",
 )
 @click.option("--dry-run", is_flag=True, help="slurm, k8s: print the sbatch script or manifests only.")
+@click.option(
+    "-m",
+    "module",
+    default=None,
+    metavar="MODULE",
+    help="Run a module as `python -m MODULE` (from this directory) instead of SCRIPT; "
+    "the arguments after it are the module's.",
+)
 @observe_options
-@click.argument("script", type=click.Path(dir_okay=False))
+@click.argument("script", type=click.Path(dir_okay=False), required=False)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def launch(
@@ -192,16 +224,22 @@ def launch(
     cpus_per_server: float,
     gpus_per_worker: int,
     dry_run: bool,
-    script: str,
+    module: str | None,
+    script: str | None,
     script_args: tuple[str, ...],
     **observe: Any,
 ) -> None:
     """Run SCRIPT as a scheduler, SERVERS servers and WORKERS workers."""
     logging.basicConfig(level=logging.INFO, format="paratrain: %(message)s")
-    if script.startswith("-"):  # an option this command does not know, read as the script's path
+    if module is not None:  # what click read as the script is the module's first argument
+        script_args = (*(() if script is None else (script,)), *script_args)
+        script = module
+    elif script is None:
+        raise click.UsageError("Missing argument 'SCRIPT' (or -m MODULE).")
+    elif script.startswith("-"):  # an option this command does not know, read as the script's path
         raise _no_such_option(ctx, script)
     engine = engines.get(backend)
-    if engine.paths_here and not os.path.isfile(script):  # else the script is in the image
+    if module is None and engine.paths_here and not os.path.isfile(script):  # else it is in the image
         raise click.BadParameter(f"{script!r} is not a file", param_hint="'SCRIPT'")
     if (elastic or max_restarts) and not engine.elastic:
         where = ", ".join(engines.names(lambda e: e.elastic))
@@ -224,6 +262,7 @@ def launch(
             server_losses=server_losses,
             elastic=elastic,
             max_restarts=max_restarts,
+            module=module is not None,
         )
     except (ValueError, TypeError) as exc:
         raise click.UsageError(_as_given(str(exc), source)) from None

@@ -331,7 +331,8 @@ def _literal(key: str, value: str) -> dict[str, str]:
 
 
 def _command(options: K8sOptions, config: LaunchConfig) -> list[str]:
-    words = [quote(options.python, "k8s", "python"), "-u", quote(config.script, "k8s", "script")]
+    words = [quote(options.python, "k8s", "python"), "-u"]
+    words += [quote(word, "k8s", "script") for word in config.entry()]
     return words + [quote(arg, "k8s", f"args[{i}]") for i, arg in enumerate(config.args)]
 
 

@@ -117,6 +117,8 @@ class LocalJobConfig:
     max_restarts: int = 0
     """How many times in all a dead worker process, or a dead replicated server (`server_losses`),
     is started again (implies `elastic`)."""
+    module: bool = False
+    """`script` is a module's name, run as `python -m script`."""
     gpus_per_worker: int = 0
     """GPUs of its own for each worker (CUDA_VISIBLE_DEVICES, `device_env`); 0: every process sees
     what this machine shows it."""
@@ -275,7 +277,7 @@ class _Job:
         )
         child = Child(role, rank, where.host)
         pass_fds = tuple(sock.fileno() for sock in (listener, board) if sock is not None)
-        cmd = [*where.prefix, cfg.python, "-u", cfg.script, *cfg.args]
+        cmd = [*where.prefix, cfg.python, "-u", *(["-m"] if cfg.module else []), cfg.script, *cfg.args]
         env = {**self.threads, **_child_env(cfg, spec)}
         if board is not None and cfg.dashboard is not None:
             env.update(PARATRAIN_DASHBOARD=f"fd:{board.fileno()}")
@@ -485,7 +487,7 @@ class _Job:
 def _describe(cfg: LocalJobConfig, scheduler_address: str) -> str:
     timeout = "none" if cfg.timeout_s is None else f"{cfg.timeout_s} s"
     return (
-        f"starting {cfg.script} {' '.join(cfg.args)}\n"
+        f"starting {'-m ' * cfg.module}{cfg.script} {' '.join(cfg.args)}\n"
         f"  {cfg.num_workers} worker(s), {cfg.num_servers} server(s), scheduler at "
         f"{scheduler_address}\n"
         f"  timeout {timeout}, stop grace {cfg.stop_grace_s} s, exit grace {cfg.exit_grace_s} s, "
@@ -576,6 +578,7 @@ def run_launch(
         server_losses=config.server_losses,
         elastic=config.elastic,
         max_restarts=config.max_restarts,
+        module=config.module,
         gpus_per_worker=gpus_per_worker,
     )
     return run_local_job(local, fold=True).exit_code

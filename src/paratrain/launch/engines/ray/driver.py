@@ -242,7 +242,7 @@ class _RayJob(Supervisor):
         self.scheduler_address = _join(scheduler.node.ip, port)
         secret = secrets.token_bytes(32)
         python = None if cfg.python == sys.executable else cfg.python  # None: the node's Python
-        cmd = [python, "-u", os.path.abspath(cfg.script), *cfg.args]
+        cmd = [python, "-u", *cfg.entry(absolute=True), *cfg.args]
         threads, thread_line = self._threads()
         logger.info("%s", self._describe(thread_line))
         refs = []

@@ -175,7 +175,7 @@ def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str
     job_env = {k: v for k, v in config.job_env().items() if k not in _SET_BY_SCRIPT}
     exports = {**job_env, "PARATRAIN_NUM_SERVERS": str(config.num_servers), **threads}
     python = quote(config.python, "bash", "python")
-    words = [quote(os.path.abspath(config.script), "bash", "script")]
+    words = [quote(word, "bash", "script") for word in config.entry(absolute=True)]
     words += [quote(arg, "bash", f"args[{i}]") for i, arg in enumerate(config.args)]
     command = " ".join(words)
     gpus = f" --gpus-per-task={options.gpus_per_worker}" if options.gpus_per_worker else ""
