@@ -3,6 +3,7 @@ plainly what to use (the Slurm dry run shows what would start, with no process s
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -134,3 +135,46 @@ def test_python_m_paratrain_launches_a_ddp_module_without_servers(tmp_path):
         "[worker 0] job 0 collective -w 4",
         "[worker 1] job 0 collective -w 4",
     ]
+
+
+# ---- -o json, for the scripts platform teams write ----------------------------------------------
+
+
+def test_jobs_checkpoints_and_logs_print_json(tmp_path, monkeypatch):
+    import torch
+
+    from paratrain import checkpoint
+    from paratrain.launch import engines, jobs
+    from paratrain.launch.job_driver import LogFiles
+
+    monkeypatch.setenv("PARATRAIN_HOME", str(tmp_path / "home"))
+    out = tmp_path / "out"
+    folder = engines.get("local").job_folder(str(out), "demo-1")
+    record = jobs.JobRecord(id="demo-1", name="demo", backend="local", folder=str(folder), state="succeeded")
+    record.workers, record.servers, record.exit_code = 2, 1, 0
+    jobs.create_job(record, "name: demo\n")
+    (folder / "logs").mkdir(exist_ok=True)
+    logs = LogFiles(folder)
+    logs.write("[worker 1] loss 0.5\n[server 0 @10.0.0.2] serving\nparatrain: done\n")
+    logs.close()
+    root = out / "checkpoints"
+    staging = checkpoint.staging_dir(root, 7)
+    checkpoint.save_file(staging / "model.pt", {"model": {"w": torch.zeros(3)}})
+    checkpoint.commit(root, 7, {"metrics": {"loss": 0.25}}, keep=2)
+
+    listed = json.loads(CliRunner().invoke(main, ["jobs", str(out), "-o", "json"]).output)
+    assert [(r["id"], r["state"], r["workers"], r["servers"], r["exit_code"]) for r in listed] == [
+        ("demo-1", "succeeded", 2, 1, 0)
+    ]
+    (found,) = json.loads(CliRunner().invoke(main, ["checkpoints", str(out), "-o", "json"]).output)
+    assert (found["step"], found["metrics"], found["bytes"] > 0) == (7, {"loss": 0.25}, True)
+    done = CliRunner().invoke(main, ["logs", "demo-1", "--output-dir", str(out), "-o", "json"])
+    assert [json.loads(line) for line in done.output.splitlines()] == [
+        {"role": "worker", "rank": 1, "line": "loss 0.5"},
+        {"role": "server", "rank": 0, "line": "serving", "host": "10.0.0.2"},
+        {"role": "launcher", "rank": 0, "line": "paratrain: done"},
+    ]
+    done = CliRunner().invoke(
+        main, ["logs", "demo-1", "--output-dir", str(out), "--role", "worker", "--rank", "1", "-o", "json"]
+    )
+    assert json.loads(done.output) == {"role": "worker", "rank": 1, "line": "loss 0.5"}
