@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.launch.engines.local.job import LocalJobConfig, ProcessHost, device_env
+from paratrain.launch.engines.local.job import LocalJobConfig, ProcessHost, device_env, gpu_shortfall
 from paratrain.testing import run_job
 
 
@@ -38,6 +38,29 @@ def test_a_worker_s_local_place_counts_the_workers_on_its_host():
     assert LocalJobConfig(script="train.py", num_workers=4).local_place(3) == (3, 4)
 
 
+@pytest.mark.parametrize(
+    ("workers", "gpus", "environ", "count", "says"),
+    [
+        (4, 2, {}, 8, ""),
+        (4, 2, {}, None, ""),  # GPUs unknown: the workers' CUDA says
+        (4, 2, {}, 4, "--gpus-per-worker 2 for 4 workers needs 8 GPUs; this machine has 4"),
+        (
+            2,
+            1,
+            {"CUDA_VISIBLE_DEVICES": "3"},
+            8,
+            "--gpus-per-worker 1 for 2 workers needs 2 GPUs; CUDA_VISIBLE_DEVICES='3' shows 1",
+        ),
+        (2, 0, {}, 0, ""),
+    ],
+)
+def test_a_local_job_asking_for_more_gpus_than_the_machine_has_is_refused(
+    workers, gpus, environ, count, says
+):
+    config = LocalJobConfig(script="train.py", num_workers=workers, gpus_per_worker=gpus)
+    assert gpu_shortfall(config, environ, count) == says
+
+
 REPORT = """
 import os
 names = ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -49,10 +72,12 @@ print("place", ctx.local_rank, ctx.local_world_size, ctx.device)
 
 
 def test_a_local_job_s_workers_know_their_local_rank_and_device():
-    outcome = run_job(REPORT, workers=2, servers=1, gpus_per_worker=1, timeout_s=120)
+    # GPUs 5 and 6 of the machine as the launcher sees them: workers 0 and 1 get one each
+    env = {"CUDA_VISIBLE_DEVICES": "5,6"}
+    outcome = run_job(REPORT, workers=2, servers=1, gpus_per_worker=1, env=env, timeout_s=120)
     for rank in range(2):
         lines = outcome.lines("worker", rank, "stdout")
-        assert f"env '{rank}' '{rank}' '2'" in lines
+        assert f"env '{5 + rank}' '{rank}' '2'" in lines
         assert f"place {rank} 2 cpu" in lines  # this machine has no CUDA: the worker's GPU is the CPU
     assert "env '' None None" in outcome.lines("server", 0, "stdout")
 
@@ -62,3 +87,16 @@ def test_a_ray_worker_s_local_place_counts_the_worker_actors_on_its_node():
 
     workers = [(2, "b"), (0, "a"), (1, "b"), (3, "a"), (4, "c")]
     assert local_places(workers) == {0: (0, 2), 3: (1, 2), 1: (0, 2), 2: (1, 2), 4: (0, 1)}
+
+
+def test_the_launcher_refuses_before_starting_anything(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from paratrain.launch.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('never run')\n")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    done = CliRunner().invoke(main, ["launch", "-w", "2", "-s", "0", "--gpus-per-worker", "1", str(script)])
+    assert done.exit_code == 2
+    assert "needs 2 GPUs; CUDA_VISIBLE_DEVICES='0' shows 1" in done.output and "never run" not in done.output

@@ -539,6 +539,32 @@ def device_env(role: str, local_rank: int, gpus_per_worker: int, visible: str | 
     return {"CUDA_VISIBLE_DEVICES": ",".join(names), "PARATRAIN_GPUS_PER_WORKER": str(gpus_per_worker)}
 
 
+def gpu_shortfall(config: LocalJobConfig, environ: Mapping[str, str], gpu_count: int | None) -> str:
+    """Why this machine cannot give every worker placed here its own GPUs ("" when it can, or
+    when its GPUs are unknown): `gpu_count` GPUs, or those CUDA_VISIBLE_DEVICES shows."""
+    if not config.gpus_per_worker:
+        return ""
+    visible = {**environ, **config.env}.get("CUDA_VISIBLE_DEVICES")
+    shown = len(visible.split(",")) if visible and visible.strip() else gpu_count
+    here = [r for r in range(config.num_workers) if not config.place("worker", r).prefix]
+    needed = max((config.local_place(r)[1] for r in here), default=0) * config.gpus_per_worker
+    if shown is None or needed <= shown:
+        return ""
+    where = f"CUDA_VISIBLE_DEVICES={visible!r} shows" if visible and visible.strip() else "this machine has"
+    return (
+        f"--gpus-per-worker {config.gpus_per_worker} for {needed // config.gpus_per_worker} workers needs "
+        f"{needed} GPUs; {where} {shown}"
+    )
+
+
+def nvidia_gpu_count() -> int | None:
+    """The NVIDIA GPUs the driver lists on this machine (no CUDA context made); None: unknown."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return None
+
+
 @contextlib.contextmanager
 def _interrupt_handlers(events: queue.SimpleQueue[Any]) -> Iterator[None]:
     """Turns SIGINT/SIGTERM into events for the main loop (only possible in the main thread).
@@ -581,6 +607,10 @@ def run_launch(
         module=config.module,
         gpus_per_worker=gpus_per_worker,
     )
+    shortfall = gpu_shortfall(local, os.environ, nvidia_gpu_count())
+    if shortfall:
+        print(f"paratrain: {shortfall}", file=sys.stderr)
+        return 2
     return run_local_job(local, fold=True).exit_code
 
 
