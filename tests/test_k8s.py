@@ -706,3 +706,18 @@ def test_tfjob_replicas_run_the_job(tmp_path):
         pods.append((f"{kind.lower()}-{index}", [], KV_EXACT, env))
     logs = run_pods(tmp_path, names, pods)
     assert "all exact" in logs["chief-0"] and "all exact" in logs["worker-0"]
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_each_worker_pod_is_alone_on_its_host_with_its_gpus_and_servers_see_none(gpus):
+    _, _, manifests = make(2, 1, gpus_per_worker=gpus)
+    for _, container, env, _ in job_pods(manifests):
+        spec = spec_from_env(env)
+        if container["name"] == "worker":
+            assert (spec.local_rank, spec.local_world_size) == (0, 1)
+            assert spec.gpus_per_worker == (gpus or None)
+            assert container["resources"]["limits"].get("nvidia.com/gpu") == (gpus or None)
+            assert "CUDA_VISIBLE_DEVICES" not in env  # the device plugin shows the pod its own
+        else:
+            assert spec.gpus_per_worker is None and "nvidia.com/gpu" not in container["resources"]["limits"]
+            assert env.get("CUDA_VISIBLE_DEVICES") == ("" if gpus else None)

@@ -341,6 +341,12 @@ def test_an_exact_kvstore_job_runs_on_two_nodes_with_a_server_on_each(cluster):
     assert result.exit_code == 0, err.getvalue()
     for rank in range(2):
         assert out.by_child[("worker", rank)][-2:] == ["all exact", "done"]
+    places = [
+        next(line for line in out.by_child[("worker", r)] if line.startswith("place ")) for r in range(2)
+    ]
+    worker_nodes = [result.nodes[f"worker {rank}"] for rank in range(2)]
+    together = worker_nodes[0] == worker_nodes[1]
+    assert places == (["place 0 2", "place 1 2"] if together else ["place 0 1", "place 0 1"]), worker_nodes
     server_nodes = {result.nodes[f"server {rank}"] for rank in range(2)}
     alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
     assert len(server_nodes) == 2, result.nodes  # STRICT_SPREAD: one server on each node

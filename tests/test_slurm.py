@@ -336,7 +336,7 @@ def test_dry_run_prints_a_script_whose_single_srun_starts_every_role(tmp_path):
     sruns = [line for line in script.splitlines() if line.startswith("srun ")]
     assert len(sruns) == 1
     assert "--kill-on-bad-exit=1 --ntasks=5 --cpus-per-task=2 --gpus-per-task=1 " in sruns[0]
-    assert 'PREFIX_OUTPUT=\'labels=("worker 0" "server 0" "worker 1" "worker 2" "server 1"); ' in script
+    assert 'labels=("worker 0" "server 0" "worker 1" "worker 2" "server 1"); ' in script
     assert f"-u {JOBS / 'kv_exact.py'} dist_async --flag" in sruns[0]
     for export in (
         "PARATRAIN_NUM_SERVERS=2",
@@ -346,7 +346,7 @@ def test_dry_run_prints_a_script_whose_single_srun_starts_every_role(tmp_path):
     ):
         assert re.search(rf"^export {export}$", script, re.M), export
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in script
-    assert "cpus-per-task=2, the larger of" in done.stderr and "servers get 1 too" in done.stderr
+    assert "cpus-per-task=2, the larger of" in done.stderr and "servers are allotted 1 each" in done.stderr
     assert "OMP_NUM_THREADS=2" in done.stderr
 
 
@@ -443,3 +443,33 @@ def test_more_nodes_than_tasks_is_refused_before_anything_is_submitted(capsys):
     config = LaunchConfig(script="train.py", num_workers=1, num_servers=1)
     assert run_slurm_job(config, SlurmOptions(nodes=3)) == 2
     assert "nodes=3 is more than the job's 2 tasks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_each_task_sees_its_own_gpus_and_a_server_none(tmp_path, elastic):
+    """The command every task runs, without Slurm: srun has bound each task to its GPUs."""
+    config = LaunchConfig(script="train.py", num_workers=2, num_servers=1, max_restarts=int(elastic))
+    script = sbatch_script(config, SlurmOptions(gpus_per_worker=2))
+    (line,) = [line for line in script.splitlines() if line.startswith("PREFIX_OUTPUT=")]
+    names = "'CUDA_VISIBLE_DEVICES', 'PARATRAIN_GPUS_PER_WORKER'"
+    report = f"import os; print(*(os.environ.get(name) for name in ({names})))"
+    seen = []
+    for task in range(3):
+        env = {
+            **os.environ,
+            "SLURM_PROCID": str(task),
+            "SLURMD_NODENAME": "n1",
+            "CUDA_VISIBLE_DEVICES": "6,7",
+        }
+        env.pop("PARATRAIN_GPUS_PER_WORKER", None)
+        shell = f'{line}\nbash -c "$PREFIX_OUTPUT" "$@"'
+        done = subprocess.run(
+            ["bash", "-c", shell, "bash", sys.executable, "-c", report],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        seen.append(done.stdout.strip())
+    assert seen == ["[worker 0 @n1] 6,7 2", "[worker 1 @n1] 6,7 2", "[server 0 @n1]  None"]

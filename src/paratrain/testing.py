@@ -115,6 +115,7 @@ def run_job(
     server_losses: int = 0,
     elastic: bool = False,
     max_restarts: int = 0,
+    gpus_per_worker: int = 0,
 ) -> JobOutcome:
     """Runs `script` (a path, or Python source if it contains a newline) as a job of `workers`
     workers, `servers` servers and a scheduler on 127.0.0.1, and checks what it left behind.
@@ -125,6 +126,7 @@ def run_job(
     stdout); `watch` is called with every line of output as it comes (from the printing thread).
     `server_losses`: servers that may die without failing the job (LocalJobConfig.server_losses).
     `elastic`, `max_restarts`: a worker's death does not stop the job (LocalJobConfig's).
+    `gpus_per_worker`: GPUs of its own for each worker (LocalJobConfig's).
 
     Raises AssertionError if a child process survived the job, if the scheduler's port is still
     listening, or if the job's success does not match `expect` (None: either is fine).
@@ -147,6 +149,7 @@ def run_job(
             server_losses=server_losses,
             elastic=elastic,
             max_restarts=max_restarts,
+            gpus_per_worker=gpus_per_worker,
         )
         by_child: dict[tuple[str, int], list[tuple[str, str]]] = {}
         out, err = _Capture("stdout", by_child, watch), _Capture("stderr", by_child, watch)

@@ -27,6 +27,8 @@ if mode == "raise" and ctx.rank == 1:
 if mode == "exact":
     import torch
 
+    print(f"place {ctx.local_rank} {ctx.local_world_size}", flush=True)  # among the workers on its node
+
     import paratrain.kvstore
     from paratrain.kvstore import KVStoreConfig
 

@@ -43,7 +43,7 @@ class LaunchConfig:
     """One job: which script runs as which roles, whatever engine starts them."""
 
     script: str
-    """Path of the Python script every process runs."""
+    """Path of the Python script every process runs (with `module`: a module's name)."""
     args: tuple[str, ...] = ()
     """Arguments passed to the script, unparsed."""
     num_workers: int = 2
@@ -67,6 +67,8 @@ class LaunchConfig:
     max_restarts: int = 0
     """How many times a dead worker process is started again (implies `elastic`): in all under the
     local and Ray engines, per worker task under Slurm (restarts.py says why)."""
+    module: bool = False
+    """`script` is a module, run as `python -m script` (from the launch's directory)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "script", os.fspath(self.script))
@@ -101,6 +103,13 @@ class LaunchConfig:
             return []
         return check_strategy(self.strategy, self.num_servers, self.num_workers)
 
+    def entry(self, absolute: bool = False) -> list[str]:
+        """What the interpreter is given before the arguments: the script's path (made absolute
+        with `absolute`, for a process that starts elsewhere), or -m and the module."""
+        if self.module:
+            return ["-m", self.script]
+        return [os.path.abspath(self.script) if absolute else self.script]
+
     def job_env(self) -> dict[str, str]:
         """The variables every process gets besides its identity: env plus the strategy."""
         env = dict(self.env)
@@ -133,7 +142,7 @@ def check_strategy(name: str, num_servers: int, num_workers: int = 1) -> list[st
             f"worker(s) (-w {num_workers}): each replica of the model runs on {stages} workers, so "
             f"launch with -w {fits}, ..."
         )
-    if arch in ("collective", "local") and num_servers:
+    if arch in ("collective", "local", "fsdp") and num_servers:
         return [
             f"strategy={name!r} is a {arch} strategy and uses no servers: the job's {num_servers} "
             "server(s) will be idle (launch with -s 0)"

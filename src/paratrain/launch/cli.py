@@ -42,7 +42,31 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
     main.add_command(_command)
 
 
+class _LaunchCommand(click.Command):
+    """`launch`, whose -m MODULE ends its own options as python's -m does: what follows is the
+    module's, options included."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        takes_value = {
+            name: not (param.is_flag or param.count)
+            for param in self.params
+            if isinstance(param, click.Option)
+            for name in (*param.opts, *param.secondary_opts)
+        }
+        i = 0
+        while i < len(args) and args[i].startswith("-") and args[i] != "--":
+            name = args[i].split("=", 1)[0]
+            if name not in takes_value:
+                break  # unknown: the script's (or misspelt: said once the script is read)
+            if name == "-m" and "=" not in args[i] and i + 1 < len(args):
+                args = [*args[: i + 2], "--", *args[i + 2 :]]
+                break
+            i += 2 if takes_value[name] and "=" not in args[i] else 1
+        return super().parse_args(ctx, args)
+
+
 @main.command(
+    cls=_LaunchCommand,
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
 @click.option(
@@ -61,19 +85,42 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
     help="Number of worker processes.",
 )
 @click.option(
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "nproc_per_node",
+    type=click.IntRange(min=1),
+    default=None,
+    help="torchrun's spelling of -w on one machine.",
+)
+@click.option(
+    "--nnodes",
+    default=None,
+    help="torchrun's: 1 is accepted; the local engine runs on one machine (see the guide for more).",
+)
+@click.option(
+    "--node-rank", "--node_rank", "node_rank", type=int, default=None, help="torchrun's: 0 is accepted."
+)
+@click.option(
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "rdzv_endpoint",
+    default=None,
+    help="torchrun's: not needed on one machine (the launcher picks a free port).",
+)
+@click.option(
     "-s",
     "--servers",
     type=click.IntRange(min=0),
-    default=1,
-    show_default=True,
-    help="Number of server processes (0: no servers, e.g. a collective job).",
+    default=None,
+    help="Number of server processes (0: no servers, e.g. a collective job). Default: 0 for a strategy "
+    "that uses none (collective, ddp, fsdp, local), else 1; the first line printed says what was chosen.",
 )
 @click.option(
     "--strategy",
     default=None,
-    help="The Trainer's strategy for this job (PARATRAIN_STRATEGY): dist_sync, dist_async, collective, "
-    "hybrid, ... with optional settings, e.g. 'collective:accumulation_steps=4'. Default: dist_sync with "
-    "servers, collective without.",
+    help="The Trainer's strategy for this job (PARATRAIN_STRATEGY): dist_sync, dist_async, collective "
+    "(or ddp), hybrid, ... with optional settings, e.g. 'collective:accumulation_steps=4'. Default: "
+    "dist_sync with servers, collective without.",
 )
 @click.option(
     "--host",
@@ -137,18 +184,30 @@ for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli
     type=click.IntRange(min=0),
     default=0,
     show_default=True,
-    help="ray, slurm, k8s: GPUs reserved for each worker.",
+    help="GPUs of its own for each worker (servers and the scheduler get none where the engine can say so).",
 )
 @click.option("--dry-run", is_flag=True, help="slurm, k8s: print the sbatch script or manifests only.")
+@click.option(
+    "-m",
+    "module",
+    default=None,
+    metavar="MODULE",
+    help="Run a module as `python -m MODULE` (from this directory) instead of SCRIPT; "
+    "the arguments after it are the module's.",
+)
 @observe_options
-@click.argument("script", type=click.Path(dir_okay=False))
+@click.argument("script", type=click.Path(dir_okay=False), required=False)
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def launch(
     ctx: click.Context,
     backend: str,
     workers: int,
-    servers: int,
+    nproc_per_node: int | None,
+    nnodes: str | None,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+    servers: int | None,
     strategy: str | None,
     host: str,
     timeout_s: float | None,
@@ -165,23 +224,32 @@ def launch(
     cpus_per_server: float,
     gpus_per_worker: int,
     dry_run: bool,
-    script: str,
+    module: str | None,
+    script: str | None,
     script_args: tuple[str, ...],
     **observe: Any,
 ) -> None:
     """Run SCRIPT as a scheduler, SERVERS servers and WORKERS workers."""
     logging.basicConfig(level=logging.INFO, format="paratrain: %(message)s")
-    if script.startswith("-"):  # an option this command does not know, read as the script's path
+    if module is not None:  # what click read as the script is the module's first argument
+        script_args = (*(() if script is None else (script,)), *script_args)
+        script = module
+    elif script is None:
+        raise click.UsageError("Missing argument 'SCRIPT' (or -m MODULE).")
+    elif script.startswith("-"):  # an option this command does not know, read as the script's path
         raise _no_such_option(ctx, script)
     engine = engines.get(backend)
-    if engine.paths_here and not os.path.isfile(script):  # else the script is in the image
+    if module is None and engine.paths_here and not os.path.isfile(script):  # else it is in the image
         raise click.BadParameter(f"{script!r} is not a file", param_hint="'SCRIPT'")
     if (elastic or max_restarts) and not engine.elastic:
         where = ", ".join(engines.names(lambda e: e.elastic))
         raise click.UsageError(f"--elastic and --max-restarts work with --backend {where}; not {backend}")
+    workers = _torchrun_workers(ctx, workers, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     source = "--strategy"
     if strategy is None and os.environ.get(STRATEGY_VAR):
         strategy, source = os.environ[STRATEGY_VAR], f"{STRATEGY_VAR} (from the environment)"
+    said = _defaults_line(workers, servers, strategy)
+    servers = _default_servers(strategy) if servers is None else servers
     try:
         config = LaunchConfig(
             script=script,
@@ -194,9 +262,12 @@ def launch(
             server_losses=server_losses,
             elastic=elastic,
             max_restarts=max_restarts,
+            module=module is not None,
         )
     except (ValueError, TypeError) as exc:
         raise click.UsageError(_as_given(str(exc), source)) from None
+    if said:
+        logging.getLogger(__name__).info("%s", said)
     for warning in config.warnings():
         logging.getLogger(__name__).warning("warning: %s", _as_given(warning, source))
     args = LaunchArgs(
@@ -222,6 +293,65 @@ def launch(
     except PortUnavailable as exc:  # --dashboard-port taken: one line, no traceback
         raise click.ClickException(str(exc)) from None
     ctx.exit(exit_code)
+
+
+def _default_servers(strategy: str | None) -> int:
+    """-s when not given: none for a strategy that uses none, else one (a parameter-server job)."""
+    from paratrain.train.strategy import Strategy  # train/ is below launch/; imported late for speed
+
+    try:
+        architecture = Strategy.parse(strategy).architecture if strategy else "ps"
+    except (ValueError, TypeError):
+        return 1  # LaunchConfig names what is wrong with it
+    return 0 if architecture in ("collective", "local", "fsdp") else 1
+
+
+def _defaults_line(workers: int, servers: int | None, strategy: str | None) -> str:
+    """What the launch chose for the user, said before anything starts: a torchrun user's
+    `paratrain launch -w 4 train.py` is a parameter-server job, and must say so. "" when both the
+    servers and the strategy were given."""
+    if servers is not None and strategy is not None:
+        return ""
+    count = servers if servers is not None else _default_servers(strategy)
+    job = f"{workers} worker{'s' * (workers != 1)}, {count} server{'s' * (count != 1)}"
+    if strategy is not None:
+        why = "it uses none; -s N to add servers" if count == 0 else "the default for it; -s N for more"
+        return f"{job}, strategy {strategy} ({why})"
+    if count:
+        hint = "; -s 0 for all-reduce (ddp)" if servers is None else ""
+        return f"{job}, strategy dist_sync (the default with servers{hint})"
+    return f"{job}, strategy collective (the default without servers: all-reduce, as DDP)"
+
+
+def _torchrun_workers(
+    ctx: click.Context,
+    workers: int,
+    nproc_per_node: int | None,
+    nnodes: str | None,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+) -> int:
+    """-w, from torchrun's options where they mean the same on one machine; a UsageError saying
+    what to use where they ask for more machines."""
+    if nnodes not in (None, "1", "1:1") or node_rank not in (None, 0):
+        asked = f"--nnodes {nnodes}" if nnodes not in (None, "1", "1:1") else f"--node-rank {node_rank}"
+        raise click.UsageError(
+            f"{asked}: paratrain launch starts every process itself, from one command on one machine "
+            "(--backend local). Across machines: --backend slurm --nodes N, --backend ray or "
+            "--backend k8s; or start the script with torchrun itself (paratrain reads its RANK, "
+            "WORLD_SIZE and MASTER_ADDR; PARATRAIN_NUM_SERVERS=S makes S of the processes servers)"
+        )
+    if rdzv_endpoint is not None:
+        logging.getLogger(__name__).info(
+            "--rdzv-endpoint %s is not needed on one machine: the scheduler listens on a free port",
+            rdzv_endpoint,
+        )
+    if nproc_per_node is None:
+        return workers
+    given = ctx.get_parameter_source("workers") == click.core.ParameterSource.COMMANDLINE
+    if given and workers != nproc_per_node:
+        raise click.UsageError(f"-w {workers} and --nproc-per-node {nproc_per_node} disagree: give one")
+    return nproc_per_node
 
 
 def _as_given(message: str, source: str) -> str:

@@ -7,11 +7,16 @@
     paratrain checkpoints OUTPUT_DIR                             complete checkpoints, while training
 
 `submit` returns once the job is handed over (to a detached driver on local and ray, to sbatch or
-kubectl), printing its id; `-f` then follows its output and exits with the job's status.
+kubectl), printing its id; `-f` then follows its output and exits with the job's status. `jobs`,
+`checkpoints` and `logs` print JSON with `-o json` (for scripts): a list of objects, and for `logs`
+one object per line of output (JSON lines: role, rank, host where known, line).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 import subprocess
 import sys
 import time
@@ -28,6 +33,16 @@ if TYPE_CHECKING:  # pydantic is imported by `submit` alone, so that `paratrain 
     from paratrain.launch.engines.api import Engine, LogSource
 
 _POLL_S = 0.5
+
+_OUTPUT = click.option(
+    "-o",
+    "--output",
+    "output",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="text: a table for people; json: for scripts.",
+)
 
 
 @click.command()
@@ -105,10 +120,14 @@ def _refresh(record: jobs.JobRecord) -> jobs.JobRecord:
 
 @click.command(name="jobs")
 @click.argument("output_dir", required=False, type=click.Path(file_okay=False))
-def list_jobs(output_dir: str | None) -> None:
+@_OUTPUT
+def list_jobs(output_dir: str | None, output: str) -> None:
     """List the jobs under OUTPUT_DIR/jobs (default: every job this user submitted on this machine,
     as noted in ~/.paratrain/jobs, or $PARATRAIN_HOME/jobs)."""
     records = [_refresh(record) for record in jobs.list_jobs(output_dir)]
+    if output == "json":  # each record as state.json holds it: its fields are documented in jobs.py
+        click.echo(json.dumps([dataclasses.asdict(record) for record in records], indent=2))
+        return
     if not records:
         where = f"{output_dir}/jobs" if output_dir else f"{jobs.paratrain_home() / 'jobs'}"
         click.echo(f"no jobs in {where}")
@@ -143,15 +162,29 @@ def _table(rows: Sequence[Sequence[str]]) -> None:
 )
 @click.option("--rank", type=click.IntRange(min=0), default=None, help="With --role (default 0).")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing as the process writes, until the job ends.")
+@_OUTPUT
 @click.pass_context
 def logs(
-    ctx: click.Context, job: str, output_dir: str | None, role: str | None, rank: int | None, follow: bool
+    ctx: click.Context,
+    job: str,
+    output_dir: str | None,
+    role: str | None,
+    rank: int | None,
+    follow: bool,
+    output: str,
 ) -> None:
     """Show (or follow) the output of job JOB: every process's, or one role and rank's."""
     if rank is not None and role is None:
         raise click.UsageError("--rank needs --role")
     folder = _find(job, output_dir)
-    engine = engines.get(jobs.read_record(folder).backend)
+    record = jobs.read_record(folder)
+    engine = engines.get(record.backend)
+    if output == "json":
+        if engine.logs_command(record, role, rank or 0, follow) is not None:
+            raise click.UsageError(
+                f"-o json: the {record.backend} backend's output is read by its own command"
+            )
+        ctx.exit(_follow_job(engine, folder, role, rank or 0, follow, wait_end=False, as_json=True))
     ctx.exit(_show_logs(engine, folder, role, rank or 0, follow=follow, wait_end=False))
 
 
@@ -163,15 +196,22 @@ def _find(job: str, output_dir: str | None) -> Path:
 
 
 def _follow_job(
-    engine: Engine, folder: Path, role: str | None, rank: int, follow: bool, wait_end: bool
+    engine: Engine,
+    folder: Path,
+    role: str | None,
+    rank: int,
+    follow: bool,
+    wait_end: bool,
+    as_json: bool = False,
 ) -> int:
-    """Prints the log from its start; with `follow`, until the job has ended. Returns 0, or with
-    `wait_end` the job's exit status."""
+    """Prints the log from its start (`as_json`: as JSON lines); with `follow`, until the job has
+    ended. Returns 0, or with `wait_end` the job's exit status."""
     record = _refresh(jobs.read_record(folder))
     reader = _LogReader(engine.log_source(folder, record, role, rank), role, rank)
     while True:
         ended = record.final  # read before the log: what it wrote before ending is then printed
-        sys.stdout.write(reader.read_new(final=ended or not follow))
+        text = reader.read_new(final=ended or not follow)
+        sys.stdout.write(json_lines(text, role, rank) if as_json else text)
         sys.stdout.flush()
         if not follow or ended:
             break
@@ -183,6 +223,27 @@ def _follow_job(
         click.echo(f"paratrain: job {record.id} {record.state}", err=True)
         return 0 if record.state == "succeeded" else (record.exit_code or 1)
     return 0
+
+
+# A line of a job's whole output: "[role rank] text", or "[role rank @host] text" (the cluster engines').
+_PREFIXED = re.compile(r"\[(\w+) (\d+)(?: @(\S+))?\] (.*)")
+
+
+def json_lines(text: str, role: str | None, rank: int) -> str:
+    """Output lines as JSON lines: one process's (`role`), or the job's, whose prefixes name the
+    process; a line without one is the launcher's."""
+    out = []
+    for line in text.splitlines():
+        entry: dict[str, object] = {"role": role, "rank": rank, "line": line}
+        if role is None:
+            found = _PREFIXED.fullmatch(line)
+            entry = {"role": "launcher", "rank": 0, "line": line}
+            if found:
+                entry = {"role": found[1], "rank": int(found[2]), "line": found[4]}
+                if found[3]:
+                    entry["host"] = found[3]
+        out.append(json.dumps(entry) + "\n")
+    return "".join(out)
 
 
 class _LogReader:
@@ -237,13 +298,28 @@ def stop(ctx: click.Context, job: str, output_dir: str | None) -> None:
 
 @click.command()
 @click.argument("output_dir", type=click.Path(exists=True, file_okay=False))
-def checkpoints(output_dir: str) -> None:
+@_OUTPUT
+def checkpoints(output_dir: str, output: str) -> None:
     """List the complete checkpoints in OUTPUT_DIR (or a checkpoint folder), while training runs."""
     from paratrain.checkpoint.reader import checkpoint_root, folder_size, read_evaluation
     from paratrain.checkpoint.store import list_checkpoints
 
     root = checkpoint_root(output_dir)
     found = list_checkpoints(root)
+    if output == "json":
+        listed = [
+            {
+                "step": checkpoint.step,
+                "path": str(checkpoint.path),
+                "time": checkpoint.meta.get("time"),
+                "bytes": folder_size(checkpoint),
+                "metrics": checkpoint.meta.get("metrics") or {},
+                "evaluation": {k: v for k, v in (read_evaluation(checkpoint) or {}).items() if k != "time"},
+            }
+            for checkpoint in found
+        ]
+        click.echo(json.dumps(listed, indent=2))
+        return
     if not found:
         click.echo(f"no complete checkpoint in {root}")
         return

@@ -234,7 +234,7 @@ class Strategy:
     @classmethod
     def parse(cls, name: str | Strategy) -> Strategy:
         """A strategy from its name: local, device, dist_sync, dist_async, dist_sync_device,
-        dist_async_device (MXNet's kvstore types), collective, ps, hybrid, fsdp, with optional
+        dist_async_device (MXNet's kvstore types), collective (or ddp), ps, hybrid, fsdp, with optional
         `field=value` settings after a colon: "collective:accumulation_steps=4,compression=bf16"."""
         if isinstance(name, Strategy):
             return name
@@ -299,6 +299,7 @@ NAMED = {
     "dist_async_device": Strategy(architecture="ps", consistency=Async(), aggregation="host"),
     "hybrid": Strategy(architecture="hybrid"),
     "fsdp": Strategy(architecture="fsdp"),
+    "ddp": Strategy(architecture="collective"),  # torch's name for it: DistributedDataParallel
 }
 
 

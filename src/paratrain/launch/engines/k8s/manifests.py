@@ -283,7 +283,8 @@ def _job(config: LaunchConfig, options: K8sOptions, name: str, role: str, count:
 
 def _container(config: LaunchConfig, options: K8sOptions, name: str, role: str) -> dict[str, Any]:
     threads, _ = role_threads(config, options, role)
-    env = [_literal(key, value) for key, value in {**threads, **_user_env(config)}.items()]
+    chosen = {**threads, **_user_env(config), **device_env(options, role)}
+    env = [_literal(key, value) for key, value in chosen.items()]
     env += _identity_env(config, options, name, role)
     env.append(_literal("PYTHONUNBUFFERED", "1"))  # output reaches `kubectl logs` line by line
     container: dict[str, Any] = {
@@ -314,12 +315,24 @@ def _identity_env(config: LaunchConfig, options: K8sOptions, name: str, role: st
     ]
 
 
+def device_env(options: K8sOptions, role: str) -> dict[str, str]:
+    """A worker's place on its pod's host as torchrun names it (one worker per pod) and its GPUs
+    (the pod's nvidia.com/gpu limit: the device plugin shows it those alone); the scheduler and
+    servers see no GPU of a node they share with workers."""
+    env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"} if role == "worker" else {}
+    if options.gpus_per_worker:
+        gpus = {"PARATRAIN_GPUS_PER_WORKER": str(options.gpus_per_worker)}
+        env.update(gpus if role == "worker" else {"CUDA_VISIBLE_DEVICES": ""})
+    return env
+
+
 def _literal(key: str, value: str) -> dict[str, str]:
     return {"name": key, "value": quote(value, "k8s", f"env[{key!r}]")}
 
 
 def _command(options: K8sOptions, config: LaunchConfig) -> list[str]:
-    words = [quote(options.python, "k8s", "python"), "-u", quote(config.script, "k8s", "script")]
+    words = [quote(options.python, "k8s", "python"), "-u"]
+    words += [quote(word, "k8s", "script") for word in config.entry()]
     return words + [quote(arg, "k8s", f"args[{i}]") for i, arg in enumerate(config.args)]
 
 

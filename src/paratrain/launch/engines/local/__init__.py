@@ -23,10 +23,16 @@ class LocalOptions:
     """The address every process binds and advertises."""
     dashboard: DashboardConfig | None = None
     """Serve the dashboard from the scheduler, on a port the launcher binds (None: no dashboard)."""
+    gpus_per_worker: int = 0
+    """GPUs of its own for each worker (job.py's `device_env`); 0: none chosen."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host must be an address, got {self.host!r}")
+        if isinstance(self.gpus_per_worker, bool) or not isinstance(self.gpus_per_worker, int):
+            raise TypeError(f"gpus_per_worker must be an int, got {self.gpus_per_worker!r}")
+        if self.gpus_per_worker < 0:
+            raise ValueError(f"gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
 
 
 class LocalEngine(DrivenEngine):
@@ -34,15 +40,17 @@ class LocalEngine(DrivenEngine):
     binds_dashboard = True
 
     def options(self, args: LaunchArgs) -> LocalOptions:
-        return LocalOptions(host=args.host, dashboard=args.dashboard)
+        return LocalOptions(host=args.host, dashboard=args.dashboard, gpus_per_worker=args.gpus_per_worker)
 
     def launch(self, config: LaunchConfig, options: LocalOptions) -> int:
         from paratrain.launch.engines.local.job import run_launch
 
-        return run_launch(config, host=options.host, dashboard=options.dashboard)
+        return run_launch(
+            config, host=options.host, dashboard=options.dashboard, gpus_per_worker=options.gpus_per_worker
+        )
 
     def job_options(self, spec: JobSpec, job_id: str, folder: Path, dry_run: bool) -> LocalOptions:
-        return LocalOptions()
+        return LocalOptions(gpus_per_worker=spec.resources.worker.gpus)
 
     def drive(self, spec: JobSpec, config: LaunchConfig, out: IO[str]) -> JobResult:
         from paratrain.launch.engines.local.job import LocalJobConfig, run_local_job
@@ -55,5 +63,6 @@ class LocalEngine(DrivenEngine):
             env=config.job_env(),
             timeout_s=config.timeout_s,
             python=config.python,
+            gpus_per_worker=spec.resources.worker.gpus,
         )
         return run_local_job(local, out=out, err=out)

@@ -117,6 +117,11 @@ class LocalJobConfig:
     max_restarts: int = 0
     """How many times in all a dead worker process, or a dead replicated server (`server_losses`),
     is started again (implies `elastic`)."""
+    module: bool = False
+    """`script` is a module's name, run as `python -m script`."""
+    gpus_per_worker: int = 0
+    """GPUs of its own for each worker (CUDA_VISIBLE_DEVICES, `device_env`); 0: every process sees
+    what this machine shows it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "script", os.fspath(self.script))
@@ -131,6 +136,7 @@ class LocalJobConfig:
         _check_int("num_servers", self.num_servers, minimum=0)
         _check_int("server_losses", self.server_losses, minimum=0)
         _check_int("max_restarts", self.max_restarts, minimum=0)
+        _check_int("gpus_per_worker", self.gpus_per_worker, minimum=0)
         if not self.host:
             raise ValueError(f"host must be an address, got {self.host!r}")
         if self.timeout_s is not None and not self.timeout_s > 0:
@@ -149,6 +155,12 @@ class LocalJobConfig:
         """Where that process runs."""
         places = self.placements.get(role, ())
         return places[rank] if rank < len(places) else ProcessHost(self.host)
+
+    def local_place(self, rank: int) -> tuple[int, int]:
+        """Worker `rank`'s index among the workers on its host, and how many run there."""
+        host = self.place("worker", rank).host
+        peers = [r for r in range(self.num_workers) if self.place("worker", r).host == host]
+        return peers.index(rank), len(peers)
 
     def _strings(self) -> Iterator[tuple[str, Any]]:
         for i, arg in enumerate(self.args):
@@ -247,6 +259,7 @@ class _Job:
     ) -> None:
         cfg = self.config
         where = cfg.place(role, rank)
+        local_rank, local_size = cfg.local_place(rank) if role == "worker" else (None, None)
         spec = ClusterSpec(
             role=role,
             rank=rank,
@@ -258,10 +271,13 @@ class _Job:
             host=where.host,
             launcher_pid=os.getpid(),
             scheduler_fd=None if listener is None else listener.fileno(),
+            local_rank=local_rank,
+            local_world_size=local_size,
+            gpus_per_worker=(cfg.gpus_per_worker or None) if role == "worker" else None,
         )
         child = Child(role, rank, where.host)
         pass_fds = tuple(sock.fileno() for sock in (listener, board) if sock is not None)
-        cmd = [*where.prefix, cfg.python, "-u", cfg.script, *cfg.args]
+        cmd = [*where.prefix, cfg.python, "-u", *(["-m"] if cfg.module else []), cfg.script, *cfg.args]
         env = {**self.threads, **_child_env(cfg, spec)}
         if board is not None and cfg.dashboard is not None:
             env.update(PARATRAIN_DASHBOARD=f"fd:{board.fileno()}")
@@ -471,7 +487,7 @@ class _Job:
 def _describe(cfg: LocalJobConfig, scheduler_address: str) -> str:
     timeout = "none" if cfg.timeout_s is None else f"{cfg.timeout_s} s"
     return (
-        f"starting {cfg.script} {' '.join(cfg.args)}\n"
+        f"starting {'-m ' * cfg.module}{cfg.script} {' '.join(cfg.args)}\n"
         f"  {cfg.num_workers} worker(s), {cfg.num_servers} server(s), scheduler at "
         f"{scheduler_address}\n"
         f"  timeout {timeout}, stop grace {cfg.stop_grace_s} s, exit grace {cfg.exit_grace_s} s, "
@@ -485,11 +501,68 @@ def _listen(host: str) -> socket.socket:
 
 
 def _child_env(config: LocalJobConfig, spec: ClusterSpec) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in IDENTITY_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in IDENTITY_VARS and k not in _LOCAL_VARS}
     env.update(config.env)
     env.update(spec_to_env(spec))
+    env.update(
+        device_env(spec.role, spec.local_rank or 0, config.gpus_per_worker, env.get("CUDA_VISIBLE_DEVICES"))
+    )
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+# What a launcher that started this one set for its own process: it would describe another.
+_LOCAL_VARS = frozenset({"LOCAL_RANK", "LOCAL_WORLD_SIZE", "PARATRAIN_GPUS_PER_WORKER"})
+
+
+def device_env(role: str, local_rank: int, gpus_per_worker: int, visible: str | None) -> dict[str, str]:
+    """The GPUs one process sees (nothing to set when gpus_per_worker is 0): a worker the
+    `gpus_per_worker` devices from local_rank * gpus_per_worker on, numbered within `visible` (this
+    machine's CUDA_VISIBLE_DEVICES) where that is set; the scheduler and servers none, so that no
+    CUDA context of theirs takes a worker's memory."""
+    if not gpus_per_worker:
+        return {}
+    if role != "worker":
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    first = local_rank * gpus_per_worker
+    wanted = range(first, first + gpus_per_worker)
+    if visible is not None and visible.strip():
+        shown = [name.strip() for name in visible.split(",")]
+        if wanted.stop > len(shown):
+            raise ValueError(
+                f"gpus_per_worker={gpus_per_worker}: worker {local_rank} on this host needs devices "
+                f"{first}..{wanted.stop - 1}, CUDA_VISIBLE_DEVICES={visible!r} shows {len(shown)}"
+            )
+        names = [shown[i] for i in wanted]
+    else:
+        names = [str(i) for i in wanted]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(names), "PARATRAIN_GPUS_PER_WORKER": str(gpus_per_worker)}
+
+
+def gpu_shortfall(config: LocalJobConfig, environ: Mapping[str, str], gpu_count: int | None) -> str:
+    """Why this machine cannot give every worker placed here its own GPUs ("" when it can, or
+    when its GPUs are unknown): `gpu_count` GPUs, or those CUDA_VISIBLE_DEVICES shows."""
+    if not config.gpus_per_worker:
+        return ""
+    visible = {**environ, **config.env}.get("CUDA_VISIBLE_DEVICES")
+    shown = len(visible.split(",")) if visible and visible.strip() else gpu_count
+    here = [r for r in range(config.num_workers) if not config.place("worker", r).prefix]
+    needed = max((config.local_place(r)[1] for r in here), default=0) * config.gpus_per_worker
+    if shown is None or needed <= shown:
+        return ""
+    where = f"CUDA_VISIBLE_DEVICES={visible!r} shows" if visible and visible.strip() else "this machine has"
+    return (
+        f"--gpus-per-worker {config.gpus_per_worker} for {needed // config.gpus_per_worker} workers needs "
+        f"{needed} GPUs; {where} {shown}"
+    )
+
+
+def nvidia_gpu_count() -> int | None:
+    """The NVIDIA GPUs the driver lists on this machine (no CUDA context made); None: unknown."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return None
 
 
 @contextlib.contextmanager
@@ -511,7 +584,10 @@ def _interrupt_handlers(events: queue.SimpleQueue[Any]) -> Iterator[None]:
 
 
 def run_launch(
-    config: LaunchConfig, host: str = "127.0.0.1", dashboard: DashboardConfig | None = None
+    config: LaunchConfig,
+    host: str = "127.0.0.1",
+    dashboard: DashboardConfig | None = None,
+    gpus_per_worker: int = 0,
 ) -> int:
     """`paratrain launch --backend local`: the job as processes of this machine; its exit status.
     The children's output is folded: their abort notices and repeated tracebacks are left out."""
@@ -528,7 +604,13 @@ def run_launch(
         server_losses=config.server_losses,
         elastic=config.elastic,
         max_restarts=config.max_restarts,
+        module=config.module,
+        gpus_per_worker=gpus_per_worker,
     )
+    shortfall = gpu_shortfall(local, os.environ, nvidia_gpu_count())
+    if shortfall:
+        print(f"paratrain: {shortfall}", file=sys.stderr)
+        return 2
     return run_local_job(local, fold=True).exit_code
 
 

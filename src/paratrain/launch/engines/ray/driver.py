@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import secrets
 import shlex
@@ -241,11 +242,16 @@ class _RayJob(Supervisor):
         self.scheduler_address = _join(scheduler.node.ip, port)
         secret = secrets.token_bytes(32)
         python = None if cfg.python == sys.executable else cfg.python  # None: the node's Python
-        cmd = [python, "-u", os.path.abspath(cfg.script), *cfg.args]
+        cmd = [python, "-u", *cfg.entry(absolute=True), *cfg.args]
         threads, thread_line = self._threads()
         logger.info("%s", self._describe(thread_line))
         refs = []
+        places = local_places([(c.rank, c.node.node_id) for c in self.children if c.role == "worker"])
+        gpus = math.ceil(self.options.gpus_per_worker) or None  # a fraction of a GPU is still cuda:0
         for child in self.children:
+            local_rank, local_size = (
+                places.get(child.rank, (None, None)) if child.role == "worker" else (None, None)
+            )
             spec = ClusterSpec(
                 role=child.role,
                 rank=child.rank,
@@ -255,8 +261,13 @@ class _RayJob(Supervisor):
                 scheduler_port=port,
                 secret=secret,
                 host=child.node.ip,
+                local_rank=local_rank,
+                local_world_size=local_size,
+                gpus_per_worker=gpus if child.role == "worker" else None,
             )
             env = {**cfg.job_env(), **threads[child.role], **spec_to_env(spec), "PYTHONUNBUFFERED": "1"}
+            if gpus and child.role != "worker":  # whatever Ray shows a GPU-less actor: none
+                env["CUDA_VISIBLE_DEVICES"] = ""
             self._launch[child.role, child.rank] = (cmd, env)
             refs.append(child.actor.start.remote(cmd, env, os.getcwd()))
         for child, pid in zip(self.children, self._wait_all(refs, "the processes to start")):
@@ -359,6 +370,15 @@ class _RayJob(Supervisor):
         children = [c.record() for c in self.children]
         nodes = {c.label: c.node_label for c in self.children}
         return RayJobResult(exit_code, failure, report, children, self.scheduler_address, nodes)
+
+
+def local_places(workers: Sequence[tuple[int, str]]) -> dict[int, tuple[int, int]]:
+    """Each worker's (local rank, local world size) from the (rank, node id) of every worker: its
+    index among the workers on its node, in rank order, and their count."""
+    by_node: dict[str, list[int]] = {}
+    for rank, node in sorted(workers):
+        by_node.setdefault(node, []).append(rank)
+    return {rank: (ranks.index(rank), len(ranks)) for ranks in by_node.values() for rank in ranks}
 
 
 def role_threads(options: RayOptions, user_env: Mapping[str, str]) -> tuple[dict[str, dict[str, str]], bool]:

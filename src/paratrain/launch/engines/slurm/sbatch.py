@@ -112,7 +112,8 @@ class SlurmOptions:
     cpus_per_server: float = 1.0
     """CPUs for each server task."""
     gpus_per_worker: int = 0
-    """GPUs for each task (srun --gpus-per-task; one srun gives the servers as many)."""
+    """GPUs for each task (srun --gpus-per-task binds each task to its own; one srun allots the
+    servers as many, which they are not shown: `gpu_binding`)."""
     job_name: str | None = None
     """sbatch --job-name; None: paratrain-<script name>."""
     output: str | None = None
@@ -174,7 +175,7 @@ def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str
     job_env = {k: v for k, v in config.job_env().items() if k not in _SET_BY_SCRIPT}
     exports = {**job_env, "PARATRAIN_NUM_SERVERS": str(config.num_servers), **threads}
     python = quote(config.python, "bash", "python")
-    words = [quote(os.path.abspath(config.script), "bash", "script")]
+    words = [quote(word, "bash", "script") for word in config.entry(absolute=True)]
     words += [quote(arg, "bash", f"args[{i}]") for i, arg in enumerate(config.args)]
     command = " ".join(words)
     gpus = f" --gpus-per-task={options.gpus_per_worker}" if options.gpus_per_worker else ""
@@ -194,7 +195,7 @@ def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str
         "echo "
         + quote(f"paratrain: {describe_tasks(config.num_workers, config.num_servers)}", "bash", "tasks"),
         "# Every line a task writes (stdout and stderr alike) starts with its role, rank and node.",
-        *_task_command(config),
+        *_task_command(config, options.gpus_per_worker),
         f"srun --kill-on-bad-exit=1 --ntasks={tasks} --cpus-per-task={cpus}{gpus} "
         f'bash -c "$PREFIX_OUTPUT" {python} -u {command} && exit 0',
         "status=$?",
@@ -270,17 +271,31 @@ def _prefix_output(num_workers: int, num_servers: int) -> str:
     )
 
 
-def _task_command(config: LaunchConfig) -> list[str]:
+def _task_command(config: LaunchConfig, gpus_per_worker: int = 0) -> list[str]:
     """The lines that set PREFIX_OUTPUT, the command every srun task runs around the script."""
     workers, servers = config.num_workers, config.num_servers
+    binding = gpu_binding(workers, servers, gpus_per_worker)
     if not (config.elastic or config.max_restarts):
-        return [f"PREFIX_OUTPUT={quote(_prefix_output(workers, servers), 'bash', 'PREFIX_OUTPUT')}"]
+        return [f"PREFIX_OUTPUT={quote(binding + _prefix_output(workers, servers), 'bash', 'PREFIX_OUTPUT')}"]
     return [
         f"# Elastic: a worker task (but task 0, which runs the scheduler) starts a dead worker again, up to"
         f" {config.max_restarts} time(s).",
         "PREFIX_OUTPUT="
-        + quote(supervised_task(workers, servers, config.max_restarts), "bash", "PREFIX_OUTPUT"),
+        + quote(binding + supervised_task(workers, servers, config.max_restarts), "bash", "PREFIX_OUTPUT"),
     ]
+
+
+def gpu_binding(num_workers: int, num_servers: int, gpus_per_worker: int) -> str:
+    """The start of each task's command with GPUs: srun --gpus-per-task binds every task to GPUs of
+    its own, servers included (one srun gives all its tasks the same); a server task hides its
+    GPUs, so that no CUDA context of its takes their memory, and a worker task says it has its own."""
+    if not gpus_per_worker:
+        return ""
+    servers = " ".join(str(task) for task in server_ranks(num_workers + num_servers, num_servers))
+    return (
+        f'case " {servers} " in *" $SLURM_PROCID "*) export CUDA_VISIBLE_DEVICES=;; '
+        f"*) export PARATRAIN_GPUS_PER_WORKER={gpus_per_worker};; esac; "
+    )
 
 
 def supervised_task(num_workers: int, num_servers: int, max_restarts: int) -> str:
@@ -368,7 +383,10 @@ def _describe(config: LaunchConfig, options: SlurmOptions, err: IO[str]) -> None
             f"--cpus-per-worker={options.cpus_per_worker} and --cpus-per-server={options.cpus_per_server}"
         )
     if options.gpus_per_worker and config.num_servers:
-        lines.append(f"one srun gives every task the same GPUs: servers get {options.gpus_per_worker} too")
+        lines.append(
+            f"one srun gives every task the same GPUs: servers are allotted {options.gpus_per_worker} each "
+            "too, and see none (CUDA_VISIBLE_DEVICES empty)"
+        )
     if config.elastic or config.max_restarts:
         lines.append(
             f"elastic: a worker task starts its dead process again up to {config.max_restarts} time(s); "
