@@ -98,7 +98,7 @@ def _schedule(spec: ClusterSpec, config: JobConfig, embedded: bool = False) -> C
     from paratrain.metrics import observe
 
     with binding(spec.host, spec.scheduler_port, _scheduler_port_setting(spec)):
-        scheduler = Scheduler(spec, config)
+        scheduler = Scheduler(spec, config, log_dir=os.environ.get("PARATRAIN_LOG_DIR"))
     dashboard = observe.start_dashboard(scheduler, spec.secret, os.environ)
     trace = observe.tracer() if embedded else observe.start_trace(os.environ, "scheduler", 0)
 

@@ -42,6 +42,7 @@ message naming it; with it, a worker that dies after the start is dropped instea
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -57,6 +58,7 @@ from paratrain.cluster.barriers import Barriers, Released
 from paratrain.cluster.config import JobConfig
 from paratrain.cluster.membership import Members, Node
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec
+from paratrain.cluster.stragglers import StragglerDetector, StragglerEvent
 from paratrain.errors import RegistrationError
 from paratrain.transport.connection import Connection
 from paratrain.transport.message import Message, Routes
@@ -71,8 +73,19 @@ class Observer(Protocol):
     def record(self, role: str, rank: int, report: dict[str, Any]) -> None: ...
 
 
+STRAGGLERS_FILE = "stragglers.jsonl"
+"""In the job's log folder: one JSON line per straggler event (cluster/stragglers.py)."""
+
+
 class Scheduler(Handler):
-    def __init__(self, spec: ClusterSpec, config: JobConfig, observer: Observer | None = None) -> None:
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        config: JobConfig,
+        observer: Observer | None = None,
+        log_dir: str | None = None,
+    ) -> None:
+        """`log_dir`: the job's log folder (PARATRAIN_LOG_DIR), where straggler events are kept."""
         self.spec = spec
         self.config = config
         self.observer = observer
@@ -108,6 +121,10 @@ class Scheduler(Handler):
         """Registrations into the running job that wait for their rank to be freed."""
         self._fenced: dict[Connection, p.Dropped] = {}
         """Connections of nodes the job went on without: the `dropped` notice each one gets."""
+        self._stragglers = StragglerDetector(config.stragglers)
+        self.straggler_events: deque[dict[str, Any]] = deque(maxlen=100)
+        """The latest straggler events, with their time (the dashboard shows them)."""
+        self._stragglers_path = os.path.join(log_dir, STRAGGLERS_FILE) if log_dir else None
         sock = listen_socket(spec)
         self.server = RpcServer(spec.secret, self, sock=sock, config=config.transport, name="scheduler")
 
@@ -235,6 +252,25 @@ class Scheduler(Handler):
             node.last_seen, node.last_seen_wall = time.monotonic(), time.time()
             if beat.report is not None and self.observer is not None:
                 self.observer.record(node.role, node.rank, beat.report)
+            if beat.report is not None and node.role == "worker":
+                with self._lock:
+                    event = self._stragglers.observe(node.rank, node.host, beat.report)
+                if event is not None:
+                    self._straggler(event)
+
+    def _straggler(self, event: StragglerEvent) -> None:
+        """Say it on the launcher's output, keep it for the dashboard, add it to the job's file."""
+        logger.warning("%s", event.describe())
+        record = {"time": time.time(), **event.as_dict()}
+        with self._lock:
+            self.straggler_events.append(record)
+        if self._stragglers_path is None:
+            return
+        try:
+            with open(self._stragglers_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            logger.warning("could not write %s: %s", self._stragglers_path, exc)
 
     # -- what the dashboard reads -------------------------------------------------------------------
     def roles(self) -> list[dict[str, Any]]:
@@ -264,9 +300,16 @@ class Scheduler(Handler):
         state = "starting" if not self._started else "running"
         if outcome is not None:
             state = "failed" if outcome else "finished"
+        with self._lock:
+            slow = self._stragglers.slow()
+            ratios = self._stragglers.ratios()
+            events = list(self.straggler_events)
         return {
             "state": state,
             "outcome": outcome,
+            "stragglers": [{"rank": rank, "ratio": ratio} for rank, ratio in sorted(slow.items())],
+            "slowdown": [[rank, ratio] for rank, ratio in sorted(ratios.items())],
+            "straggler_events": events,
             "failures": list(self.failures)
             or ([{"role": "job", "rank": "", "reason": outcome}] if outcome else []),
             "workers": self.spec.num_workers,
@@ -326,6 +369,7 @@ class Scheduler(Handler):
                 return
             self.members.drop(node)
             self._barriers.forget(node)
+            self._stragglers.forget(node.rank)
             left = len(self.members.live_workers())
             below = left < self.elastic.min_workers
             if not below:
