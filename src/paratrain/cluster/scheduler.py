@@ -54,6 +54,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from paratrain.cluster import protocol as p
+from paratrain.cluster import stacks
 from paratrain.cluster.barriers import Barriers, Released
 from paratrain.cluster.config import JobConfig
 from paratrain.cluster.membership import Members, Node
@@ -73,6 +74,8 @@ class Observer(Protocol):
     def record(self, role: str, rank: int, report: dict[str, Any]) -> None: ...
 
 
+STACKS_EVERY_S = 10.0
+"""The least time between two requests for every process's stacks (each waiting worker asks)."""
 STRAGGLERS_FILE = "stragglers.jsonl"
 """In the job's log folder: one JSON line per straggler event (cluster/stragglers.py)."""
 
@@ -106,6 +109,8 @@ class Scheduler(Handler):
                 p.RosterQuery: self._roster_query,
                 p.MembersQuery: self._members,
                 p.CaughtUp: self._caught_up,
+                p.StacksWanted: self._stacks_wanted,
+                p.StackReport: self._stack_report,
             }
         )
         self._started = False
@@ -125,6 +130,7 @@ class Scheduler(Handler):
         self.straggler_events: deque[dict[str, Any]] = deque(maxlen=100)
         """The latest straggler events, with their time (the dashboard shows them)."""
         self._stragglers_path = os.path.join(log_dir, STRAGGLERS_FILE) if log_dir else None
+        self._stacks_asked = -STACKS_EVERY_S
         sock = listen_socket(spec)
         self.server = RpcServer(spec.secret, self, sock=sock, config=config.transport, name="scheduler")
 
@@ -271,6 +277,30 @@ class Scheduler(Handler):
                 f.write(json.dumps(record) + "\n")
         except OSError as exc:
             logger.warning("could not write %s: %s", self._stragglers_path, exc)
+
+    # -- a stuck job's stacks (cluster/stacks.py) ---------------------------------------------------
+    def _stacks_wanted(self, request: Request, wanted: p.StacksWanted) -> None:
+        """A wait passed its warning time: every process writes its stacks to its log and tells
+        where its main thread is (`_stack_report`)."""
+        asker = self.members.by_conn.get(request.conn)
+        with self._lock:
+            now = time.monotonic()
+            if now - self._stacks_asked < STACKS_EVERY_S:
+                return
+            self._stacks_asked = now
+            conns = list(self.members.by_conn)
+        who = asker.describe() if asker is not None else "a node"
+        logger.warning("%s asks every process for its stacks: %s", who, wanted.why)
+        for conn in conns:
+            _notify(conn, p.DumpStacks(wanted.why))
+        stacks.dump(wanted.why)
+
+    def _stack_report(self, request: Request, report: p.StackReport) -> None:
+        node = self.members.by_conn.get(request.conn)
+        if node is None:
+            return
+        where = " <- ".join(report.frames) or "not in the user's code"
+        logger.warning("%s: main thread at %s", node.describe(), where)
 
     # -- what the dashboard reads -------------------------------------------------------------------
     def roles(self) -> list[dict[str, Any]]:
