@@ -7,7 +7,11 @@ carry an id and get a reply; heartbeats are one-way):
               registered: {rank, servers: [[host, port]...], workers: [[host, pid]...],
               membership: {generation, workers, joiners}, joined}
     heartbeat {report?}                                        (one-way, every interval; the
-              report, this process's figures, goes to the observer: the dashboard's board)
+              report, this process's figures, goes to the observer: the dashboard's board; a
+              worker's also to the straggler detector, stragglers.py)
+    stacks_wanted {why}                                        (one-way) a wait passed its warning
+              time: every node hears `dump_stacks {why}`, writes its threads' stacks to its log and
+              answers `stack_report {frames, why}`, which is logged (stacks.py)
     clock     {}                                               -> {time}: the scheduler's clock,
               which traces are aligned on
     peer_lost {role, rank, error}                              (one-way) this node lost its
