@@ -2,10 +2,13 @@
 
 Pure logic, fed by the scheduler with each worker's heartbeat report (metrics/telemetry.py: cumulative
 steps and seconds per phase). Between two reports of one worker, its time per step is the difference
-of its counters over the difference of its steps. What is compared is a worker's *own* time per step,
-data loading plus compute: in a synchronous job every worker's wall time per step is the slowest
-one's (the others wait for it in the round), so the wall time would hide the straggler, while the
-fast workers' extra time shows up in their waiting and communication, not in their own time.
+of its counters over the difference of its steps (a worker's first interval, which holds its first
+step's one-off work, is not compared). What is compared is a worker's *own* time per step, data
+loading plus compute: in a synchronous job every worker's wall time per step is the slowest one's
+(the others wait for it in the round), so the wall time would hide the straggler, while the fast
+workers' extra time shows up in their waiting. Communication is left out of the comparison (it is
+still named when it grew the most): handing gradients to a busy server varies by milliseconds from
+step to step on a loaded machine, which on short steps is as much as the step.
 
 A worker whose own time per step is >= `ratio` times the median of the other workers' for `steps`
 consecutive steps, seen slow at two heartbeats at least (one pause inside one heartbeat's interval
@@ -25,9 +28,6 @@ OWN = ("data", "compute")
 """The phases a worker spends on its own work (not waiting for the others)."""
 MIN_BEATS = 2
 """Heartbeats a worker must be seen slow at before it is reported."""
-MIN_EXCESS_S = 0.001
-"""A step slower by less than this is never called a straggler: on steps of a few hundred
-microseconds, scheduling noise alone doubles the time."""
 
 
 @dataclass(frozen=True)
@@ -39,12 +39,18 @@ class StragglerConfig:
     the median of the other workers'."""
     steps: int = 10
     """It is reported once it has been slow for this many consecutive steps."""
+    min_excess_s: float = 0.005
+    """Nor is a worker slow whose steps take less than this longer than the others' median: on
+    steps of a few milliseconds, a loaded machine's scheduling alone doubles some of them."""
 
     def __post_init__(self) -> None:
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not self.ratio > 1:
             raise ValueError(f"StragglerConfig.ratio={self.ratio!r} must be a number > 1")
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"StragglerConfig.steps={self.steps!r} must be an int >= 1")
+        excess = self.min_excess_s
+        if isinstance(excess, bool) or not isinstance(excess, (int, float)) or not excess >= 0:
+            raise ValueError(f"StragglerConfig.min_excess_s={excess!r} must be a number >= 0")
 
 
 @dataclass(frozen=True)
@@ -112,7 +118,10 @@ class StragglerDetector:
         steps, seconds = report.get("steps"), report.get("seconds")
         if not isinstance(steps, int) or not isinstance(seconds, dict):
             return None
-        worker = self._workers.setdefault(rank, _Worker(host))
+        worker = self._workers.get(rank)
+        if worker is None:  # its first interval holds its start: only its counters are kept
+            self._workers[rank] = _Worker(host, steps, {ph: float(seconds.get(ph, 0.0)) for ph in PHASES})
+            return None
         done = steps - worker.steps
         if done <= 0:
             return None
@@ -133,7 +142,7 @@ class StragglerDetector:
         assert worker.per_step is not None
         mine, theirs = _own(worker.per_step), _own(median)
         worker.ratio = mine / theirs if theirs > 0 else 1.0
-        slow = worker.ratio >= self.config.ratio and mine - theirs >= MIN_EXCESS_S
+        slow = worker.ratio >= self.config.ratio and mine - theirs >= self.config.min_excess_s
         worker.slow_steps = worker.slow_steps + done if slow else 0
         worker.slow_beats = worker.slow_beats + 1 if slow else 0
         due = worker.slow_steps >= self.config.steps and worker.slow_beats >= MIN_BEATS
