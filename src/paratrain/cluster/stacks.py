@@ -64,7 +64,7 @@ def dump(why: str) -> None:
 def user_frames(limit: int = 4) -> list[str]:
     """The innermost `limit` frames of the main thread in the user's code: "file:line in function"."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    found = []
+    found: list[str] = []
     while frame is not None and len(found) < limit:
         path = os.path.normcase(os.path.abspath(frame.f_code.co_filename))
         if not path.startswith(_SKIPPED) and not frame.f_code.co_filename.startswith("<frozen"):
