@@ -13,8 +13,8 @@ def _metrics_table() -> str:
     from paratrain.serve.app import ServeMetrics
 
     class _NoJob:  # the collector yields every family, with no samples, for a job of no processes
-        def state(self) -> dict[str, list[Any]]:
-            return {"roles": [], "workers": [], "servers": []}
+        def state(self) -> dict[str, Any]:
+            return {"roles": [], "workers": [], "servers": [], "job": {}}
 
     rows = ["| name | type | labels | where | what |", "| --- | --- | --- | --- | --- |"]
     job, serve = BoardCollector(_NoJob()).collect(), ServeMetrics(32).registry.collect()

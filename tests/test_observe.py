@@ -24,7 +24,12 @@ ROLES = [
 
 
 def _worker(t: float, steps: int, samples: int, compute: float, loss: float) -> dict:
-    seconds = {"compute": compute, "communication": steps * 0.01, "waiting": steps * 0.02}
+    seconds = {
+        "data": steps * 0.003,
+        "compute": compute,
+        "communication": steps * 0.01,
+        "waiting": steps * 0.02,
+    }
     return {"time": t, "steps": steps, "samples": samples, "loss": loss, "seconds": seconds, "rss_bytes": 5}
 
 
@@ -58,9 +63,9 @@ def test_board_rates_split_and_curves() -> None:
     state = _board().state()
     (worker,) = state["workers"]
     assert worker["step"] == 30 and worker["samples_per_s"] == pytest.approx(320.0)
-    # 20 steps took 1.0 s of compute, 0.2 s of communication, 0.4 s waiting
+    # 20 steps took 0.06 s waiting on data, 1.0 s of compute, 0.2 s of communication, 0.4 s waiting
     assert worker["seconds_per_step"] == pytest.approx(
-        {"compute": 0.05, "communication": 0.01, "waiting": 0.02}
+        {"data": 0.003, "compute": 0.05, "communication": 0.01, "waiting": 0.02}
     )
     assert [point[1:] for point in worker["history"]] == [[10, 0.9], [30, 0.5]]
     (server,) = state["servers"]
@@ -337,3 +342,18 @@ def test_ddp_all_reduce_ranges_keep_ddp_gradients(tmp_path: Path) -> None:
         dist.destroy_process_group()
     names = {e["name"] for e in read_trace(tmp_path / "trace-worker0.json")[1]}
     assert {"all_reduce", "forward"} <= names
+
+
+def test_prometheus_names_stragglers_and_their_slowdown() -> None:
+    job = {"state": "running", "failures": [], "stragglers": [{"rank": 1, "ratio": 3.2}]}
+    board = JobBoard(lambda: ROLES, lambda: {**job, "slowdown": [[0, 0.9], [1, 3.2]]})
+    for rank in (0, 1):
+        board.record("worker", rank, _worker(100.0, 10, 320, 1.0, 0.9))
+    samples = {
+        (s.name, s.labels["rank"]): s.value
+        for f in text_string_to_metric_families(prometheus_text(board).decode())
+        for s in f.samples
+        if s.labels.get("role") == "worker"
+    }
+    assert samples["paratrain_worker_straggler", "0"] == 0 and samples["paratrain_worker_straggler", "1"] == 1
+    assert samples["paratrain_worker_slowdown_ratio", "1"] == pytest.approx(3.2)

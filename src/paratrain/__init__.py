@@ -14,7 +14,17 @@ from typing import TYPE_CHECKING, Any
 from paratrain.cluster import context as _context
 from paratrain.version import __version__
 
-__all__ = ["Context", "ElasticConfig", "JobConfig", "Strategy", "Trainer", "init", "prepare", "__version__"]
+__all__ = [
+    "Context",
+    "ElasticConfig",
+    "JobConfig",
+    "StragglerConfig",
+    "Strategy",
+    "Trainer",
+    "init",
+    "prepare",
+    "__version__",
+]
 
 SUBPACKAGES = (
     "checkpoint",
@@ -30,7 +40,7 @@ SUBPACKAGES = (
 )
 
 if TYPE_CHECKING:
-    from paratrain.cluster.config import ElasticConfig, JobConfig
+    from paratrain.cluster.config import ElasticConfig, JobConfig, StragglerConfig
     from paratrain.node import Context, init
     from paratrain.train import Strategy, Trainer, prepare
 
@@ -56,7 +66,7 @@ def __getattr__(name: str) -> Any:
         from paratrain import train
 
         return getattr(train, name)
-    if name in ("JobConfig", "ElasticConfig"):
+    if name in ("JobConfig", "ElasticConfig", "StragglerConfig"):
         from paratrain.cluster import config
 
         return getattr(config, name)

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from types import TracebackType
 
+from paratrain.cluster import stacks
 from paratrain.cluster.agent import SchedulerLink
 from paratrain.cluster.config import JobConfig
 from paratrain.cluster.context import Context
@@ -45,6 +46,7 @@ def init(config: JobConfig | None = None) -> Context:
             _context = Context("worker", 0, 1, 0, config=config)
             return _context
         _setup_logging(spec)
+        stacks.install()
         logger.info("starting: %s %s", spec, config)
         atexit.register(_freeze_before_shutdown)
         if spec.role == "scheduler":
@@ -98,7 +100,7 @@ def _schedule(spec: ClusterSpec, config: JobConfig, embedded: bool = False) -> C
     from paratrain.metrics import observe
 
     with binding(spec.host, spec.scheduler_port, _scheduler_port_setting(spec)):
-        scheduler = Scheduler(spec, config)
+        scheduler = Scheduler(spec, config, log_dir=os.environ.get("PARATRAIN_LOG_DIR"))
     dashboard = observe.start_dashboard(scheduler, spec.secret, os.environ)
     trace = observe.tracer() if embedded else observe.start_trace(os.environ, "scheduler", 0)
 
@@ -184,6 +186,7 @@ def _join_as_worker(spec: ClusterSpec, config: JobConfig) -> Context:
     scheduler_thread = _start_embedded_scheduler(spec, config)
     link = SchedulerLink(spec, config, report=worker_telemetry().report)
     roster = link.register("worker")
+    stacks.set_asker(link.ask_for_stacks)
     observe.align_trace(observe.start_trace(os.environ, "worker", roster.rank), link)
     _install_exit_hooks(link, scheduler_thread, config)
     return Context(

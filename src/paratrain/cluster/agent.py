@@ -21,6 +21,7 @@ from typing import Any
 
 from paratrain import version
 from paratrain.cluster import protocol as p
+from paratrain.cluster import stacks
 from paratrain.cluster.config import JobConfig
 from paratrain.cluster.fencing import dropped_notice
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec
@@ -76,6 +77,7 @@ class SchedulerLink:
                 p.Dropped: lambda notice: _exit_aborted(dropped_notice(notice)),
                 p.ServerLost: self._server_lost,
                 p.Shutdown: self._shutdown,
+                p.DumpStacks: self._dump_stacks,
             }
         )
         self.client = RpcClient(
@@ -125,6 +127,18 @@ class SchedulerLink:
             joined=registered.joined,
             lost=registered.lost,
         )
+
+    # -- a stuck job's stacks (cluster/stacks.py) ---------------------------------------------------
+    def ask_for_stacks(self, why: str) -> None:
+        """Ask the scheduler that every process of the job write its stacks."""
+        self.client.send(*p.StacksWanted(why).wire())
+
+    def _dump_stacks(self, notice: p.DumpStacks) -> None:
+        stacks.dump(notice.why)
+        try:
+            self.client.send(*p.StackReport(stacks.user_frames(), notice.why).wire())
+        except TransportError:
+            pass  # the link is down: _closed reports it
 
     # -- replicated servers ----------------------------------------------------------------------
     def caught_up(self) -> None:

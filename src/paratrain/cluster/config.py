@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from paratrain.cluster.stragglers import StragglerConfig
 from paratrain.transport.config import TransportConfig
 
 
@@ -58,12 +59,16 @@ class JobConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     elastic: ElasticConfig | None = None
     """Elastic workers (cluster/membership.py); None: any death stops the job."""
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    """When the scheduler names a worker a straggler (cluster/stragglers.py)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.replication, int) or self.replication < 1:
             raise ValueError(f"JobConfig.replication={self.replication!r} must be an int >= 1")
         if self.elastic is not None and not isinstance(self.elastic, ElasticConfig):
             raise TypeError(f"JobConfig.elastic={self.elastic!r} must be an ElasticConfig or None")
+        if not isinstance(self.stragglers, StragglerConfig):
+            raise TypeError(f"JobConfig.stragglers={self.stragglers!r} must be a StragglerConfig")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_s") and not (isinstance(value, (int, float)) and value > 0):

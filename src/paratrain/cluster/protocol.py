@@ -57,6 +57,21 @@ class PeerLost(Message, op="peer_lost"):
 
 
 @dataclass(frozen=True, slots=True)
+class StacksWanted(Message, op="stacks_wanted"):
+    """A wait passed its warning time here: every process should write its stacks (cluster/stacks.py)."""
+
+    why: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StackReport(Message, op="stack_report"):
+    """The answer to `DumpStacks`: the top frames of this process's main thread in the user's code."""
+
+    frames: list[str]
+    why: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Barrier(Message, op="barrier"):
     """Wait for the group; replied with `Gathered` (every worker's `data`)."""
 
@@ -148,6 +163,13 @@ class Abort(Message, op="abort"):
 @dataclass(frozen=True, slots=True)
 class Shutdown(Message, op="shutdown"):
     """Every worker finished: servers exit cleanly."""
+
+
+@dataclass(frozen=True, slots=True)
+class DumpStacks(Message, op="dump_stacks"):
+    """Write every thread's stack to your log, and answer with a `StackReport`."""
+
+    why: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,11 @@ carry an id and get a reply; heartbeats are one-way):
               registered: {rank, servers: [[host, port]...], workers: [[host, pid]...],
               membership: {generation, workers, joiners}, joined}
     heartbeat {report?}                                        (one-way, every interval; the
-              report, this process's figures, goes to the observer: the dashboard's board)
+              report, this process's figures, goes to the observer: the dashboard's board; a
+              worker's also to the straggler detector, stragglers.py)
+    stacks_wanted {why}                                        (one-way) a wait passed its warning
+              time: every node hears `dump_stacks {why}`, writes its threads' stacks to its log and
+              answers `stack_report {frames, why}`, which is logged (stacks.py)
     clock     {}                                               -> {time}: the scheduler's clock,
               which traces are aligned on
     peer_lost {role, rank, error}                              (one-way) this node lost its
@@ -42,6 +46,7 @@ message naming it; with it, a worker that dies after the start is dropped instea
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -53,10 +58,12 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from paratrain.cluster import protocol as p
+from paratrain.cluster import stacks
 from paratrain.cluster.barriers import Barriers, Released
 from paratrain.cluster.config import JobConfig
 from paratrain.cluster.membership import Members, Node
 from paratrain.cluster.spec import EXIT_ABORTED, ClusterSpec
+from paratrain.cluster.stragglers import StragglerDetector, StragglerEvent
 from paratrain.errors import RegistrationError
 from paratrain.transport.connection import Connection
 from paratrain.transport.message import Message, Routes
@@ -71,8 +78,21 @@ class Observer(Protocol):
     def record(self, role: str, rank: int, report: dict[str, Any]) -> None: ...
 
 
+STACKS_EVERY_S = 10.0
+"""The least time between two requests for every process's stacks (each waiting worker asks)."""
+STRAGGLERS_FILE = "stragglers.jsonl"
+"""In the job's log folder: one JSON line per straggler event (cluster/stragglers.py)."""
+
+
 class Scheduler(Handler):
-    def __init__(self, spec: ClusterSpec, config: JobConfig, observer: Observer | None = None) -> None:
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        config: JobConfig,
+        observer: Observer | None = None,
+        log_dir: str | None = None,
+    ) -> None:
+        """`log_dir`: the job's log folder (PARATRAIN_LOG_DIR), where straggler events are kept."""
         self.spec = spec
         self.config = config
         self.observer = observer
@@ -93,6 +113,8 @@ class Scheduler(Handler):
                 p.RosterQuery: self._roster_query,
                 p.MembersQuery: self._members,
                 p.CaughtUp: self._caught_up,
+                p.StacksWanted: self._stacks_wanted,
+                p.StackReport: self._stack_report,
             }
         )
         self._started = False
@@ -108,6 +130,11 @@ class Scheduler(Handler):
         """Registrations into the running job that wait for their rank to be freed."""
         self._fenced: dict[Connection, p.Dropped] = {}
         """Connections of nodes the job went on without: the `dropped` notice each one gets."""
+        self._stragglers = StragglerDetector(config.stragglers)
+        self.straggler_events: deque[dict[str, Any]] = deque(maxlen=100)
+        """The latest straggler events, with their time (the dashboard shows them)."""
+        self._stragglers_path = os.path.join(log_dir, STRAGGLERS_FILE) if log_dir else None
+        self._stacks_asked = -STACKS_EVERY_S
         sock = listen_socket(spec)
         self.server = RpcServer(spec.secret, self, sock=sock, config=config.transport, name="scheduler")
 
@@ -235,6 +262,49 @@ class Scheduler(Handler):
             node.last_seen, node.last_seen_wall = time.monotonic(), time.time()
             if beat.report is not None and self.observer is not None:
                 self.observer.record(node.role, node.rank, beat.report)
+            if beat.report is not None and node.role == "worker":
+                with self._lock:
+                    event = self._stragglers.observe(node.rank, node.host, beat.report)
+                if event is not None:
+                    self._straggler(event)
+
+    def _straggler(self, event: StragglerEvent) -> None:
+        """Say it on the launcher's output, keep it for the dashboard, add it to the job's file."""
+        logger.warning("%s", event.describe())
+        record = {"time": time.time(), **event.as_dict()}
+        with self._lock:
+            self.straggler_events.append(record)
+        if self._stragglers_path is None:
+            return
+        try:
+            with open(self._stragglers_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            logger.warning("could not write %s: %s", self._stragglers_path, exc)
+
+    # -- a stuck job's stacks (cluster/stacks.py) ---------------------------------------------------
+    def _stacks_wanted(self, request: Request, wanted: p.StacksWanted) -> None:
+        """A wait passed its warning time: every process writes its stacks to its log and tells
+        where its main thread is (`_stack_report`)."""
+        asker = self.members.by_conn.get(request.conn)
+        with self._lock:
+            now = time.monotonic()
+            if now - self._stacks_asked < STACKS_EVERY_S:
+                return
+            self._stacks_asked = now
+            conns = list(self.members.by_conn)
+        who = asker.describe() if asker is not None else "a node"
+        logger.warning("%s asks every process for its stacks: %s", who, wanted.why)
+        for conn in conns:
+            _notify(conn, p.DumpStacks(wanted.why))
+        stacks.dump(wanted.why)
+
+    def _stack_report(self, request: Request, report: p.StackReport) -> None:
+        node = self.members.by_conn.get(request.conn)
+        if node is None:
+            return
+        where = " <- ".join(report.frames) or "not in the user's code"
+        logger.warning("%s: main thread at %s", node.describe(), where)
 
     # -- what the dashboard reads -------------------------------------------------------------------
     def roles(self) -> list[dict[str, Any]]:
@@ -264,9 +334,16 @@ class Scheduler(Handler):
         state = "starting" if not self._started else "running"
         if outcome is not None:
             state = "failed" if outcome else "finished"
+        with self._lock:
+            slow = self._stragglers.slow()
+            ratios = self._stragglers.ratios()
+            events = list(self.straggler_events)
         return {
             "state": state,
             "outcome": outcome,
+            "stragglers": [{"rank": rank, "ratio": ratio} for rank, ratio in sorted(slow.items())],
+            "slowdown": [[rank, ratio] for rank, ratio in sorted(ratios.items())],
+            "straggler_events": events,
             "failures": list(self.failures)
             or ([{"role": "job", "rank": "", "reason": outcome}] if outcome else []),
             "workers": self.spec.num_workers,
@@ -326,6 +403,7 @@ class Scheduler(Handler):
                 return
             self.members.drop(node)
             self._barriers.forget(node)
+            self._stragglers.forget(node.rank)
             left = len(self.members.live_workers())
             below = left < self.elastic.min_workers
             if not below:

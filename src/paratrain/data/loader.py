@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -97,6 +98,9 @@ class ShardedLoader:
         )
         self._batches = 0
         self._generation = 0
+        self.wait_s = 0.0
+        """Seconds the loop has waited on the DataLoader for batches (and moving them to the device)
+        since the Trainer last took them (`take_wait_s`): a step's data phase."""
         self.device: Any = None
         """Where batches go before they are yielded (a torch.device; None: where the DataLoader
         made them). The Trainer sets its device here."""
@@ -169,13 +173,27 @@ class ShardedLoader:
     def _iterate(self, generation: int) -> Iterator[Any]:
         self.sampler.position = min(self._batches * self.batch_size, self.sampler.num_samples)
         self._generator.manual_seed(epoch_seed(epoch_seed(self.sampler.seed, self.epoch), self.sampler.rank))
-        for batch in self.dataloader:
+        batches = iter(self.dataloader)
+        while True:
+            began = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
             if generation != self._generation:
                 raise RuntimeError("this ShardedLoader iterator was retired by a newer iter(loader)")
             self._batches += 1
-            yield batch if self.device is None else to_device(batch, self.device)
+            if self.device is not None:
+                batch = to_device(batch, self.device)
+            self.wait_s += time.perf_counter() - began
+            yield batch
         if generation == self._generation:
             self._next_epoch()
+
+    def take_wait_s(self) -> float:
+        """The seconds waited on batches since the last call."""
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait
 
     def _next_epoch(self) -> None:
         self.sampler.set_epoch(self.sampler.epoch + 1)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from paratrain.cluster import stacks
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore.consistency import Async, Policy, Sync, parse
 from paratrain.kvstore.placement import DEFAULT_SLICE_ELEMENTS
@@ -225,7 +226,9 @@ class Handle:
                     raise KVStoreTimeoutError(
                         f"{self.what} got no reply within {timeout_s:g} s: {self._why(pending)}"
                     ) from None
-                logger.warning("%s has waited %.0f s: %s", self.what, waited, self._why(pending))
+                why = self._why(pending)
+                logger.warning("%s has waited %.0f s: %s", self.what, waited, why)
+                stacks.ask(f"{self.what} has waited {waited:.0f} s: {why}")
                 assert warn_at is not None and self.warn_after_s is not None
                 warn_at += self.warn_after_s
         return replies

@@ -26,6 +26,7 @@ from paratrain.launch.api import LaunchConfig
 from paratrain.launch.engines.api import LaunchArgs
 from paratrain.launch.jobs_cli import COMMANDS as JOB_COMMANDS
 from paratrain.launch.observe_cli import dashboard_config, observe_env, observe_options, trace
+from paratrain.launch.stacks_cli import stacks
 from paratrain.transport.ports import PortUnavailable
 from paratrain.version import __version__
 
@@ -40,6 +41,7 @@ def main() -> None:
 
 for _command in JOB_COMMANDS:  # submit, jobs, logs, stop, checkpoints (jobs_cli.py)
     main.add_command(_command)
+main.add_command(stacks)
 
 
 class _LaunchCommand(click.Command):

@@ -46,6 +46,7 @@ class BoardCollector:
         state = self.board.state()
         yield from _node_metrics(state["roles"])
         yield from _worker_metrics(state["workers"])
+        yield from _straggler_metrics(state["job"], state["workers"])
         yield from _server_metrics(state["servers"])
 
 
@@ -84,6 +85,26 @@ def _worker_metrics(workers: list[dict[str, Any]]) -> Iterator[Metric]:
         if w["rss_bytes"] is not None:
             memory.add_metric(who, w["rss_bytes"])
     yield from (steps, samples, loss, seconds, memory)
+
+
+def _straggler_metrics(job: dict[str, Any], workers: list[dict[str, Any]]) -> Iterator[Metric]:
+    labels = ["role", "rank"]
+    straggler = GaugeMetricFamily(
+        "paratrain_worker_straggler",
+        "1 while the scheduler names this worker a straggler (cluster/stragglers.py), else 0.",
+        labels=labels,
+    )
+    ratio = GaugeMetricFamily(
+        "paratrain_worker_slowdown_ratio",
+        "This worker's own time per step (data + compute) over the other workers' median.",
+        labels=labels,
+    )
+    slow = {s["rank"] for s in job.get("stragglers", [])}
+    for w in workers:
+        straggler.add_metric(["worker", str(w["rank"])], 1.0 if w["rank"] in slow else 0.0)
+    for rank, value in job.get("slowdown", []):
+        ratio.add_metric(["worker", str(rank)], value)
+    yield from (straggler, ratio)
 
 
 def _server_metrics(servers: list[dict[str, Any]]) -> Iterator[Metric]:

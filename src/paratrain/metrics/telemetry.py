@@ -1,13 +1,15 @@
 """What a process tells the scheduler about itself, on the heartbeats it already sends.
 
-A worker's figures are cumulative counters (steps, samples, seconds of compute, communication and
-waiting) plus the latest loss; the scheduler turns differences between two heartbeats into rates
-and per-step splits (board.py), so nothing is sent per step and a lost heartbeat loses no count.
+A worker's figures are cumulative counters (steps, samples, seconds of data loading, compute,
+communication and waiting) plus the latest loss; the scheduler turns differences between two
+heartbeats into rates and per-step splits (board.py), so nothing is sent per step and a lost
+heartbeat loses no count.
 A server's figures come from its KVServer (kvstore/report.py). The report is a small msgpack-able
 dict; `report()` is called by the heartbeat thread once per interval.
 
     telemetry = worker_telemetry()       # one per process
-    telemetry.step_done(samples=64, loss=0.3, compute_s=0.02, communication_s=0.004, waiting_s=0.001)
+    telemetry.step_done(samples=64, loss=0.3, compute_s=0.02, communication_s=0.004, waiting_s=0.001,
+                        data_s=0.002)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-PHASES = ("compute", "communication", "waiting")
+PHASES = ("data", "compute", "communication", "waiting")
 
 
 class WorkerTelemetry:
@@ -42,6 +44,7 @@ class WorkerTelemetry:
         compute_s: float,
         communication_s: float = 0.0,
         waiting_s: float = 0.0,
+        data_s: float = 0.0,
     ) -> None:
         """One optimizer step: its samples (over every replica of this worker's data), latest loss
         and where its time went."""
@@ -53,6 +56,7 @@ class WorkerTelemetry:
             self.seconds["compute"] += max(0.0, compute_s)
             self.seconds["communication"] += max(0.0, communication_s)
             self.seconds["waiting"] += max(0.0, waiting_s)
+            self.seconds["data"] += max(0.0, data_s)
 
     def report(self) -> dict[str, Any]:
         with self._lock:

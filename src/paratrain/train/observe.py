@@ -2,9 +2,10 @@
 
 The Trainer calls `forward_begin`/`forward_end` (its model's hooks), `backward()` and `optimizer()`
 (ranges) and `step_done` once per optimizer step. A step's time is split into compute (forward,
-backward, the optimizer, and the loop's own work such as loading data), communication (handing
-buckets to the kvstore: engines count it in `communication_s`) and waiting (for a round's pulls:
-`waiting_s`); the figures are cumulative counters read on the heartbeat (metrics/telemetry.py).
+backward, the optimizer, and the loop's own work), data (the loop waiting on the ShardedLoader for
+its next batch, measured there), communication (handing buckets to the kvstore: engines count it
+in `communication_s`) and waiting (for a round's pulls: `waiting_s`); the figures are cumulative
+counters read on the heartbeat (metrics/telemetry.py).
 With a trace folder, every range also goes to this process's timeline (metrics/trace.py), on the
 scheduler's clock; DDP's bucket all-reduces get ranges through a comm hook (only while tracing,
 and only without compression, which has its own hook).
@@ -88,7 +89,7 @@ class StepObserver:
     def optimizer(self) -> AbstractContextManager[None]:
         return self.tracer.range("optimizer step")
 
-    def step_done(self, samples: int, loss: float | None, engine: Any) -> None:
+    def step_done(self, samples: int, loss: float | None, engine: Any, data_s: float = 0.0) -> None:
         now = time.perf_counter()
         wall, self._step_start = now - self._step_start, now
         communication = getattr(engine, "communication_s", 0.0)
@@ -98,9 +99,10 @@ class StepObserver:
         self.telemetry.step_done(
             samples=samples,
             loss=loss,
-            compute_s=wall - communication - waiting,
+            compute_s=wall - communication - waiting - data_s,
             communication_s=communication,
             waiting_s=waiting,
+            data_s=data_s,
         )
 
 

@@ -532,7 +532,8 @@ class Trainer:
         scalars = {k: float(v) for k, v in self._scalars.items()}
         samples, self._samples = self._samples * self.replicas, 0
         self.progress.update(steps=1, samples=samples, **scalars)
-        self.observe.step_done(samples // self.replicas, scalars.get("loss"), self.engine)
+        data_s = self.loader.take_wait_s() if self.loader is not None else 0.0
+        self.observe.step_done(samples // self.replicas, scalars.get("loss"), self.engine, data_s)
         if self.steps % self.log_every == 0:
             rate = self.progress.samples_per_s
             lr = self.optimizer.param_groups[0].get("lr")
