@@ -270,6 +270,10 @@ class KVStore(Protocol):
     def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
         """Run `optimizer` (a torch.optim class or its path) where the values are kept."""
 
+    def set_hyperparameters(self, keys: Keys, **hyperparameters: Any) -> Handle:
+        """Change hyperparameters of the optimizer of `keys` (after set_optimizer), from the next
+        update on: an LR schedule's lr, a parameter group's own weight decay."""
+
     def barrier(self) -> None: ...
 
     def stats(self) -> dict:

@@ -52,6 +52,15 @@ class SetOptimizer(Message, op="set_optimizer"):
 
 
 @dataclass(frozen=True, slots=True)
+class SetHyper(Message, op="set_hyper"):
+    """New values of some hyperparameters of the optimizer of `keys` (a parameter group's keys: an
+    LR schedule's step, or a group's own weight decay)."""
+
+    keys: list
+    hyper: dict
+
+
+@dataclass(frozen=True, slots=True)
 class Join(Message, op="join"):
     rank: int
 

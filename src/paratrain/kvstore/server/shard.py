@@ -450,6 +450,13 @@ class ShardState:
             self.value = self.param.data
             self.optimizer = optim.build(path, hyper, self.param)
 
+    def set_hyper(self, hyper: dict) -> None:
+        """New hyperparameters for the optimizer's next steps (not during one: holds cond)."""
+        with self.cond:
+            if self.optimizer is None:
+                raise KVError(f"{self.describe()}: set_hyper before set_optimizer")
+            optim.set_hyperparameters(self.optimizer, hyper)
+
     def state(self) -> tuple[dict, list[torch.Tensor]]:
         """This shard's entry of a state file and its tensors: value, then optimizer state."""
         with self.cond:

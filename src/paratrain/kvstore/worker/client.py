@@ -555,6 +555,18 @@ class DistKVStore(SparseAPI):
             self._all_servers(*protocol.SetOptimizer(path, hyper).wire())
         self._barrier("kvstore-optimizer")
 
+    def set_hyperparameters(self, keys: Keys, **hyperparameters: Any) -> Handle:
+        """New values of some hyperparameters of the servers' optimizer for `keys` (a parameter
+        group's keys: an LR schedule's step, a group's own weight decay), from the next update on.
+        Sent to every server ahead of this worker's next pushes, on the same connections (which a
+        server reads in order): no round trip is added; wait on the handle when convenient."""
+        keys = list(keys) if isinstance(keys, (list, tuple)) else [keys]
+        for key in keys:
+            self._info(key)
+        message = protocol.SetHyper(keys, optim.check_hyperparameters(hyperparameters))
+        futures = [self._clients[i].submit(*message.wire(), ()) for i in self._servers.live()]
+        return Handle(futures, timeout_s=self._timeout_s, what=f"set_hyper of {len(keys)} key(s)")
+
     def join(self) -> None:
         """A worker that joined a running elastic job: every round from the next one on waits for
         it. Call it while the other workers wait (at a barrier), so that none is in flight."""

@@ -102,6 +102,14 @@ class LocalKVStore:
         for key in self._values:
             self._attach(key, *self._optimizer_spec)
 
+    def set_hyperparameters(self, keys: Keys, **hyperparameters: Any) -> Handle:
+        hyper = optim.check_hyperparameters(hyperparameters)
+        for key in keys if isinstance(keys, (list, tuple)) else [keys]:
+            if key not in self._optimizers:
+                raise KVStoreError(f"key {key!r} has no optimizer (call init and set_optimizer first)")
+            optim.set_hyperparameters(self._optimizers[key], hyper)
+        return Handle([])
+
     def _attach(self, key: Any, path: str, hyper: dict) -> None:
         self._params[key] = torch.nn.Parameter(self._values[key], requires_grad=True)
         self._values[key] = self._params[key].data
