@@ -351,9 +351,15 @@ def test_strategy_matches_single_process_training(workers, servers, strategy, op
         assert any(line.startswith("parity ok") for line in outcome.lines("worker", rank)), outcome.stdout
 
 
-@pytest.mark.parametrize(("servers", "strategy"), [(0, "collective"), (1, "dist_sync")])
-def test_resuming_from_a_checkpoint_ends_where_an_uninterrupted_run_does(tmp_path, servers, strategy):
-    args = (strategy, "6", f"ckpt={tmp_path}")
+# dist_sync with the recipe: the servers' AdamW state, each group's weight decay and the warmup's lr
+# at the restored step all continue.
+@pytest.mark.parametrize(
+    ("servers", "strategy", "options"), [(0, "collective", ()), (1, "dist_sync", ("recipe", "rel"))]
+)
+def test_resuming_from_a_checkpoint_ends_where_an_uninterrupted_run_does(
+    tmp_path, servers, strategy, options
+):
+    args = (strategy, "6", f"ckpt={tmp_path}", *options)
     first = run_job(
         JOBS / "train_parity.py", workers=2, servers=servers, args=(*args, "stop=3"), timeout_s=240
     )
