@@ -103,6 +103,13 @@ def test_server_optimizer_takes_each_groups_hyperparameters():
     assert changed_hyperparameters([first, first], [first, second]) == [(1, {"lr": 0.5, "weight_decay": 0.1})]
 
 
+def test_clipping_with_the_optimizer_on_the_servers_needs_sync_rounds_of_every_worker():
+    assert Strategy.parse("dist_sync:clip_grad_norm=1").clip_grad_norm == 1.0  # the servers clip
+    for name in ("dist_async:", "ps:consistency=bounded,", "dist_sync_device:"):
+        with pytest.raises(ValueError, match="needs consistency='sync' and aggregation='process'"):
+            Strategy.parse(f"{name}clip_grad_norm=1")
+
+
 def test_an_lr_change_is_found_by_group_whatever_made_it():
     """What the PS engine sends the servers before a round: the groups' changed values only."""
     weights, biases = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
@@ -322,7 +329,7 @@ PARITY = [
     # The same groups and warmup with the optimizer on the servers (each group's weight decay per
     # key, the lr of each step sent ahead of its round), on one server and split over two:
     (2, 1, "dist_sync", ("recipe", "rel")),
-    (2, 2, "dist_sync:bucket_mb=0.0001", ("recipe", "rel")),
+    (2, 2, "dist_sync:bucket_mb=0.0001,clip_grad_norm=0.3", ("recipe", "rel")),
     # fp16: step 2 overflows on one worker only; every worker skips it exactly, and the loss scale
     # and parameters are those of one process with torch.amp.GradScaler (the same fp16 arithmetic,
     # hence 1e-5). A pipeline's micro-batches round their fp16 weight gradients apart before they

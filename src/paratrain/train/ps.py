@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,10 @@ class PSEngine(EngineBase):
             self.kv.set_optimizer(torch.optim.SGD, lr=1.0)  # the value moves by the pushed mean update
         elif self.on_server:
             self._send_groups(optimizer)
+        self.clip = strategy.clip_grad_norm if self.syncs_hyperparameters else None
+        self.round = 0  # the servers' rounds (versions), counted from init or a restored state
+        if self.clip is not None:
+            self.kv.clip_by_norm()
         self.pull_parameters()
         self.bucket_bytes = int(strategy.bucket_mb * 2**20)
         # As DDP does: the first bucket of a step is small, so the wire starts early in backward.
@@ -261,6 +266,9 @@ class PSEngine(EngineBase):
             i for i in range(len(self.params)) if i not in self._sent and i not in self._bucket
         )
         self._send_bucket()
+        if self.clip is not None:
+            self._clip_on_servers()
+        self.round += 1
         start = time.perf_counter()
         with tracer().range("wait for round (pull)", buckets=len(self._in_flight)):
             for handle in self._hyper_sent + self._in_flight:
@@ -277,6 +285,17 @@ class PSEngine(EngineBase):
                     p.grad = torch.zeros_like(p)
                 p.grad.copy_(mean)
         return local_step()
+
+    def _clip_on_servers(self) -> None:
+        """Strategy.clip_grad_norm with the optimizer on the servers: the round's mean waits there
+        while each server's share of its squared norm comes back; the scale that clips it, the
+        same on every worker, releases it (as clip_grad_norm_: min(1, c / (norm + 1e-6)))."""
+        assert self.clip is not None
+        start = time.perf_counter()
+        with tracer().range("norm of the round"):
+            norm = math.sqrt(sum(self.kv.norm_shares(self.round)))
+        self.waiting_s += time.perf_counter() - start
+        self._in_flight.append(self.kv.clip_scale(self.round, min(1.0, self.clip / (norm + 1e-6))))
 
     def _step_update(self, local_step: Any) -> Any:
         """Top-k: this worker's optimizer steps on its gradient; the update (before - after) is
@@ -324,7 +343,7 @@ class PSEngine(EngineBase):
                     "(torch.nn.utils.clip_grad_norm_ or another change between backward and step?); "
                     "the change would be lost: with architecture='ps' set Strategy.clip_grad_norm "
                     "instead of clipping in the loop"
-                    + (" (it needs update_on='worker')" if self.on_server else "")
+                    + (" (with the optimizer on the servers: in sync mode)" if self.on_server else "")
                 )
         self._pushed.clear()
 
@@ -349,6 +368,7 @@ class PSEngine(EngineBase):
 
     def restore(self, folder: Path) -> None:
         self.kv.load_state(folder / "servers.pt")
+        self.round = 0  # the servers' versions start again from the state
         if self.on_server:
             self.pull_parameters()
         if self.syncs_hyperparameters:  # the restored groups' values (a schedule's lr) go with the

@@ -17,6 +17,11 @@ are parallel; every tensor is one flat slice of one key):
                   for their slices made later. In sync mode every worker sends it before its
                   pushes of the round on the same connection, so it is in place when the round
                   applies
+    clip_by_norm  {}                                                from worker 0: sync rounds wait,
+                  complete, for their clipping scale (shard.py, Rules.clip)
+    norm_share    {clock}                                           reply {share}: round clock's
+                  mean's squared norm over this server's slices, once it is complete on each
+    clip_scale    {clock, scale}                                    round clock is applied scaled
     leave         {rank}                                            that worker pushes no more
     join          {rank}                                            a worker that joined the running
                   job (elastic) takes part in every round from the next one (shard.py's offsets)
@@ -73,7 +78,7 @@ from paratrain.kvstore import optim
 from paratrain.kvstore import protocol as p
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.compressed import ServerCompression
-from paratrain.kvstore.consistency import from_wire
+from paratrain.kvstore.consistency import Sync, from_wire
 from paratrain.kvstore.server import mirror, outbox, rejoin, replica, report
 from paratrain.kvstore.server.fence import Fence
 from paratrain.kvstore.server.pulls import PendingPull, Pulls
@@ -149,6 +154,9 @@ class KVServer(Handler):
             p.Configure: _replying(self._configure),
             p.SetOptimizer: _replying(lambda msg: self._set_optimizer(msg.path, msg.hyper)),
             p.SetHyper: _replying(lambda msg: self.set_hyper(msg.keys, msg.hyper)),
+            p.ClipByNorm: _replying(lambda _: self._clip_by_norm()),
+            p.NormShare: lambda request, msg: request.reply({"share": self.norm_share(msg.clock)}),
+            p.ClipScale: _replying(lambda msg: self.clip_scale(msg.clock, msg.scale)),
             p.Join: _replying(lambda msg: self._join(msg.rank)),
             p.Leave: _replying(lambda msg: self._leave(msg.rank)),
             p.GetState: self._get_state,
@@ -527,6 +535,22 @@ class KVServer(Handler):
             shards = [shard for shard in self._shards.values() if shard.key in wanted]
         for shard in shards:
             shard.set_hyper(hyper)
+
+    # -- clipping by the global norm -----------------------------------------------------------------
+    def _clip_by_norm(self) -> None:
+        if self.rules.policy != Sync() or self.replicator.replication > 1:
+            raise KVError("clipping on the servers needs sync rounds and no replication")
+        self.rules.clip = True
+
+    def norm_share(self, clock: int) -> float:
+        """This server's share of the squared norm of round `clock`'s mean: blocks this worker's
+        connection until each slice has the round complete (its pushes of the round came first)."""
+        return sum(shard.norm_share(clock) for shard in self.shard_list())
+
+    def clip_scale(self, clock: int, scale: float) -> None:
+        for shard in self.shard_list():
+            shard.set_scale(clock, float(scale))
+        self.pulls.serve_ready()
 
     def optimizer_of(self, key: Any) -> tuple[str, dict]:
         """The optimizer a new slice of `key` gets: set_optimizer's, with the key's set_hyper."""

@@ -567,6 +567,27 @@ class DistKVStore(SparseAPI):
         futures = [self._clients[i].submit(*message.wire(), ()) for i in self._servers.live()]
         return Handle(futures, timeout_s=self._timeout_s, what=f"set_hyper of {len(keys)} key(s)")
 
+    def clip_by_norm(self) -> None:
+        """From now on each sync round's mean waits on the servers, unapplied, for the scale that
+        clips it by the global L2 norm: get the norm's shares with `norm_shares`, send the scale
+        with `clip_scale` (every worker, or one). Call it on every worker, before any push."""
+        if self._servers.replication > 1:
+            raise KVStoreError("clipping on the servers is not replicated yet: use JobConfig(replication=1)")
+        if self.rank == 0 and not self._joined:
+            self._all_servers(*protocol.ClipByNorm().wire())
+        self._barrier("kvstore-clip")
+
+    def norm_shares(self, clock: int) -> list[float]:
+        """Per server: the squared L2 norm of round `clock`'s mean over its slices (each answers once
+        every worker has pushed the round to it). Their sum is the square of the global norm."""
+        return [float(meta["share"]) for meta in self._all_servers(*protocol.NormShare(clock).wire())]
+
+    def clip_scale(self, clock: int, scale: float) -> Handle:
+        """Round `clock` is applied multiplied by `scale`; the pulls of the round wait for it."""
+        message = protocol.ClipScale(clock, float(scale))
+        futures = [self._clients[i].submit(*message.wire(), ()) for i in self._servers.live()]
+        return Handle(futures, timeout_s=self._timeout_s, what=f"clip_scale of round {clock}")
+
     def join(self) -> None:
         """A worker that joined a running elastic job: every round from the next one on waits for
         it. Call it while the other workers wait (at a barrier), so that none is in flight."""
