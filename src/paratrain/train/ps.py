@@ -358,6 +358,11 @@ class PSEngine(EngineBase):
 
     def join(self) -> None:
         """Elastic: this worker joined the running job; the others wait at a barrier meanwhile."""
+        if self.clip is not None:  # its rounds would count from its start, not the servers'
+            raise ValueError(
+                "Strategy.clip_grad_norm with the optimizer on the servers cannot take a worker "
+                "that joins a running job yet: use update_on='worker'"
+            )
         self.kv.join()
         self.pull_parameters()
 

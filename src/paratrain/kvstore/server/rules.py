@@ -22,12 +22,12 @@ class Rules:
     """The workers a round waits for (the scheduler's membership, as the workers sent it)."""
     average: bool = False
     """A round's update is the mean of its pushes (over the workers they stand for), not the sum."""
-    clip: bool = False
-    """Sync rounds wait, complete but unapplied, for the scale that clips them by the global norm
-    (ShardState.norm_share and set_scale): every server's share of the norm is needed first."""
     joiners: frozenset[int] = frozenset()
     """Elastic jobs: live workers that joined the running job. A round waits for one only from its
     first push to the shard on (ShardState.admit), so a joiner never holds back a round it missed."""
+    clip: bool = False
+    """Sync rounds wait, complete but unapplied, for the scale that clips them by the global norm
+    (ShardState.norm_share and set_scale): every server's share of the norm is needed first."""
 
 
 @dataclass

@@ -573,7 +573,9 @@ class DistKVStore(SparseAPI):
         with `clip_scale` (every worker, or one). Call it on every worker, before any push."""
         if self._servers.replication > 1:
             raise KVStoreError("clipping on the servers is not replicated yet: use JobConfig(replication=1)")
-        if self.rank == 0 and not self._joined:
+        if self._joined:
+            return  # the servers have it
+        if self.rank == 0:
             self._all_servers(*protocol.ClipByNorm().wire())
         self._barrier("kvstore-clip")
 
