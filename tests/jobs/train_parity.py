@@ -205,6 +205,8 @@ diff = max(error(got[name], value) for name, value in expected.items())
 if strategy.clip_grad_norm is not None:  # else the check would not show that clipping matches
     reached = max(n for n in norms if math.isfinite(n))
     assert reached > strategy.clip_grad_norm, f"the gradient never reached the clip: {reached}"
+    if strategy.distributed_optimizer:  # the servers' norm, summed from their shares, is logged
+        assert abs(trainer.gate.last_norm - norms[-1]) <= 1e-5 * norms[-1], (trainer.gate.last_norm, norms)
 if inject >= 0:
     assert trainer.gate.skipped == 1, f"worker {ctx.rank}: {trainer.gate.skipped} steps skipped, not 1"
     assert trainer.gate.scaler.scale == scalers[0].get_scale(), (

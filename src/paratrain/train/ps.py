@@ -149,6 +149,7 @@ class PSEngine(EngineBase):
             self._send_groups(optimizer)
         self.clip = strategy.clip_grad_norm if self.syncs_hyperparameters else None
         self.round = 0  # the servers' rounds (versions), counted from init or a restored state
+        self.last_norm: float | None = None  # the last round's norm, before clipping
         if self.clip is not None:
             self.kv.clip_by_norm()
         self.pull_parameters()
@@ -295,7 +296,12 @@ class PSEngine(EngineBase):
         with tracer().range("norm of the round"):
             norm = math.sqrt(sum(self.kv.norm_shares(self.round)))
         self.waiting_s += time.perf_counter() - start
+        self.last_norm = norm
         self._in_flight.append(self.kv.clip_scale(self.round, min(1.0, self.clip / (norm + 1e-6))))
+
+    def after_step(self, trainer: Any) -> None:
+        if self.last_norm is not None:  # logged as grad_norm, as the workers' own clipping is
+            trainer.gate.last_norm = self.last_norm
 
     def _step_update(self, local_step: Any) -> Any:
         """Top-k: this worker's optimizer steps on its gradient; the update (before - after) is
