@@ -570,7 +570,10 @@ class KVServer(Handler):
             entry["state"] += list(extra)
             entries.append(entry)
             tensors += parts + [t.clone() for t in extra.values()]
-        request.reply({"shards": entries, "optimizer": list(self.optimizer_spec or ())}, tensors)
+        with self._lock:
+            hyper = [[key, values] for key, values in self.key_hyper.items()]
+        optimizer = list(self.optimizer_spec or ())
+        request.reply({"shards": entries, "optimizer": optimizer, "hyper": hyper}, tensors)
 
     def _set_state(self, request: Request, msg: p.SetState) -> None:
         tensors, i = request.tensors, 0

@@ -42,7 +42,15 @@ from paratrain.kvstore.worker.checks import (
     explain_wait,
 )
 from paratrain.kvstore.worker.failover import Payload, Servers
-from paratrain.kvstore.worker.state import gather_state, read_state, read_tables, scatter_state, write_state
+from paratrain.kvstore.worker.state import (
+    by_values,
+    gather_state,
+    read_hyper,
+    read_state,
+    read_tables,
+    scatter_state,
+    write_state,
+)
 from paratrain.transport.client import Future, RpcClient
 from paratrain.transport.tensors import dtype_name
 
@@ -638,7 +646,8 @@ class DistKVStore(SparseAPI):
             )
             optimizer: list = next((r.meta["optimizer"] for r in replies if r.meta["optimizer"]), [])
             tables = self._tables.gather() if self._tables is not None and self._tables.tables else ()
-            write_state(path, gather_state(replies), optimizer, tables)
+            hyper = {key: values for r in replies for key, values in r.meta.get("hyper", [])}
+            write_state(path, gather_state(replies), optimizer, tables, hyper)
         if self._compression is not None:  # every worker's own push residuals
             self._compression.save(path, self.rank)
         self.barrier()
@@ -655,6 +664,9 @@ class DistKVStore(SparseAPI):
                 if t not in self._servers.dead
             ]
             self._wait(futures)
+            hyper = {key: values for key, values in read_hyper(path).items() if key in self._keys}
+            for keys, values in by_values(hyper):  # each key's own, over the optimizer's
+                self._all_servers(*protocol.SetHyper(keys, values).wire())
             if self._tables is not None:
                 self._tables.load(read_tables(path))
         for info in self._keys.values():
