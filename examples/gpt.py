@@ -4,6 +4,7 @@
     paratrain launch -w 2 -s 0 examples/gpt.py                                    # collective
     paratrain launch -w 2 -s 0 --strategy collective:pipeline_stages=2,micro_batches=4 examples/gpt.py
     paratrain launch -w 2 -s 1 --strategy ps:update_on=worker examples/gpt.py     # servers sum only
+    paratrain launch -w 2 -s 2 --strategy dist_sync examples/gpt.py               # servers step
 
 The text needs no download: the standard library's .py files, read from this Python's own
 installation (bytes as tokens, the last tenth of the text held out). The recipe is the usual one:
@@ -13,9 +14,9 @@ the gradient clipped to norm 1.0 and the forward in bf16 (Strategy.clip_grad_nor
 Strategy.precision, which the Trainer applies to the aggregated gradient). Every worker that holds
 the model's last stage prints the held-out perplexity at the end.
 
-With the optimizer on the servers (dist_sync, dist_async: update_on='server') the recipe does not
-run yet: the servers run one optimizer for every key with the hyperparameters it started with
-(no parameter groups, no schedule) and cannot clip the round's norm; the Trainer says so.
+With the optimizer on the servers (dist_sync) the servers run each parameter group's
+hyperparameters, take the schedule's lr with each round and clip each round's mean by its global
+norm (docs/training.md). dist_async cannot clip (there is no one mean per round); the Trainer says so.
 """
 
 import argparse

@@ -150,6 +150,7 @@ def test_local_store_state_round_trip(tmp_path):
     kv = create("local")
     kv.init([0, 1], [torch.ones(4), torch.zeros(2, 2)])
     kv.set_optimizer(torch.optim.Adam, lr=0.1)
+    kv.set_hyperparameters(0, lr=0.5)  # kept in the file
     kv.push([0, 1], [torch.ones(4), torch.ones(2, 2)])
     kv.save_state(tmp_path / "kv.pt")
     kv.push([0, 1], [torch.ones(4), torch.ones(2, 2)])
@@ -163,7 +164,7 @@ def test_local_store_state_round_trip(tmp_path):
     other.push([0, 1], [torch.ones(4), torch.ones(2, 2)])
     again = torch.empty(4)
     other.pull(0, out=again)
-    assert torch.equal(after, again)  # values and Adam's moments both came back
+    assert torch.equal(after, again)  # values, Adam's moments and key 0's lr all came back
 
 
 # -- shared shards (the same-host path), one process: the server's map and a worker's ------------
@@ -403,6 +404,7 @@ def step(r):
     g = torch.Generator().manual_seed(100 * r + ctx.rank)
     kv.pushpull(keys, [torch.randn(s, generator=g) for s in shapes], out=outs)
 if mode == "save":
+    kv.set_hyperparameters(["emb", 0], lr=0.05, betas=[0.8, 0.9]).wait()  # kept in the file
     for r in range(3):
         step(r)
     kv.save_state(path)

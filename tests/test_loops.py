@@ -48,8 +48,8 @@ def _batches(count: int, rows: int = 8, poison: int = -1) -> list[tuple[torch.Te
         (lambda: Strategy(clip_grad_norm=0), "Strategy.clip_grad_norm=0 must be a number > 0"),
         (lambda: Strategy(clip_grad_norm="1"), "Strategy.clip_grad_norm='1' must be a number"),
         (
-            lambda: Strategy.parse("dist_sync:clip_grad_norm=1"),
-            "Strategy.clip_grad_norm=1.0 with the optimizer",
+            lambda: Strategy.parse("dist_async:clip_grad_norm=1"),
+            "Strategy.clip_grad_norm=1.0 with the optimizer on the servers needs consistency='sync'",
         ),
         (lambda: Strategy.parse("dist_sync:precision=fp16"), "Strategy.precision='fp16' with the optimizer"),
         (

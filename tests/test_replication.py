@@ -236,6 +236,7 @@ def test_a_restarted_server_installs_the_state_then_takes_updates_and_serves_alo
     for server in (live, restarted):
         server.configure({"mode": "async", "members": [0, 1], "replication": 2, "servers": [["h", 1]] * 2})
     live.set_optimizer("torch.optim.SGD", {"lr": 1.0, "momentum": 0.5})
+    live.set_hyper(["w"], {"lr": 0.5})  # the key's own (its group's, its LR schedule's), before it exists
     live.replicator.dead.add(1)  # server 1 is dead: its forwards are skipped
     meta = {"key": "w", "start": 0, "stop": 3, "numel": 3, "shape": [3], "dtype": "float32", "chain": [1, 0]}
     shard = live.adopt(meta)
@@ -249,10 +250,11 @@ def test_a_restarted_server_installs_the_state_then_takes_updates_and_serves_alo
     )
     assert restarted.shard_list() == []  # dropped: not installed yet
     with shard.cond:
-        install_meta, tensors = installation(shard, live.optimizer_spec)
+        install_meta, tensors = installation(shard, live.optimizer_of("w"))
     install(restarted, frame("install", install_meta, [t.clone() for t in tensors]))
     copy = restarted.shard_list()[0]
     assert copy.chain == [1, 0] and copy.version == shard.version == 4
+    assert copy.optimizer.param_groups[0]["lr"] == shard.optimizer.param_groups[0]["lr"] == 0.5
     assert torch.equal(copy.value, shard.value) and copy.applied == shard.applied
     assert torch.equal(
         copy.optimizer.state[copy.param]["momentum_buffer"],
@@ -273,6 +275,7 @@ def test_a_restarted_server_installs_the_state_then_takes_updates_and_serves_alo
     reference = KVServer(2)
     reference.configure({"mode": "async", "members": [0, 1]})
     reference.set_optimizer("torch.optim.SGD", {"lr": 1.0, "momentum": 0.5})
+    reference.set_hyper(["w"], {"lr": 0.5})
     alone = reference.adopt(meta)
     for rank, clock in ((0, 0), (0, 1), (0, 2), (1, 1), (1, 0), (0, 3)):
         alone.push(Push(rank, clock, grad()))

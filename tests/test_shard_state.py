@@ -108,6 +108,39 @@ def test_the_optimizer_steps_once_per_round_on_the_mean() -> None:
     assert s.version == 0 and s.value.tolist() == [5.0, 5.0] and s.rounds == {}
 
 
+def test_set_hyper_changes_the_next_rounds_step_only() -> None:
+    rules = Rules(Sync(), frozenset({0}), average=True)
+    s = shard(rules, [1.0, 1.0])
+    s.attach_optimizer("torch.optim.SGD", {"lr": 0.5})
+    push(s, 0, 0, [1.0, 1.0])
+    s.set_hyper({"lr": 0.25, "weight_decay": 1.0})  # an LR schedule's step, a group's decay
+    push(s, 0, 1, [1.0, 2.0])
+    assert s.value.tolist() == [0.5 - 0.25 * 1.5, 0.5 - 0.25 * 2.5]  # (grad + decay * value) at 0.25
+    with pytest.raises(ValueError, match="SGD has no such setting"):
+        s.set_hyper({"betas": [0.9, 0.99]})
+    bare = shard(rules, [1.0])
+    with pytest.raises(KVError, match="set_hyper before set_optimizer"):
+        bare.set_hyper({"lr": 0.1})
+
+
+def test_a_clipped_round_waits_for_its_scale_and_its_share_outlives_it() -> None:
+    rules = Rules(Sync(), frozenset({0, 1}), average=True, clip=True)
+    s = shard(rules, [1.0, 1.0])
+    s.attach_optimizer("torch.optim.SGD", {"lr": 1.0})
+    push(s, 0, 0, [3.0, 0.0])
+    push(s, 1, 0, [3.0, 8.0])
+    assert s.version == 0 and s.norm_share(0) == 3.0**2 + 4.0**2  # the mean's, held unapplied
+    s.set_scale(0, 0.5)  # clipped to a norm of 2.5
+    assert s.version == 1 and s.value.tolist() == [1.0 - 1.5, 1.0 - 2.0]
+    s.set_scale(0, 0.5)  # another worker's: the round is applied already
+    assert s.version == 1 and s.norm_share(0) == 25.0  # a slower worker may still ask
+    push(s, 0, 1, [0.0, 0.0])
+    push(s, 1, 1, [0.0, 0.0])
+    s.set_scale(1, 1.0)
+    with pytest.raises(KVError, match="round 0 was applied already"):
+        s.norm_share(0)
+
+
 def test_the_policies_answer_for_both_sides() -> None:
     assert [parse(n).name for n in ("sync", "rounds", "async", "bounded")] == [
         "sync",

@@ -15,7 +15,7 @@ from paratrain.kvstore.consistency import Async, Bounded, Sync
 from paratrain.node import Context
 from paratrain.testing import run_job
 from paratrain.train import Strategy, Trainer, prepare, resolve_strategy
-from paratrain.train.ps import server_hyperparameters
+from paratrain.train.ps import changed_hyperparameters, group_hyperparameters, server_hyperparameters
 
 JOBS = Path(__file__).parent / "jobs"
 
@@ -89,14 +89,58 @@ def test_default_strategy_follows_the_environment_and_the_job(monkeypatch):
     assert resolve_strategy("dist_sync", num_servers=0, distributed=False).architecture == "ps"
 
 
-def test_server_optimizer_takes_the_local_hyperparameters_and_refuses_mixed_groups():
+def test_server_optimizer_takes_each_groups_hyperparameters():
     a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
     hyper = server_hyperparameters(torch.optim.Adam([a, b], lr=0.01, betas=(0.8, 0.9)))
     assert hyper["lr"] == 0.01 and tuple(hyper["betas"]) == (0.8, 0.9) and "params" not in hyper
     assert "foreach" not in hyper and "fused" not in hyper
-    mixed = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.5}], lr=0.1)
-    with pytest.raises(ValueError, match="use update_on='worker'"):
-        server_hyperparameters(mixed)
+    mixed = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.5, "weight_decay": 0.1}], lr=0.1)
+    first, second = group_hyperparameters(mixed)
+    assert (first["lr"], first["weight_decay"]) == (0.1, 0) and (second["lr"], second["weight_decay"]) == (
+        0.5,
+        0.1,
+    )
+    assert changed_hyperparameters([first, first], [first, second]) == [(1, {"lr": 0.5, "weight_decay": 0.1})]
+
+
+def test_clipping_with_the_optimizer_on_the_servers_needs_sync_rounds_of_every_worker():
+    assert Strategy.parse("dist_sync:clip_grad_norm=1").clip_grad_norm == 1.0  # the servers clip
+    for name in ("dist_async:", "ps:consistency=bounded,", "dist_sync_device:"):
+        with pytest.raises(ValueError, match="needs consistency='sync' and aggregation='process'"):
+            Strategy.parse(f"{name}clip_grad_norm=1")
+
+
+def test_an_lr_change_is_found_by_group_whatever_made_it():
+    """What the PS engine sends the servers before a round: the groups' changed values only."""
+    weights, biases = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW(
+        [{"params": [weights]}, {"params": [biases], "weight_decay": 0.0}], lr=0.1, betas=(0.9, 0.99)
+    )
+    sent = group_hyperparameters(optimizer)
+    assert changed_hyperparameters(sent, group_hyperparameters(optimizer)) == []
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / 4)
+    assert changed_hyperparameters(sent, group_hyperparameters(optimizer)) == [
+        (0, {"lr": 0.025}),
+        (1, {"lr": 0.025}),
+    ]
+    sent = group_hyperparameters(optimizer)
+    optimizer.step()
+    warmup.step()
+    assert changed_hyperparameters(sent, group_hyperparameters(optimizer)) == [
+        (0, {"lr": 0.05}),
+        (1, {"lr": 0.05}),
+    ]
+    sent = group_hyperparameters(optimizer)
+    optimizer.param_groups[1]["lr"] = 0.5  # by hand, one group
+    assert changed_hyperparameters(sent, group_hyperparameters(optimizer)) == [(1, {"lr": 0.5})]
+    cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=10)  # moves betas too
+    now = group_hyperparameters(optimizer)
+    assert {k for _, change in changed_hyperparameters(sent, now) for k in change} == {"lr", "betas"}
+    assert isinstance(now[0]["betas"], list)  # as it travels
+    del cycle
+    optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+    with pytest.raises(ValueError, match="the groups are fixed"):
+        changed_hyperparameters(now, group_hyperparameters(optimizer))
 
 
 # -- the Trainer in one process -------------------------------------------------------------------
@@ -282,6 +326,10 @@ PARITY = [
     # checks), against one process calling clip_grad_norm_ on the global batch's gradient:
     (2, 0, "collective:clip_grad_norm=0.3", ("recipe", "rel")),
     (2, 0, "collective:pipeline_stages=2,micro_batches=3,clip_grad_norm=0.3", ("recipe", "rel")),
+    # The same groups and warmup with the optimizer on the servers (each group's weight decay per
+    # key, the lr of each step sent ahead of its round), on one server and split over two:
+    (2, 1, "dist_sync", ("recipe", "rel")),
+    (2, 2, "dist_sync:bucket_mb=0.0001,clip_grad_norm=0.3", ("recipe", "rel")),
     # fp16: step 2 overflows on one worker only; every worker skips it exactly, and the loss scale
     # and parameters are those of one process with torch.amp.GradScaler (the same fp16 arithmetic,
     # hence 1e-5). A pipeline's micro-batches round their fp16 weight gradients apart before they
@@ -310,9 +358,15 @@ def test_strategy_matches_single_process_training(workers, servers, strategy, op
         assert any(line.startswith("parity ok") for line in outcome.lines("worker", rank)), outcome.stdout
 
 
-@pytest.mark.parametrize(("servers", "strategy"), [(0, "collective"), (1, "dist_sync")])
-def test_resuming_from_a_checkpoint_ends_where_an_uninterrupted_run_does(tmp_path, servers, strategy):
-    args = (strategy, "6", f"ckpt={tmp_path}")
+# dist_sync with the recipe: the servers' AdamW state, each group's weight decay and the warmup's lr
+# at the restored step all continue.
+@pytest.mark.parametrize(
+    ("servers", "strategy", "options"), [(0, "collective", ()), (1, "dist_sync", ("recipe", "rel"))]
+)
+def test_resuming_from_a_checkpoint_ends_where_an_uninterrupted_run_does(
+    tmp_path, servers, strategy, options
+):
+    args = (strategy, "6", f"ckpt={tmp_path}", *options)
     first = run_job(
         JOBS / "train_parity.py", workers=2, servers=servers, args=(*args, "stop=3"), timeout_s=240
     )

@@ -8,7 +8,7 @@ each tensor's largest value), inject=N (replica 0's batch of step N holds an inf
 step must be skipped everywhere, exactly, and the loss scale halve), ref32 (the reference runs in
 fp32 whatever the strategy's precision), adamw (AdamW in place of SGD with momentum), schedule
 (the learning rate halves every 2 steps: a StepLR made after the Trainer; not with ckpt, whose
-checkpoints hold no scheduler)
+checkpoints hold no scheduler; recipe's warmup goes on from the restored step)
 
 The reference simulates the workers in one process: W replicas of the same model, each computing the
 gradient of its own ShardedLoader batches (split into the strategy's micro-batches), then: averaged
@@ -57,10 +57,12 @@ def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(groups, lr=0.02)
 
 
-def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+def schedule(optimizer: torch.optim.Optimizer, done: int = 0) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The recipe's warmup, `done` steps in (a resumed run's: its optimizer's groups hold initial_lr)."""
     if "recipe" not in opts:
         return None
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+    warmup = lambda step: min(1.0, (step + 1) / 3)  # noqa: E731
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup, last_epoch=done - 1)
 
 
 def poisoned(x: torch.Tensor, step: int, replica: int) -> torch.Tensor:
@@ -98,8 +100,8 @@ trainer = Trainer(
     checkpoint_every=1 if ckpt else 0,
     progress=False,
 )
-sched = schedule(optimizer)
 resumed_at = trainer.steps
+sched = schedule(optimizer, resumed_at)
 halving = "schedule" in opts
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5) if halving else None
 if "delay" in opts:  # a test that kills this run checks where it started
@@ -203,6 +205,8 @@ diff = max(error(got[name], value) for name, value in expected.items())
 if strategy.clip_grad_norm is not None:  # else the check would not show that clipping matches
     reached = max(n for n in norms if math.isfinite(n))
     assert reached > strategy.clip_grad_norm, f"the gradient never reached the clip: {reached}"
+    if strategy.distributed_optimizer:  # the servers' norm, summed from their shares, is logged
+        assert abs(trainer.gate.last_norm - norms[-1]) <= 1e-5 * norms[-1], (trainer.gate.last_norm, norms)
 if inject >= 0:
     assert trainer.gate.skipped == 1, f"worker {ctx.rank}: {trainer.gate.skipped} steps skipped, not 1"
     assert trainer.gate.scaler.scale == scalers[0].get_scale(), (

@@ -276,6 +276,10 @@ class KVStore(Protocol):
     def set_gradient_compression(self, compression: Any) -> None:
         """Gradients travel compressed from now on (a CompressionConfig, or MXNet's dict)."""
 
+    def set_hyperparameters(self, keys: Keys, **hyperparameters: Any) -> Handle:
+        """Change hyperparameters of the optimizer of `keys` (after set_optimizer), from the next
+        update on: an LR schedule's lr, a parameter group's own weight decay."""
+
     def barrier(self) -> None: ...
 
     def stats(self) -> dict:

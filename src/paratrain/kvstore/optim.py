@@ -47,6 +47,19 @@ def build(path: str, hyper: dict[str, Any], param: torch.nn.Parameter) -> torch.
     return cls([param], **args)
 
 
+def set_hyperparameters(optimizer: torch.optim.Optimizer, hyper: dict[str, Any]) -> None:
+    """Change hyperparameters the optimizer was built with (an LR schedule's lr, a group's betas);
+    ValueError naming one it does not have."""
+    group = optimizer.param_groups[0]
+    for name, value in check_hyperparameters(hyper).items():
+        if name not in group:
+            raise ValueError(
+                f"hyperparameter {name}={value!r}: {type(optimizer).__name__} has no such setting "
+                f"(its settings: {', '.join(k for k in group if k != 'params')})"
+            )
+        group[name] = tuple(value) if isinstance(value, list) else value
+
+
 def state_tensors(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
     state = optimizer.state.get(param, {})
     return {k: v if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in state.items()}

@@ -52,6 +52,37 @@ class SetOptimizer(Message, op="set_optimizer"):
 
 
 @dataclass(frozen=True, slots=True)
+class SetHyper(Message, op="set_hyper"):
+    """New values of some hyperparameters of the optimizer of `keys` (a parameter group's keys: an
+    LR schedule's step, or a group's own weight decay)."""
+
+    keys: list
+    hyper: dict
+
+
+@dataclass(frozen=True, slots=True)
+class ClipByNorm(Message, op="clip_by_norm"):
+    """From worker 0, before any round: each sync round's mean waits on the servers, unapplied,
+    for the scale that clips it by the global norm (`clip_scale`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NormShare(Message, op="norm_share"):
+    """The squared L2 norm of round `clock`'s mean over this server's slices; answered once each
+    of them has the round complete."""
+
+    clock: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClipScale(Message, op="clip_scale"):
+    """Round `clock`'s mean is multiplied by `scale` (min(1, c / (norm + 1e-6))), then applied."""
+
+    clock: int
+    scale: float
+
+
+@dataclass(frozen=True, slots=True)
 class Join(Message, op="join"):
     rank: int
 

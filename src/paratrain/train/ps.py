@@ -6,7 +6,8 @@ buckets of about `bucket_mb`, with the pull of that bucket's new values in the s
 come back as soon as the servers have them. `step()` only waits for what is still in flight.
 
     update_on="server": the servers hold the weights and run the optimizer (kv.set_optimizer with the
-        local optimizer's class and hyperparameters); workers copy the pulled weights in.
+        local optimizer's class and its first group's hyperparameters; each other group's keys get
+        that group's own with kv.set_hyperparameters); workers copy the pulled weights in.
     update_on="worker": the servers only sum; each worker pulls the mean gradient into .grad and
         steps its own optimizer.
 
@@ -28,6 +29,16 @@ over the workers that pushed to it (KVStoreConfig.average: the round counts them
 equals one single-process step on the global batch, whatever the number of workers in the round. In
 async mode each push is applied on its own: one worker's step.
 
+LR schedules with the optimizer on the servers: at each round's first push the worker compares its
+groups' hyperparameters with what it last sent, and sends what changed (a scheduler's lr, OneCycle's
+momentum or betas, a hand edit) as a small set_hyper message to every server, ahead of that round's
+pushes on the same connections: a server reads a connection in order, so in sync mode every
+worker's new values are in place before the round, which waits for every worker, applies. Nothing
+waits for its reply but step(), with the round's. A change between backward and step, after the
+round's first push left, raises an error (the servers may have applied the round with the old
+values). A restored checkpoint's groups (the workers' optimizer state) are all sent with the next
+round. In bounded and async modes a new value holds from the next update a server applies.
+
 A gradient changed after its push (the user's own clip_grad_norm_ between backward and step, any
 other in-place change, a new .grad) would be silently lost: the servers have the pushed one, and
 with update_on="worker" the pulled mean overwrites it. step() finds such a change by the tensor's
@@ -39,6 +50,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -58,22 +70,45 @@ logger = logging.getLogger(__name__)
 _NOT_SENT = ("params", "initial_lr", "foreach", "fused", "capturable", "differentiable", "name")
 
 
-def server_hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The hyperparameters that rebuild `optimizer` on the servers; ValueError where it cannot be."""
-    groups = [
-        {k: v for k, v in g.items() if k not in _NOT_SENT and v is not None} for g in optimizer.param_groups
-    ]
-    if any(g != groups[0] for g in groups[1:]):
-        raise ValueError(
-            "the optimizer's parameter groups have different hyperparameters; the servers run one "
-            "optimizer for every key: use update_on='worker'"
-        )
+def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Per parameter group: the hyperparameters that rebuild it on the servers (plain numbers and
+    lists, as they travel)."""
     # Only what the class's constructor takes: a group may hold more (torch's AdamW keeps Adam's
     # `decoupled_weight_decay`, which AdamW() refuses).
     taken = inspect.signature(type(optimizer).__init__).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
-        groups[0] = {k: v for k, v in groups[0].items() if k in taken}
-    return {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in groups[0].items()}
+    every = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values())
+    return [
+        {
+            k: _plain(v)
+            for k, v in group.items()
+            if k not in _NOT_SENT and v is not None and (every or k in taken)
+        }
+        for group in optimizer.param_groups
+    ]
+
+
+def server_hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The hyperparameters of the optimizer's first group (what set_optimizer starts every key with)."""
+    return group_hyperparameters(optimizer)[0]
+
+
+def changed_hyperparameters(sent: list[dict], now: list[dict]) -> list[tuple[int, dict]]:
+    """Per group whose values differ from those last sent: (group index, the changed values).
+    ValueError where the groups themselves changed (add_param_group): their keys are fixed."""
+    if len(now) != len(sent):
+        raise ValueError(
+            f"the optimizer has {len(now)} parameter groups, and had {len(sent)} when the servers "
+            "took it: with the optimizer on the servers the groups are fixed (add_param_group before "
+            "the Trainer)"
+        )
+    changes = [{k: v for k, v in new.items() if old.get(k) != v} for old, new in zip(sent, now, strict=True)]
+    return [(i, change) for i, change in enumerate(changes) if change]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):  # a tensor lr (capturable schedules)
+        return float(value)
+    return list(value) if isinstance(value, tuple) else value
 
 
 class PSEngine(EngineBase):
@@ -107,11 +142,17 @@ class PSEngine(EngineBase):
         self.sends_updates = compression is not None and compression.sends_updates
         self.per_worker_optimizer = self.sends_updates  # each worker's optimizer sees its own gradients
         self.before: list[torch.Tensor] = []  # update_on="worker": the weights before the step
+        self.syncs_hyperparameters = self.on_server and not self.sends_updates
+        self._hyper_sent: list[Any] = []  # set_hyperparameters handles of this round
         if self.on_server and self.sends_updates:
             self.kv.set_optimizer(torch.optim.SGD, lr=1.0)  # the value moves by the pushed mean update
         elif self.on_server:
-            self.hyper = server_hyperparameters(optimizer)
-            self.kv.set_optimizer(type(optimizer), **self.hyper)
+            self._send_groups(optimizer)
+        self.clip = strategy.clip_grad_norm if self.syncs_hyperparameters else None
+        self.round = 0  # the servers' rounds (versions), counted from init or a restored state
+        self.last_norm: float | None = None  # the last round's norm, before clipping
+        if self.clip is not None:
+            self._servers().clip_by_norm()
         self.pull_parameters()
         self.bucket_bytes = int(strategy.bucket_mb * 2**20)
         # As DDP does: the first bucket of a step is small, so the wire starts early in backward.
@@ -126,6 +167,47 @@ class PSEngine(EngineBase):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.communication_s = self.waiting_s = 0.0
         """Seconds handing buckets to the kvstore / waiting for their rounds (train/observe.py)."""
+
+    # -- hyperparameters on the servers ------------------------------------------------------------
+    def _send_groups(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every key gets its parameter group's hyperparameters: the servers build the first
+        group's optimizer for every key, then the other groups' keys get what differs."""
+        self.optimizer = optimizer
+        self.group_keys = [
+            [self.keys[self.index[id(p)]] for p in group["params"] if id(p) in self.index]
+            for group in optimizer.param_groups
+        ]
+        groups = group_hyperparameters(optimizer)
+        self.kv.set_optimizer(type(optimizer), **groups[0])
+        self.sent = [groups[0]] * len(groups)
+        self._sync_hyperparameters()
+        for handle in self._hyper_sent:
+            handle.wait()
+        self._hyper_sent = []
+
+    def _sync_hyperparameters(self) -> None:
+        """At a round's first push: the groups' values that changed since last sent (an LR
+        schedule's step, a hand edit of param_groups[i]["lr"]) go to the servers ahead of the
+        pushes, on the same connections, so they hold for this round; no round trip is added
+        (step() waits for the replies with the round's)."""
+        now = group_hyperparameters(self.optimizer)
+        for i, change in changed_hyperparameters(self.sent, now):
+            if self.group_keys[i]:
+                self._hyper_sent.append(self.kv.set_hyperparameters(self.group_keys[i], **change))
+        self.sent = now
+
+    def _check_hyperparameters_unchanged(self) -> None:
+        """ValueError if a group's values changed after this round's first push left: the servers
+        may have applied the round already with the old ones."""
+        changed = changed_hyperparameters(self.sent, group_hyperparameters(self.optimizer))
+        if changed:
+            i, change = changed[0]
+            raise ValueError(
+                f"parameter group {i}'s {change} changed between backward and step, after this "
+                "round's gradients left for the servers, which apply it with the values they had: "
+                "change hyperparameters (and step LR schedulers) after optimizer.step() or before "
+                "backward"
+            )
 
     # -- pushing as backward goes ----------------------------------------------------------------
     def set_sync(self, sync: bool) -> None:
@@ -149,6 +231,8 @@ class PSEngine(EngineBase):
     def _send_bucket(self) -> None:
         if not self._bucket:
             return
+        if self.syncs_hyperparameters and not self._in_flight:
+            self._sync_hyperparameters()  # the round's first push
         start = time.perf_counter()
         with torch.no_grad(), tracer().range("push", keys=len(self._bucket), bytes=self._bucket_size):
             values = [self._wire_value(i) for i in self._bucket]
@@ -179,19 +263,22 @@ class PSEngine(EngineBase):
     def step(self, optimizer: torch.optim.Optimizer, local_step: Any) -> Any:
         if self.sends_updates:
             return self._step_update(local_step)
-        if self.on_server:
-            self._check_hyperparameters(optimizer)
+        if self.syncs_hyperparameters and self._in_flight:
+            self._check_hyperparameters_unchanged()
         self._check_unchanged()
         self._bucket.extend(
             i for i in range(len(self.params)) if i not in self._sent and i not in self._bucket
         )
         self._send_bucket()
+        if self.clip is not None:
+            self._clip_on_servers()
+        self.round += 1
         start = time.perf_counter()
         with tracer().range("wait for round (pull)", buckets=len(self._in_flight)):
-            for handle in self._in_flight:
+            for handle in self._hyper_sent + self._in_flight:
                 handle.wait()
         self.waiting_s += time.perf_counter() - start
-        self._in_flight, self._sent = [], set()
+        self._in_flight, self._sent, self._hyper_sent = [], set(), []
         with torch.no_grad():
             if self.on_server:
                 for p, value in zip(self.params, self.staging, strict=True):
@@ -202,6 +289,28 @@ class PSEngine(EngineBase):
                     p.grad = torch.zeros_like(p)
                 p.grad.copy_(mean)
         return local_step()
+
+    def _servers(self) -> DistKVStore:
+        """The store as the job's servers' client: clipping on the servers runs only there
+        (Strategy refuses it for the *_device stores)."""
+        assert isinstance(self.kv, DistKVStore)
+        return self.kv
+
+    def _clip_on_servers(self) -> None:
+        """Strategy.clip_grad_norm with the optimizer on the servers: the round's mean waits there
+        while each server's share of its squared norm comes back; the scale that clips it, the
+        same on every worker, releases it (as clip_grad_norm_: min(1, c / (norm + 1e-6)))."""
+        assert self.clip is not None
+        start = time.perf_counter()
+        with tracer().range("norm of the round"):
+            norm = math.sqrt(sum(self._servers().norm_shares(self.round)))
+        self.waiting_s += time.perf_counter() - start
+        self.last_norm = norm
+        self._in_flight.append(self._servers().clip_scale(self.round, min(1.0, self.clip / (norm + 1e-6))))
+
+    def after_step(self, trainer: Any) -> None:
+        if self.last_norm is not None:  # logged as grad_norm, as the workers' own clipping is
+            trainer.gate.last_norm = self.last_norm
 
     def _step_update(self, local_step: Any) -> Any:
         """Top-k: this worker's optimizer steps on its gradient; the update (before - after) is
@@ -249,18 +358,9 @@ class PSEngine(EngineBase):
                     "(torch.nn.utils.clip_grad_norm_ or another change between backward and step?); "
                     "the change would be lost: with architecture='ps' set Strategy.clip_grad_norm "
                     "instead of clipping in the loop"
-                    + (" (it needs update_on='worker')" if self.on_server else "")
+                    + (" (with the optimizer on the servers: in sync mode)" if self.on_server else "")
                 )
         self._pushed.clear()
-
-    def _check_hyperparameters(self, optimizer: torch.optim.Optimizer) -> None:
-        now = server_hyperparameters(optimizer)
-        if now != self.hyper:
-            changed = {k: (self.hyper.get(k), v) for k, v in now.items() if self.hyper.get(k) != v}
-            raise ValueError(
-                f"optimizer hyperparameters changed {changed} (old, new), but the optimizer runs on the "
-                "servers with the values it started with: use update_on='worker' with an LR schedule"
-            )
 
     def pull_parameters(self, keys: list | None = None, outs: list[torch.Tensor] | None = None) -> None:
         """The parameters become the servers' values of `keys` (default: the parameters' keys)."""
@@ -273,6 +373,11 @@ class PSEngine(EngineBase):
 
     def join(self) -> None:
         """Elastic: this worker joined the running job; the others wait at a barrier meanwhile."""
+        if self.clip is not None:  # its rounds would count from its start, not the servers'
+            raise ValueError(
+                "Strategy.clip_grad_norm with the optimizer on the servers cannot take a worker "
+                "that joins a running job yet: use update_on='worker'"
+            )
         assert isinstance(self.kv, DistKVStore)  # only a job with servers is elastic
         self.kv.join()
         self.pull_parameters()
@@ -284,8 +389,11 @@ class PSEngine(EngineBase):
 
     def restore(self, folder: Path) -> None:
         self.kv.load_state(folder / "servers.pt")
+        self.round = 0  # the servers' versions start again from the state
         if self.on_server:
             self.pull_parameters()
+        if self.syncs_hyperparameters:  # the restored groups' values (a schedule's lr) go with the
+            self.sent = [{} for _ in self.sent]  # next round, whatever the servers started with
 
     def close(self) -> None:
         for hook in self._hooks:

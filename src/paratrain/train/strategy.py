@@ -88,7 +88,8 @@ class Strategy:
     clip_grad_norm: float | None = None
     """Clip the aggregated gradient to this global L2 norm before each optimizer step: what
     torch.nn.utils.clip_grad_norm_ gives in one process on the global batch (a pipeline's norm
-    spans every stage). Under ps with update_on='server' a clip_grad_norm_ of the user's own
+    spans every stage; under ps with update_on='server', in sync mode, the servers clip each
+    round's mean by the norm their shares add up to). Under ps a clip_grad_norm_ of the user's own
     between backward and step cannot reach the servers, and raises an error."""
     fsdp_blocks: str | None = None
     """fsdp only. The submodules sharded one by one (dotted names, separated by spaces), each
@@ -191,12 +192,18 @@ class Strategy:
                 "update_on='server') is not supported yet: the servers cannot skip an overflowing "
                 "round; use precision='bf16', or update_on='worker'"
             )
-        if self.clip_grad_norm is not None and on_servers:
+        # On the servers a sync round's mean waits for the global norm (train/ps.py); other rounds
+        # have no one mean to clip, and a host's leader would need its host's part of the exchange.
+        if (
+            self.clip_grad_norm is not None
+            and on_servers
+            and (self.consistency != Sync() or self.aggregation != "process")
+        ):
             raise ValueError(
                 f"Strategy.clip_grad_norm={self.clip_grad_norm!r} with the optimizer on the servers "
-                "(architecture='ps', update_on='server') is not supported yet: the servers would "
-                "have to agree on the norm first; use update_on='worker' (the aggregated gradient "
-                "is clipped on every worker) or architecture='collective'"
+                f"needs consistency='sync' and aggregation='process', not {self.consistency} and "
+                f"{self.aggregation!r}: use update_on='worker' (the aggregated gradient is clipped on "
+                "every worker) or architecture='collective'"
             )
         if self.clip_grad_norm is not None and sends_updates:
             raise ValueError(

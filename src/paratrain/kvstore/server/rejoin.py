@@ -65,7 +65,8 @@ def send_state(kv: KVServer, request: Request, timeout_s: float) -> None:
         if rank in shard.chain:
             with shard.cond:  # forwards wait: the install goes out first, then they do
                 if replicator.serves(shard.chain, without=rank):
-                    sent.append(client.request("install", *installation(shard, kv.optimizer_spec)))
+                    optimizer = kv.optimizer_of(shard.key) if kv.optimizer_spec else None
+                    sent.append(client.request("install", *installation(shard, optimizer)))
     sent += sparse_replica.send_tables(kv.tables.all_tables(), replicator, rank, client)  # their rows
     for future in sent:
         future.wait(timeout_s)
@@ -88,6 +89,8 @@ def install(kv: KVServer, request: Request) -> None:
     if optimizer and kv.optimizer_spec is None:
         kv.set_optimizer(str(optimizer[0]), dict(optimizer[1]))
     shard = kv.adopt(meta)
+    if optimizer:  # the slice's own hyperparameters (its parameter group's, its LR schedule's)
+        kv.set_hyper([shard.key], dict(optimizer[1]))
     replica.restore(shard, request)
 
 

@@ -25,6 +25,9 @@ class Rules:
     joiners: frozenset[int] = frozenset()
     """Elastic jobs: live workers that joined the running job. A round waits for one only from its
     first push to the shard on (ShardState.admit), so a joiner never holds back a round it missed."""
+    clip: bool = False
+    """Sync rounds wait, complete but unapplied, for the scale that clips them by the global norm
+    (ShardState.norm_share and set_scale): every server's share of the norm is needed first."""
 
 
 @dataclass

@@ -12,6 +12,16 @@ are parallel; every tensor is one flat slice of one key):
     pull          {keys, starts, stops, min_versions, [read]}       reply carries the values
     pushpull      push and pull of the same slices in one frame
     set_optimizer {path, hyper}                                     from worker 0
+    set_hyper     {keys, hyper}                                     new hyperparameters of the
+                  optimizer of these keys (a parameter group's), from the next update on; kept
+                  for their slices made later. In sync mode every worker sends it before its
+                  pushes of the round on the same connection, so it is in place when the round
+                  applies
+    clip_by_norm  {}                                                from worker 0: sync rounds wait,
+                  complete, for their clipping scale (shard.py, Rules.clip)
+    norm_share    {clock}                                           reply {share}: round clock's
+                  mean's squared norm over this server's slices, once it is complete on each
+    clip_scale    {clock, scale}                                    round clock is applied scaled
     leave         {rank}                                            that worker pushes no more
     join          {rank}                                            a worker that joined the running
                   job (elastic) takes part in every round from the next one (shard.py's offsets)
@@ -68,7 +78,7 @@ from paratrain.kvstore import optim
 from paratrain.kvstore import protocol as p
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.compressed import ServerCompression
-from paratrain.kvstore.consistency import from_wire
+from paratrain.kvstore.consistency import Sync, from_wire
 from paratrain.kvstore.server import mirror, outbox, rejoin, replica, report
 from paratrain.kvstore.server.fence import Fence
 from paratrain.kvstore.server.pulls import PendingPull, Pulls
@@ -105,6 +115,7 @@ class KVServer(Handler):
         self.rank = rank
         self.rules = Rules()  # consistency policy, members, averaging: every shard and table reads them
         self.optimizer_spec: tuple[str, dict] | None = None
+        self.key_hyper: dict[Any, dict] = {}  # set_hyper's values per key, over optimizer_spec's
         self._shards: dict[tuple[Any, int, int], Shard] = {}
         self._lock = threading.Lock()
         self._arena: Arena | None = None  # shared shards, made on the first same-host init
@@ -142,6 +153,10 @@ class KVServer(Handler):
             p.Init: self._init,
             p.Configure: _replying(self._configure),
             p.SetOptimizer: _replying(lambda msg: self._set_optimizer(msg.path, msg.hyper)),
+            p.SetHyper: _replying(lambda msg: self.set_hyper(msg.keys, msg.hyper)),
+            p.ClipByNorm: _replying(lambda _: self._clip_by_norm()),
+            p.NormShare: lambda request, msg: request.reply({"share": self.norm_share(msg.clock)}),
+            p.ClipScale: _replying(lambda msg: self.clip_scale(msg.clock, msg.scale)),
             p.Join: _replying(lambda msg: self._join(msg.rank)),
             p.Leave: _replying(lambda msg: self._leave(msg.rank)),
             p.GetState: self._get_state,
@@ -329,7 +344,7 @@ class KVServer(Handler):
                 shard = ShardState(*ident, numel, shape, meta["dtype"], value, self.rules)
                 self.replicator.attach(shard, [int(s) for s in meta["chain"]])
                 if self.optimizer_spec:
-                    shard.attach_optimizer(*self.optimizer_spec)
+                    shard.attach_optimizer(*self.optimizer_of(shard.key))
                 self._shards[ident] = shard
             return shard
 
@@ -356,7 +371,7 @@ class KVServer(Handler):
                         shard.value = value.clone()
                     self._shards[ident] = shard
                     if self.optimizer_spec:
-                        shard.attach_optimizer(*self.optimizer_spec)
+                        shard.attach_optimizer(*self.optimizer_of(shard.key))
                 elif (shard.shape, shard.dtype) != (shape, dtype):
                     raise KVError(
                         f"key {key!r} was initialized as {shard.dtype}{shard.shape}; "
@@ -509,7 +524,39 @@ class KVServer(Handler):
             self.optimizer_spec = (path, hyper)
             shards = list(self._shards.values())
         for shard in shards:
-            shard.attach_optimizer(path, hyper)
+            shard.attach_optimizer(path, hyper | self.key_hyper.get(shard.key, {}))
+
+    def set_hyper(self, keys: list, hyper: dict) -> None:
+        optim.check_hyperparameters(hyper)
+        wanted = set(keys)
+        with self._lock:
+            for key in keys:
+                self.key_hyper[key] = self.key_hyper.get(key, {}) | hyper
+            shards = [shard for shard in self._shards.values() if shard.key in wanted]
+        for shard in shards:
+            shard.set_hyper(hyper)
+
+    # -- clipping by the global norm -----------------------------------------------------------------
+    def _clip_by_norm(self) -> None:
+        if self.rules.policy != Sync() or self.replicator.replication > 1:
+            raise KVError("clipping on the servers needs sync rounds and no replication")
+        self.rules.clip = True
+
+    def norm_share(self, clock: int) -> float:
+        """This server's share of the squared norm of round `clock`'s mean: blocks this worker's
+        connection until each slice has the round complete (its pushes of the round came first)."""
+        return sum(shard.norm_share(clock) for shard in self.shard_list())
+
+    def clip_scale(self, clock: int, scale: float) -> None:
+        for shard in self.shard_list():
+            shard.set_scale(clock, float(scale))
+        self.pulls.serve_ready()
+
+    def optimizer_of(self, key: Any) -> tuple[str, dict]:
+        """The optimizer a new slice of `key` gets: set_optimizer's, with the key's set_hyper."""
+        assert self.optimizer_spec is not None
+        path, hyper = self.optimizer_spec
+        return path, hyper | self.key_hyper.get(key, {})
 
     # -- state ------------------------------------------------------------------------------------
     def _get_state(self, request: Request, _: p.GetState) -> None:
@@ -523,7 +570,10 @@ class KVServer(Handler):
             entry["state"] += list(extra)
             entries.append(entry)
             tensors += parts + [t.clone() for t in extra.values()]
-        request.reply({"shards": entries, "optimizer": list(self.optimizer_spec or ())}, tensors)
+        with self._lock:
+            hyper = [[key, values] for key, values in self.key_hyper.items()]
+        optimizer = list(self.optimizer_spec or ())
+        request.reply({"shards": entries, "optimizer": optimizer, "hyper": hyper}, tensors)
 
     def _set_state(self, request: Request, msg: p.SetState) -> None:
         tensors, i = request.tensors, 0

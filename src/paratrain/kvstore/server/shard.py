@@ -102,6 +102,10 @@ class ShardState:
     """Replicated servers: the version the backups hold."""
     applied: dict[int, Clocks] = field(default_factory=dict)
     """Async pushes: per worker rank, the clocks of its pushes applied (a repeat is dropped)."""
+    shares: dict[int, float] = field(default_factory=dict)
+    scales: dict[int, float] = field(default_factory=dict)
+    """Rules.clip: per complete round held back, the squared norm of its mean (`norm_share`), and
+    the scale that releases it (`set_scale`)."""
     offsets: dict[int, int] = field(default_factory=dict)
     """Per joiner that pushed this shard: the round its clock 0 stands for (it pushes and pulls
     in its own clocks, counted from its start; the shard shifts them)."""
@@ -336,15 +340,53 @@ class ShardState:
                 if self.version not in self.opened and self.lendable():
                     self.stall()  # until a backup gives a buffer back (mirror.py, release)
                     continue
+                scale = self._clip_scale(entry)
+                if scale is None:
+                    return  # held until the global norm is known
                 del self.rounds[self.version]
                 b = self.opened.pop(self.version, None)
                 if b is not None:
                     assert self.region is not None
                     self.region.close_round(b)
+                if scale != 1.0:
+                    entry.acc.mul_(scale)
                 self._apply(entry.acc, entry.weight, buffer=b)
                 if b is None and entry.acc is not self.value:  # spent: an optimizer's or a copy's input
                     self.recycle(entry.acc)
                 self.open_free_buffers()
+
+    def _clip_scale(self, entry: Round) -> float | None:
+        """A complete round's clipping scale (1.0 without Rules.clip); None while it is not known
+        (its share of the squared norm is noted for norm_share). Holds cond."""
+        if not self.rules.clip:
+            return 1.0
+        if self.version in self.scales:
+            # This round's share stays until the next one applies: a worker may still ask for it
+            # (another's scale applied the round first), and none asks for an older one (its pushes
+            # of the next round follow its question).
+            self.shares.pop(self.version - 1, None)
+            return self.scales.pop(self.version)
+        if self.version not in self.shares:
+            divisor = entry.weight if self.rules.average else 1
+            self.shares[self.version] = float(entry.acc.double().square().sum()) / divisor**2
+            self.cond.notify_all()
+        return None
+
+    def norm_share(self, round_: int) -> float:
+        """The squared norm of round `round_`'s mean on this slice, once the round is complete."""
+        with self.cond:
+            while round_ not in self.shares:
+                if round_ < self.version:
+                    raise KVError(f"{self.describe()}: round {round_} was applied already")
+                self.cond.wait()
+            return self.shares[round_]
+
+    def set_scale(self, round_: int, scale: float) -> None:
+        """Round `round_` is clipped by `scale`, then applied (a repeat from another worker: no-op)."""
+        with self.cond:
+            if round_ >= self.version:
+                self.scales[round_] = scale
+                self.apply_complete_rounds()
 
     def _apply(self, grad: torch.Tensor, weight: int = 1, buffer: int | None = None) -> None:
         """The one update of the value (`_update`); on replicated servers the new state is sent to
@@ -450,6 +492,13 @@ class ShardState:
             self.value = self.param.data
             self.optimizer = optim.build(path, hyper, self.param)
 
+    def set_hyper(self, hyper: dict) -> None:
+        """New hyperparameters for the optimizer's next steps (not during one: holds cond)."""
+        with self.cond:
+            if self.optimizer is None:
+                raise KVError(f"{self.describe()}: set_hyper before set_optimizer")
+            optim.set_hyperparameters(self.optimizer, hyper)
+
     def state(self) -> tuple[dict, list[torch.Tensor]]:
         """This shard's entry of a state file and its tensors: value, then optimizer state."""
         with self.cond:
@@ -522,6 +571,7 @@ class ShardState:
             with self.writing():
                 self.value.copy_(value.reshape(-1))
                 self.version, self.rounds, self.durable, self.applied = 0, {}, 0, {}
+                self.shares, self.scales = {}, {}
                 if self.region is not None:
                     self.region.stamp(0)
             if self.region is not None:

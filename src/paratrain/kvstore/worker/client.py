@@ -42,7 +42,15 @@ from paratrain.kvstore.worker.checks import (
     explain_wait,
 )
 from paratrain.kvstore.worker.failover import Payload, Servers
-from paratrain.kvstore.worker.state import gather_state, read_state, read_tables, scatter_state, write_state
+from paratrain.kvstore.worker.state import (
+    by_values,
+    gather_state,
+    read_hyper,
+    read_state,
+    read_tables,
+    scatter_state,
+    write_state,
+)
 from paratrain.transport.client import Future, RpcClient
 from paratrain.transport.tensors import dtype_name
 
@@ -555,6 +563,41 @@ class DistKVStore(SparseAPI):
             self._all_servers(*protocol.SetOptimizer(path, hyper).wire())
         self._barrier("kvstore-optimizer")
 
+    def set_hyperparameters(self, keys: Keys, **hyperparameters: Any) -> Handle:
+        """New values of some hyperparameters of the servers' optimizer for `keys` (a parameter
+        group's keys: an LR schedule's step, a group's own weight decay), from the next update on.
+        Sent to every server ahead of this worker's next pushes, on the same connections (which a
+        server reads in order): no round trip is added; wait on the handle when convenient."""
+        keys = list(keys) if isinstance(keys, (list, tuple)) else [keys]
+        for key in keys:
+            self._info(key)
+        message = protocol.SetHyper(keys, optim.check_hyperparameters(hyperparameters))
+        futures = [self._clients[i].submit(*message.wire(), ()) for i in self._servers.live()]
+        return Handle(futures, timeout_s=self._timeout_s, what=f"set_hyper of {len(keys)} key(s)")
+
+    def clip_by_norm(self) -> None:
+        """From now on each sync round's mean waits on the servers, unapplied, for the scale that
+        clips it by the global L2 norm: get the norm's shares with `norm_shares`, send the scale
+        with `clip_scale` (every worker, or one). Call it on every worker, before any push."""
+        if self._servers.replication > 1:
+            raise KVStoreError("clipping on the servers is not replicated yet: use JobConfig(replication=1)")
+        if self._joined:
+            return  # the servers have it
+        if self.rank == 0:
+            self._all_servers(*protocol.ClipByNorm().wire())
+        self._barrier("kvstore-clip")
+
+    def norm_shares(self, clock: int) -> list[float]:
+        """Per server: the squared L2 norm of round `clock`'s mean over its slices (each answers once
+        every worker has pushed the round to it). Their sum is the square of the global norm."""
+        return [float(meta["share"]) for meta in self._all_servers(*protocol.NormShare(clock).wire())]
+
+    def clip_scale(self, clock: int, scale: float) -> Handle:
+        """Round `clock` is applied multiplied by `scale`; the pulls of the round wait for it."""
+        message = protocol.ClipScale(clock, float(scale))
+        futures = [self._clients[i].submit(*message.wire(), ()) for i in self._servers.live()]
+        return Handle(futures, timeout_s=self._timeout_s, what=f"clip_scale of round {clock}")
+
     def join(self) -> None:
         """A worker that joined a running elastic job: every round from the next one on waits for
         it. Call it while the other workers wait (at a barrier), so that none is in flight."""
@@ -603,7 +646,8 @@ class DistKVStore(SparseAPI):
             )
             optimizer: list = next((r.meta["optimizer"] for r in replies if r.meta["optimizer"]), [])
             tables = self._tables.gather() if self._tables is not None and self._tables.tables else ()
-            write_state(path, gather_state(replies), optimizer, tables)
+            hyper = {key: values for r in replies for key, values in r.meta.get("hyper", [])}
+            write_state(path, gather_state(replies), optimizer, tables, hyper)
         if self._compression is not None:  # every worker's own push residuals
             self._compression.save(path, self.rank)
         self.barrier()
@@ -620,6 +664,9 @@ class DistKVStore(SparseAPI):
                 if t not in self._servers.dead
             ]
             self._wait(futures)
+            hyper = {key: values for key, values in read_hyper(path).items() if key in self._keys}
+            for keys, values in by_values(hyper):  # each key's own, over the optimizer's
+                self._all_servers(*protocol.SetHyper(keys, values).wire())
             if self._tables is not None:
                 self._tables.load(read_tables(path))
         for info in self._keys.values():

@@ -141,6 +141,12 @@ class HostKVStore:
     def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
         self._leader_then_all(lambda kv: kv.set_optimizer(optimizer, **hyperparameters))
 
+    def set_hyperparameters(self, keys: Keys, **hyperparameters: Any) -> Handle:
+        """The host's leader sends them (every worker of the host has the same: sync rounds)."""
+        if self._inner is None:
+            return Handle([])
+        return self._inner.set_hyperparameters(keys, **hyperparameters)
+
     def set_gradient_compression(self, compression: Any) -> None:
         """The host's leader compresses what it sends (the reduce within a host is not)."""
         compression_config(compression)  # checked on every worker

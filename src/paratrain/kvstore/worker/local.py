@@ -21,7 +21,7 @@ from paratrain.kvstore.worker.checks import (
     check_call,
     check_init_value,
 )
-from paratrain.kvstore.worker.state import read_state, write_state
+from paratrain.kvstore.worker.state import by_values, read_hyper, read_state, write_state
 
 
 class LocalKVStore:
@@ -34,6 +34,7 @@ class LocalKVStore:
         self._params: dict[Any, torch.nn.Parameter] = {}
         self._optimizers: dict[Any, torch.optim.Optimizer] = {}
         self._optimizer_spec: tuple[str, dict] | None = None
+        self._key_hyper: dict[Any, dict] = {}  # set_hyperparameters' values per key
 
     def _value(self, key: Any) -> torch.Tensor:
         if key not in self._values:
@@ -102,6 +103,15 @@ class LocalKVStore:
         for key in self._values:
             self._attach(key, *self._optimizer_spec)
 
+    def set_hyperparameters(self, keys: Keys, **hyperparameters: Any) -> Handle:
+        hyper = optim.check_hyperparameters(hyperparameters)
+        for key in keys if isinstance(keys, (list, tuple)) else [keys]:
+            if key not in self._optimizers:
+                raise KVStoreError(f"key {key!r} has no optimizer (call init and set_optimizer first)")
+            optim.set_hyperparameters(self._optimizers[key], hyper)
+            self._key_hyper[key] = self._key_hyper.get(key, {}) | hyper
+        return Handle([])
+
     def _attach(self, key: Any, path: str, hyper: dict) -> None:
         self._params[key] = torch.nn.Parameter(self._values[key], requires_grad=True)
         self._values[key] = self._params[key].data
@@ -129,7 +139,7 @@ class LocalKVStore:
             )
             for key, value in self._values.items()
         ]
-        write_state(path, entries, list(self._optimizer_spec or ()))
+        write_state(path, entries, list(self._optimizer_spec or ()), hyper=self._key_hyper)
 
     def load_state(self, path: str | os.PathLike[str]) -> None:
         for key, value, state in read_state(path):
@@ -138,6 +148,8 @@ class LocalKVStore:
                 if key not in self._optimizers:
                     raise KVStoreError("the state has optimizer state: call set_optimizer before load_state")
                 optim.load_state_tensors(self._optimizers[key], self._params[key], state)
+        for keys, values in by_values(read_hyper(path)):  # each key's own, over the optimizer's
+            self.set_hyperparameters(keys, **values)
 
     def close(self) -> None:
         pass

@@ -32,8 +32,13 @@ TableEntry = dict[str, Any]
 
 
 def write_state(
-    path: str | os.PathLike[str], entries: list[Entry], optimizer: list, tables: Sequence[TableEntry] = ()
+    path: str | os.PathLike[str],
+    entries: list[Entry],
+    optimizer: list,
+    tables: Sequence[TableEntry] = (),
+    hyper: dict[Any, dict] | None = None,
 ) -> None:
+    """`hyper`: per key, the hyperparameters set_hyperparameters gave it over `optimizer`'s."""
     state = {
         "format": STATE_FORMAT,
         "keys": [{"key": k, "shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v, _ in entries],
@@ -43,6 +48,8 @@ def write_state(
     }
     if tables:
         state["tables"] = list(tables)
+    if hyper:
+        state["hyper"] = [[key, values] for key, values in hyper.items()]
     _write(path, state)
 
 
@@ -55,6 +62,27 @@ def read_state(path: str | os.PathLike[str]) -> list[Entry]:
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise KVStoreError(f"{path} is not a paratrain kvstore state file")
     return [(e["key"], state["values"][n], state["state"].get(n, {})) for n, e in enumerate(state["keys"])]
+
+
+def read_hyper(path: str | os.PathLike[str]) -> dict[Any, dict]:
+    """Per key, the hyperparameters that set_hyperparameters gave it (none in older files)."""
+    state = torch.load(path, weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise KVStoreError(f"{path} is not a paratrain kvstore state file")
+    return {key: dict(values) for key, values in state.get("hyper", [])}
+
+
+def by_values(hyper: dict[Any, dict]) -> list[tuple[list, dict]]:
+    """The keys of `hyper` grouped by equal values (one set_hyper per group)."""
+    groups: list[tuple[list, dict]] = []
+    for key, values in hyper.items():
+        for keys, same in groups:
+            if same == values:
+                keys.append(key)
+                break
+        else:
+            groups.append(([key], values))
+    return groups
 
 
 def read_tables(path: str | os.PathLike[str]) -> list[TableEntry]:
