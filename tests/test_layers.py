@@ -32,7 +32,7 @@ LAYERS = [
     ("integrations",),
     ("launch",),
     ("testing_hosts", "testing"),
-    ("node", "__init__"),
+    ("node", "__init__", "__main__"),
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from paratrain.launch import jobs
+from paratrain.launch import engines, jobs
 
 WAIT_S = 5.0
 """How long to wait for a process's stacks to reach its log."""
@@ -118,7 +118,7 @@ def stacks(ctx: click.Context, job: str, output_dir: str | None) -> None:
     record = jobs.refresh(jobs.read_record(folder))
     if record.final:
         raise click.ClickException(f"job {record.id} is {record.state}: it has no processes")
-    if record.backend != "local" or record.driver_pid is None:
+    if not engines.get(record.backend).processes_here or record.driver_pid is None:
         raise click.ClickException(
             f"job {record.id} runs on {record.backend}: `paratrain stacks` reaches the processes of "
             "local jobs; elsewhere send SIGUSR1 to a process, which writes its stacks to its log"

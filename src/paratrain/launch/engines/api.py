@@ -88,6 +88,9 @@ class Engine(ABC):
     """Supports --elastic and --max-restarts."""
     evaluator: ClassVar[bool] = False
     """Runs a spec's evaluator process beside the job."""
+    processes_here: ClassVar[bool] = False
+    """Every process of a job runs on this machine, under the job's driver (`paratrain stacks`
+    signals them)."""
 
     # -- the launcher
 

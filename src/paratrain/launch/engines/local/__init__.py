@@ -38,6 +38,7 @@ class LocalOptions:
 class LocalEngine(DrivenEngine):
     options_type = LocalOptions
     binds_dashboard = True
+    processes_here = True
 
     def options(self, args: LaunchArgs) -> LocalOptions:
         return LocalOptions(host=args.host, dashboard=args.dashboard, gpus_per_worker=args.gpus_per_worker)
