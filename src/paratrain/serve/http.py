@@ -63,25 +63,31 @@ auto (httptools where installed, else h11)."""
 
 
 def http_protocol(parser: str = "auto") -> type[asyncio.Protocol]:
-    """uvicorn's protocol for `parser` (PARSERS): httptools writing through a CoalescingTransport,
-    or uvicorn's h11 protocol."""
+    """uvicorn's protocol for `parser` (PARSERS), writing through a CoalescingTransport."""
     if parser not in PARSERS:
         raise ValueError(f"parser={parser!r} is not one of {', '.join(PARSERS)}")
     if parser == "h11":
-        return h11_protocol()
+        return _coalescing(h11_protocol())
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
         if parser == "httptools":
             raise ServeError("parser='httptools' needs httptools: pip install 'uvicorn[standard]'") from None
-        return h11_protocol()
+        return _coalescing(h11_protocol())
+    return _coalescing(HttpToolsProtocol)
 
-    class CoalescingHttpToolsProtocol(HttpToolsProtocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+
+def _coalescing(protocol: type[Any]) -> type[asyncio.Protocol]:
+    """`protocol` writing through a CoalescingTransport: both parsers' protocols write an answer's
+    head and body in two writes (module docstring)."""
+
+    class Coalescing(protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
-            self.transport = CoalescingTransport(transport)  # type: ignore[assignment]
+            self.transport = CoalescingTransport(transport)
 
-    return CoalescingHttpToolsProtocol
+    Coalescing.__name__ = Coalescing.__qualname__ = f"Coalescing{protocol.__name__}"
+    return Coalescing
 
 
 class HttpServer:
