@@ -8,14 +8,14 @@ import json
 import re
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+from test_serve import start_cli
 
-from paratrain.testing import free_port, run_job
+from paratrain.testing import run_job
 
 ROOT = Path(__file__).parent.parent
 DOCS = ROOT / "docs"
@@ -107,27 +107,8 @@ def test_the_serving_tutorial_trains_serves_and_answers(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     outcome = run_job(model_file, workers=2, servers=1, args=[ckpt], env=ONE_THREAD, timeout_s=180)
     assert all("trained 64 steps" in outcome.lines("worker", r, "stdout")[-1] for r in (0, 1))
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-c",
-        "from paratrain.launch.cli import main; main()",
-        "serve",
-        "--port",
-        str(port),
-    ]
-    argv += ["--model", f"{model_file}:make_model", "--input", "inputs:float32:20", ckpt]
-    server = subprocess.Popen(argv)
-    url = f"http://127.0.0.1:{port}"
+    server, url = start_cli("--model", f"{model_file}:make_model", "--input", "inputs:float32:20", ckpt)
     try:
-        deadline = time.monotonic() + 200
-        while True:
-            try:
-                urllib.request.urlopen(url + "/healthz", timeout=5).close()
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert server.poll() is None and time.monotonic() < deadline, "paratrain serve did not start"
-                time.sleep(0.2)
         client = subprocess.run(
             [sys.executable, str(EXAMPLES / "serving_client.py"), url],
             capture_output=True,
