@@ -23,9 +23,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from prometheus_client import (
@@ -50,6 +52,7 @@ from paratrain.serve.oip import OpenInference
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 OFF_LOOP_BYTES = 64 << 10
 """Bodies larger than this are decoded on a thread; a smaller one decodes in less time than the
 hand-off would cost."""
@@ -133,9 +136,11 @@ def build_app(
         batcher.close()
         endpoint.close()
 
-    app = Starlette(
+    predict = Predict(batcher, config, metrics)
+    app = ServeApp(
+        predict,
         routes=[
-            Route("/predict", Predict(batcher, config, metrics), methods=["POST"]),
+            Route("/predict", predict, methods=["POST"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
             *OpenInference(batcher, config, endpoint.step).routes(),
@@ -145,6 +150,24 @@ def build_app(
     )
     app.state.metrics, app.state.batcher = metrics, batcher
     return app
+
+
+class ServeApp(Starlette):
+    """Starlette, with `POST /predict` handed to its handler before Starlette's middleware and
+    router: they took about as much of the event loop's time per request as the handler itself
+    (py-spy, 32 clients), and the handler answers every error itself (a 4xx or 500 naming it), which
+    is what the middleware would add. Every other request goes the usual way."""
+
+    def __init__(self, predict: Predict, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._predict = predict
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/predict" and scope["method"] == "POST":
+            scope["app"] = self
+            await self._predict(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
 
 
 class Predict:
@@ -195,7 +218,7 @@ class Predict:
         with self.budget.holding(declared) as held:
             timeout_s = self.config.limits.body_timeout_s
             try:
-                body = await asyncio.wait_for(_read_body(receive, limit, held), timeout_s)
+                body = await within(_read_body(receive, limit, held), timeout_s)
             except asyncio.TimeoutError:
                 raise BadRequest(408, f"the body did not arrive within {timeout_s} s") from None
             inputs = await self._decode(body, headers)
@@ -245,6 +268,15 @@ class BodyBudget:
                 503, f"the server holds {self.held} bytes of request bodies (limit {self.limit}): try again"
             )
         self.held += size
+
+
+async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
+    """`asyncio.wait_for`, without the task it makes per call on Python 3.11 and later (a tenth of
+    the event loop's time per request at 32 clients): there the deadline is on the running task."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout_s):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, timeout_s)  # pragma: no cover (3.10)
 
 
 class ClientGone(Exception):
