@@ -142,7 +142,7 @@ def _start_embedded_scheduler(spec: ClusterSpec, config: JobConfig) -> threading
 
 
 def _serve(spec: ClusterSpec, config: JobConfig) -> int:
-    from paratrain.kvstore.server import rejoin
+    from paratrain.kvstore.server import faults, rejoin
     from paratrain.kvstore.server.replica import Replicator
     from paratrain.kvstore.server.report import server_report
     from paratrain.kvstore.server.server import KVServer  # servers serve the kvstore (and "ping")
@@ -151,9 +151,10 @@ def _serve(spec: ClusterSpec, config: JobConfig) -> int:
     scheduler_thread = _start_embedded_scheduler(spec, config)
     kv = KVServer(spec.rank or 0, replicator=Replicator(spec.rank or 0, spec.secret, config.transport))
     trace = observe.start_trace(os.environ, "server", spec.rank or 0)
+    kill_at = faults.kill_at(spec.rank or 0)  # tests only: a server lost at a chosen moment
     server = RpcServer(
         spec.secret,
-        observe.traced(kv, trace),
+        faults.armed(observe.traced(kv, trace), kill_at),
         host=spec.host,
         config=config.transport,
         name=f"server {spec.rank}",
@@ -163,7 +164,12 @@ def _serve(spec: ClusterSpec, config: JobConfig) -> int:
         link.on_members(lambda m: kv.set_members(m.workers, m.joiners))
     if config.replication > 1:  # a lost server: no copies to it, none taken from it (fence.py)
         link.on_server_lost(kv.replicator.server_lost)
+    faults.at(kill_at, "start")
     roster = link.register("server", port=server.port)
+    faults.at(kill_at, "started")
+    if not roster.joined:  # servers lost before the start: no copies to them (one may never have registered)
+        for rank, why in list(link.lost_servers.items()):
+            kv.replicator.server_lost(rank, why)
     if roster.joined:  # restarted into a running replicated job: catch up, then count as a copy
         kv.replicator.configure(config.replication, roster.servers)
         rejoin.catch_up(kv, list(roster.lost), config.transport.request_timeout_s)
