@@ -1,8 +1,8 @@
 """The job of tests/test_server_loss.py: a whole replicated kvstore life, checked exactly.
 
-    server_loss.py ROUNDS DIR
+    server_loss.py ROUNDS DIR [REPLICATION]
 
-With JobConfig.replication=2: configure, init of three keys (one sliced over the servers), a server
+With JobConfig.replication=2 (or REPLICATION): configure, init of three keys (one sliced over the servers), a server
 SGD with momentum, a key's own learning rate (set_hyperparameters), ROUNDS sync rounds of known
 pushes, a checkpoint (save_state) halfway, a last pull, and the end (the workers leave the rounds).
 A server may die at any of these moments (kvstore/server/faults.py). Each worker replays every
@@ -24,7 +24,7 @@ from paratrain.kvstore.reference import ReferenceStore
 from paratrain.kvstore.worker.state import read_state
 
 rounds, folder = int(sys.argv[1]), Path(sys.argv[2])
-ctx = paratrain.init(JobConfig(replication=2))
+ctx = paratrain.init(JobConfig(replication=int(sys.argv[3]) if len(sys.argv) > 3 else 2))
 kv = create(KVStoreConfig(consistency="sync", slice_elements=64, frame_bytes=256), ctx)
 sizes = {"a": 8, "b": 3, "big": 200}  # "big" is sliced over the servers
 keys = list(sizes)

@@ -561,12 +561,16 @@ class Scheduler(Handler):
             else:
                 survivable = True
                 self.lost_servers.add(exited.rank)
-                self.failures.append({"role": "server", "rank": exited.rank, "reason": what, "time": time.time()})
+                self.failures.append(
+                    {"role": "server", "rank": exited.rank, "reason": what, "time": time.time()}
+                )
                 others = list(self.members.by_conn)
         if not survivable:
+            before = (
+                f", and servers {sorted(self.lost_servers)} were lost before" if self.lost_servers else ""
+            )
             self.abort(
-                f"{what}; the job cannot go on without it (replication={self.config.replication}, "
-                f"servers lost: {sorted(self.lost_servers)})"
+                f"{what}; the job cannot go on without it (replication={self.config.replication}{before})"
             )
             return
         logger.warning("%s; its backups serve its slices (replication %d)", what, self.config.replication)

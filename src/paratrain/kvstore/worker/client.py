@@ -100,7 +100,7 @@ class DistKVStore(SparseAPI):
         self._ctx = ctx
         self.rank, self.num_workers = ctx.rank, ctx.num_workers
         self._timeout_s = ctx.config.transport.request_timeout_s
-        self._clients = [self._reach(i, host, port) for i, (host, port) in enumerate(ctx.servers)]
+        self._clients: list[Any] = [self._reach(i, host, port) for i, (host, port) in enumerate(ctx.servers)]
         # Smaller slices only where every slice of a key is at one version after each round (sync),
         # and where the servers are on several hosts (on one, more frames only cost CPU).
         spread = len({host for host, _ in ctx.servers if host}) > 1  # "": a server lost before the start
@@ -608,7 +608,7 @@ class DistKVStore(SparseAPI):
         for key in keys:
             self._info(key)
         message = protocol.SetHyper(keys, optim.check_hyperparameters(hyperparameters))
-        futures = [self._servers.submit(i, *message.wire()) for i in self._servers.live()]
+        futures: list = [self._servers.submit(i, *message.wire()) for i in self._servers.live()]
         return Handle(futures, timeout_s=self._timeout_s, what=f"set_hyper of {len(keys)} key(s)")
 
     def clip_by_norm(self) -> None:
@@ -631,7 +631,7 @@ class DistKVStore(SparseAPI):
     def clip_scale(self, clock: int, scale: float) -> Handle:
         """Round `clock` is applied multiplied by `scale`; the pulls of the round wait for it."""
         message = protocol.ClipScale(clock, float(scale))
-        futures = [self._servers.submit(i, *message.wire()) for i in self._servers.live()]
+        futures: list = [self._servers.submit(i, *message.wire()) for i in self._servers.live()]
         return Handle(futures, timeout_s=self._timeout_s, what=f"clip_scale of round {clock}")
 
     def join(self) -> None:

@@ -145,7 +145,9 @@ class Servers:
         for primary in range(len(self.clients)):
             self.serving(primary)
 
-    def submit(self, server: int, op: str, meta: dict, tensors: Sequence[torch.Tensor] = ()) -> Future | Spared:
+    def submit(
+        self, server: int, op: str, meta: dict, tensors: Sequence[torch.Tensor] = ()
+    ) -> Future | Spared:
         """A request to `server` alone, one of a call to every live server or every copy (not a
         push or pull): with replication, its loss meanwhile is survived (Spared)."""
         future = self.clients[server].submit(op, meta, tensors)

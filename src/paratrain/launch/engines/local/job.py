@@ -416,8 +416,10 @@ class _Job:
         else:  # one that never registered is lost for the scheduler now, not at its start timeout
             reason = child.failure_reason or "died"
             threading.Thread(
-                target=_tell_scheduler, args=(self.scheduler_address, self._secret, "server", child.rank, reason),
-                name="exited", daemon=True,
+                target=_tell_scheduler,
+                args=(self.scheduler_address, self._secret, "server", child.rank, reason),
+                name="exited",
+                daemon=True,
             ).start()
 
     # -- stopping
