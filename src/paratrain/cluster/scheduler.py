@@ -4,8 +4,9 @@ Protocol (each message a typed value in protocol.py, routed by one table, `Route
 carry an id and get a reply; heartbeats are one-way):
 
     register  {role, rank?, host, port, pid, version, config}  -> replied once every node has
-              registered: {rank, servers: [[host, port]...], workers: [[host, pid]...],
-              membership: {generation, workers, joiners}, joined}
+              registered (but servers lost meanwhile): {rank, servers: [[host, port]...],
+              workers: [[host, pid]...], membership: {generation, workers, joiners}, joined,
+              lost: the servers lost (one that never registered is ["", 0] in servers)}
     heartbeat {report?}                                        (one-way, every interval; the
               report, this process's figures, goes to the observer: the dashboard's board; a
               worker's also to the straggler detector, stragglers.py)
@@ -16,6 +17,9 @@ carry an id and get a reply; heartbeats are one-way):
               which traces are aligned on
     peer_lost {role, rank, error}                              (one-way) this node lost its
               connection to that one: the job is aborted naming that one
+    exited    {role, rank, reason}                             -> {}: from the launcher, a process
+              died and the job goes on (a replicated server not restarted); one that never
+              registered is lost now: the job starts without it, or ends at once naming it
     barrier   {group: "workers" | "all", name, data?}          -> replied when the group arrived,
               with every worker's data: {data: [[rank, data], ...]} (a small all-gather)
     finish    {}                                               a worker is done; replied at once
