@@ -93,6 +93,9 @@ class SchedulerLink:
             on_message=self._notice,
             on_close=self._closed,
             origin=f"{spec.role}{'' if spec.rank is None else f' {spec.rank}'} at {spec.host}",
+            # The scheduler greets at once; a silent listener is another program on its port,
+            # which waiting connect_timeout_s would not change (node.py says so in one line).
+            silence_is_final=True,
         )
         self._heartbeats = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self._heartbeats.start()
