@@ -89,3 +89,47 @@ def test_under_torchrun_a_scheduler_port_taken_is_one_line_and_the_other_ranks_a
     line = f"paratrain: port {master + 1} on 127.0.0.1 is taken by another process: the scheduler listens on "
     assert line + "MASTER_PORT+1: choose another MASTER_PORT" in output, output
     assert "SIGTERM" in output, output  # rank 1, stopped by torchrun's agent when rank 0 ended
+
+
+@pytest.mark.timeout(120)
+def test_ranks_started_without_an_agent_each_say_the_scheduler_port_is_taken_without_waiting(
+    tmp_path,
+) -> None:
+    """As under srun or by hand: no agent stops the other ranks when rank 0 cannot bind
+    MASTER_PORT+1. A rank that finds there a listener that sends no paratrain greeting says the
+    same line as rank 0 once the handshake timeout passed, not after the 60 s connect timeout."""
+    script = tmp_path / "init.py"
+    script.write_text("import paratrain\nparatrain.init()\nprint('init done', flush=True)\n")
+    master = free_port_run(2)
+    env = {
+        **os.environ,
+        "PARATRAIN_SECRET": "ab" * 32,
+        "PYTHONPATH": str(ROOT / "src"),
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master),
+        "WORLD_SIZE": "2",
+    }
+    env = {k: v for k, v in env.items() if not k.startswith("TORCHELASTIC_")}
+    line = f"paratrain: port {master + 1} on 127.0.0.1 is taken by another process: the scheduler listens on "
+    line += "MASTER_PORT+1: choose another MASTER_PORT"
+    with socket.create_server(("127.0.0.1", master + 1)):  # accepts, never greets
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        try:
+            # The deadline is the test's bound on a hang: rank 1 would wait 60 s to connect.
+            outputs = [rank.communicate(timeout=50)[0] for rank in ranks]
+        finally:
+            for rank in ranks:
+                rank.kill()
+                rank.wait()
+    for rank, output in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 1 and line in output and "Traceback" not in output, output

@@ -22,7 +22,8 @@ from paratrain.cluster.config import JobConfig
 from paratrain.cluster.context import Context
 from paratrain.cluster.scheduler import Scheduler
 from paratrain.cluster.spec import ClusterSpec, spec_from_env
-from paratrain.transport.ports import PortUnavailable, binding
+from paratrain.transport.handshake import NoGreeting
+from paratrain.transport.ports import TAKEN, PortUnavailable, binding, unavailable
 from paratrain.transport.rpc import RpcServer
 
 logger = logging.getLogger(__name__)
@@ -119,12 +120,27 @@ def _scheduler_port_setting(spec: ClusterSpec) -> str:
     """What changes the scheduler's port, said in the error when it is taken."""
     if os.environ.get("PARATRAIN_SCHEDULER"):
         return "set PARATRAIN_SCHEDULER to another HOST:PORT"
-    if spec.embedded_scheduler and os.environ.get("MASTER_PORT"):
+    master = os.environ.get("MASTER_PORT", "")
+    if master.isdigit() and spec.scheduler_port == int(master) + 1:
         return (
             "the scheduler listens on MASTER_PORT+1: choose another MASTER_PORT, or set "
             "PARATRAIN_SCHEDULER=HOST:PORT"
         )
     return "set PARATRAIN_SCHEDULER=HOST:PORT to another port"
+
+
+def _link(spec: ClusterSpec, config: JobConfig, report: Callable[[], dict]) -> SchedulerLink:
+    """The link to the scheduler. A listener there that sends no paratrain greeting is another
+    program on the scheduler's port (the rank that runs the scheduler found it taken and said so):
+    this rank says the same, in one line, rather than wait out connect_timeout_s."""
+    try:
+        return SchedulerLink(spec, config, report=report)
+    except NoGreeting as exc:
+        port_taken = unavailable(
+            spec.scheduler_host, spec.scheduler_port, TAKEN, _scheduler_port_setting(spec)
+        )
+        logger.info("no greeting from the scheduler's port: %s", exc)
+        raise SystemExit(f"paratrain: {port_taken}") from None
 
 
 def _start_embedded_scheduler(spec: ClusterSpec, config: JobConfig) -> threading.Thread | None:
@@ -142,7 +158,7 @@ def _start_embedded_scheduler(spec: ClusterSpec, config: JobConfig) -> threading
 
 
 def _serve(spec: ClusterSpec, config: JobConfig) -> int:
-    from paratrain.kvstore.server import rejoin
+    from paratrain.kvstore.server import faults, rejoin
     from paratrain.kvstore.server.replica import Replicator
     from paratrain.kvstore.server.report import server_report
     from paratrain.kvstore.server.server import KVServer  # servers serve the kvstore (and "ping")
@@ -151,19 +167,25 @@ def _serve(spec: ClusterSpec, config: JobConfig) -> int:
     scheduler_thread = _start_embedded_scheduler(spec, config)
     kv = KVServer(spec.rank or 0, replicator=Replicator(spec.rank or 0, spec.secret, config.transport))
     trace = observe.start_trace(os.environ, "server", spec.rank or 0)
+    kill_at = faults.kill_at(spec.rank or 0)  # tests only: a server lost at a chosen moment
     server = RpcServer(
         spec.secret,
-        observe.traced(kv, trace),
+        faults.armed(observe.traced(kv, trace), kill_at),
         host=spec.host,
         config=config.transport,
         name=f"server {spec.rank}",
     ).start()
-    link = SchedulerLink(spec, config, report=lambda: server_report(kv))
+    link = _link(spec, config, lambda: server_report(kv))
     if config.elastic is not None:  # rounds complete with the workers that are left
         link.on_members(lambda m: kv.set_members(m.workers, m.joiners))
     if config.replication > 1:  # a lost server: no copies to it, none taken from it (fence.py)
         link.on_server_lost(kv.replicator.server_lost)
+    faults.at(kill_at, "start")
     roster = link.register("server", port=server.port)
+    faults.at(kill_at, "started")
+    if not roster.joined:  # servers lost before the start: no copies to them (one may never have registered)
+        for rank, why in list(link.lost_servers.items()):
+            kv.replicator.server_lost(rank, why)
     if roster.joined:  # restarted into a running replicated job: catch up, then count as a copy
         kv.replicator.configure(config.replication, roster.servers)
         rejoin.catch_up(kv, list(roster.lost), config.transport.request_timeout_s)
@@ -184,7 +206,7 @@ def _join_as_worker(spec: ClusterSpec, config: JobConfig) -> Context:
     from paratrain.metrics.telemetry import worker_telemetry
 
     scheduler_thread = _start_embedded_scheduler(spec, config)
-    link = SchedulerLink(spec, config, report=worker_telemetry().report)
+    link = _link(spec, config, worker_telemetry().report)
     roster = link.register("worker")
     stacks.set_asker(link.ask_for_stacks)
     observe.align_trace(observe.start_trace(os.environ, "worker", roster.rank), link)

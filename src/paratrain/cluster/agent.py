@@ -50,7 +50,9 @@ class Roster:
     """This worker registered into a running elastic job (a replacement or an extra worker), or
     this server into a running replicated job (a restarted one, which catches up first)."""
     lost: tuple[int, ...] = ()
-    """A rejoining server: the other servers lost now (their copies cannot send it anything)."""
+    """The servers lost when this node registered (replication): for a rejoining server the other
+    ones (their copies cannot send it anything); at the start, servers that died before it (some
+    never registered: their place in `servers` is ("", 0))."""
 
 
 class SchedulerLink:
@@ -69,6 +71,8 @@ class SchedulerLink:
         self._on_members: list[Callable[[Membership], None]] = []
         self._on_server_back: list[Callable[[int, str, int], None]] = []
         self._on_server_lost: list[Callable[[int, str], None]] = []
+        self.lost_servers: dict[int, str] = {}
+        """Servers the scheduler said are lost, with why, until they are back (replication)."""
         self._notices = Routes(
             {
                 p.Abort: lambda notice: _exit_aborted(f"the scheduler aborted the job: {notice.reason}"),
@@ -89,6 +93,9 @@ class SchedulerLink:
             on_message=self._notice,
             on_close=self._closed,
             origin=f"{spec.role}{'' if spec.rank is None else f' {spec.rank}'} at {spec.host}",
+            # The scheduler greets at once; a silent listener is another program on its port,
+            # which waiting connect_timeout_s would not change (node.py says so in one line).
+            silence_is_final=True,
         )
         self._heartbeats = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self._heartbeats.start()
@@ -117,6 +124,8 @@ class SchedulerLink:
                 f"not every node registered with the scheduler at {self.spec.scheduler_address}"
             ) from None
         registered = p.Registered.from_meta(reply.meta)
+        for rank in registered.lost:
+            self.lost_servers.setdefault(rank, "lost before the job started")
         if registered.membership is not None:
             self._learn(registered.membership)
         return Roster(
@@ -268,6 +277,7 @@ class SchedulerLink:
             logger.warning("the scheduler sent an unknown notice %r", header.op)
 
     def _server_back(self, notice: p.ServerBack) -> None:
+        self.lost_servers.pop(notice.rank, None)
         for callback in self._on_server_back:
             try:
                 callback(notice.rank, notice.host, notice.port)
@@ -275,6 +285,7 @@ class SchedulerLink:
                 logger.exception("a server_back callback failed")
 
     def _server_lost(self, notice: p.ServerLost) -> None:
+        self.lost_servers[notice.rank] = notice.reason
         for callback in self._on_server_lost:
             try:
                 callback(notice.rank, notice.reason)

@@ -135,9 +135,10 @@ class Members:
         node.lost = True
         self.lost.append(node)
 
-    def missing(self) -> list[str]:
-        """The nodes the job starts with that have not registered yet: ["server 1", ...]."""
-        wanted = [("server", r) for r in range(self.spec.num_servers)]
+    def missing(self, lost: set[int] | frozenset[int] = frozenset()) -> list[str]:
+        """The nodes the job starts with that have not registered yet, but for the `lost`
+        servers: ["server 1", ...]."""
+        wanted = [("server", r) for r in range(self.spec.num_servers) if r not in lost]
         wanted += [("worker", r) for r in range(self.spec.num_workers)]
         return [f"{role} {rank}" for role, rank in wanted if (role, rank) not in self.nodes]
 
@@ -166,7 +167,8 @@ class Members:
     def roster(self) -> Roster:
         """Where the servers listen and which pid each worker is, in rank order."""
         nodes = sorted(self.nodes.values(), key=lambda n: (n.role, n.rank))
-        return Roster(
-            servers=[[n.host, n.port] for n in nodes if n.role == "server"],
+        servers = {n.rank: [n.host, n.port] for n in nodes if n.role == "server"}
+        return Roster(  # a server lost before it registered: nowhere (replication)
+            servers=[servers.get(rank, ["", 0]) for rank in range(self.spec.num_servers)],
             workers=[[n.host, n.pid] for n in nodes if n.role == "worker"],
         )

@@ -57,6 +57,17 @@ class PeerLost(Message, op="peer_lost"):
 
 
 @dataclass(frozen=True, slots=True)
+class Exited(Message, op="exited"):
+    """From the launcher: a process of the job died and the job goes on (a replicated server it
+    does not restart); one that never registered is then lost at once, not after the start
+    timeout. Replied `{}`."""
+
+    role: str
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class StacksWanted(Message, op="stacks_wanted"):
     """A wait passed its warning time here: every process should write its stacks (cluster/stacks.py)."""
 
@@ -133,7 +144,8 @@ class Registered(Message, op="registered"):
     joined: bool = False
     """A worker registered into a running elastic job, or a server into a running replicated one."""
     lost: tuple[int, ...] = ()
-    """A rejoining server: the other servers lost now."""
+    """The servers lost now: for a rejoining server the others; at the start those lost before it
+    (one that never registered has ["", 0] in `servers`)."""
 
 
 @dataclass(frozen=True, slots=True)

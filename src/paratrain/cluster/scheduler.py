@@ -4,8 +4,9 @@ Protocol (each message a typed value in protocol.py, routed by one table, `Route
 carry an id and get a reply; heartbeats are one-way):
 
     register  {role, rank?, host, port, pid, version, config}  -> replied once every node has
-              registered: {rank, servers: [[host, port]...], workers: [[host, pid]...],
-              membership: {generation, workers, joiners}, joined}
+              registered (but servers lost meanwhile): {rank, servers: [[host, port]...],
+              workers: [[host, pid]...], membership: {generation, workers, joiners}, joined,
+              lost: the servers lost (one that never registered is ["", 0] in servers)}
     heartbeat {report?}                                        (one-way, every interval; the
               report, this process's figures, goes to the observer: the dashboard's board; a
               worker's also to the straggler detector, stragglers.py)
@@ -16,6 +17,9 @@ carry an id and get a reply; heartbeats are one-way):
               which traces are aligned on
     peer_lost {role, rank, error}                              (one-way) this node lost its
               connection to that one: the job is aborted naming that one
+    exited    {role, rank, reason}                             -> {}: from the launcher, a process
+              died and the job goes on (a replicated server not restarted); one that never
+              registered is lost now: the job starts without it, or ends at once naming it
     barrier   {group: "workers" | "all", name, data?}          -> replied when the group arrived,
               with every worker's data: {data: [[rank, data], ...]} (a small all-gather)
     finish    {}                                               a worker is done; replied at once
@@ -110,6 +114,7 @@ class Scheduler(Handler):
                 p.Barrier: self._barrier,
                 p.Finish: self._finish,
                 p.PeerLost: self._peer_lost,
+                p.Exited: self._exited,
                 p.RosterQuery: self._roster_query,
                 p.MembersQuery: self._members,
                 p.CaughtUp: self._caught_up,
@@ -218,7 +223,7 @@ class Scheduler(Handler):
                     for n in self.members.nodes.values()
                     if not n.finished and now - n.last_seen > self.config.heartbeat_timeout_s
                 ]
-                missing = self.members.missing() if not self._started else []
+                missing = self.members.missing(self.lost_servers) if not self._started else []
             late = [
                 n for n in late if not self._survivable(n, f"sent no heartbeat for {now - n.last_seen:.1f} s")
             ]
@@ -363,20 +368,24 @@ class Scheduler(Handler):
             with self._lock:
                 node = self.members.admit(request.conn, register)
                 self._waiting.append((request, node))
-                ready = not self._started and not self.members.missing()
-                if ready:
-                    self._started = True
-                    waiting, self._waiting = self._waiting, []
         except RegistrationError as exc:
             self._refuse(request, exc)
             return
         logger.info("registered %s", node.describe())
-        if ready:
-            with self._lock:
-                roster, membership = self.members.roster(), self.members.snapshot()
-            for waiter, member in waiting:
-                reply = p.Registered(member.rank, roster.servers, roster.workers, membership)
-                _quietly(waiter.reply, reply.to_meta())
+        self._start_if_ready()
+
+    def _start_if_ready(self) -> None:
+        """Once every node registered (but servers lost meanwhile), each gets its reply: the job starts."""
+        with self._lock:
+            if self._started or self.outcome is not None or self.members.missing(self.lost_servers):
+                return
+            self._started = True
+            waiting, self._waiting = self._waiting, []
+            roster, membership = self.members.roster(), self.members.snapshot()
+            lost = tuple(sorted(self.lost_servers))
+        for waiter, member in waiting:
+            reply = p.Registered(member.rank, roster.servers, roster.workers, membership, lost=lost)
+            _quietly(waiter.reply, reply.to_meta())
 
     # -- elastic membership ------------------------------------------------------------------------
     def _notify(self, membership: p.Membership) -> None:
@@ -539,6 +548,39 @@ class Scheduler(Handler):
             f"{lost.describe()} is unreachable: {reporter.describe()} lost its connection to it "
             f"({notice.error})",
         )
+
+    def _exited(self, request: Request, exited: p.Exited) -> None:
+        """The launcher saw a process die and goes on (a replicated server it does not restart).
+        One that registered is handled by its closed connection; one that never did is lost now:
+        the job starts without it where its copies allow (every node is told), else ends now
+        naming it, never after start_timeout_s."""
+        request.reply({})
+        with self._lock:
+            known = (exited.role, exited.rank) in self.members.nodes or exited.rank in self.lost_servers
+            if known or self._started or self.outcome is not None or exited.role != "server":
+                return
+            what = f"server {exited.rank} {exited.reason} before it registered"
+            if len(self.lost_servers) + 1 >= self.config.replication:
+                survivable = False
+            else:
+                survivable = True
+                self.lost_servers.add(exited.rank)
+                self.failures.append(
+                    {"role": "server", "rank": exited.rank, "reason": what, "time": time.time()}
+                )
+                others = list(self.members.by_conn)
+        if not survivable:
+            before = (
+                f", and servers {sorted(self.lost_servers)} were lost before" if self.lost_servers else ""
+            )
+            self.abort(
+                f"{what}; the job cannot go on without it (replication={self.config.replication}{before})"
+            )
+            return
+        logger.warning("%s; its backups serve its slices (replication %d)", what, self.config.replication)
+        for conn in others:
+            _notify(conn, p.ServerLost(exited.rank, what))
+        self._start_if_ready()
 
     def disconnected(self, conn: Connection, error: Exception | None) -> None:
         with self._lock:

@@ -124,10 +124,15 @@ class RpcClient:
         on_close: Callable[[Exception | None], None] | None = None,
         same_host: bool = False,
         origin: str | None = None,
+        give_up: Callable[[], str | None] | None = None,
+        silence_is_final: bool = False,
     ) -> None:
         """`same_host`: the server runs on this machine; offer it the shared-memory path.
         `origin`: who connects, from where ("worker 2 at 10.0.0.3"), for the error that says a
-        peer could not be reached."""
+        peer could not be reached. `give_up`: asked between connection attempts; a reason stops
+        them at once (the peer is known to be gone: waiting connect_timeout_s would gain nothing).
+        `silence_is_final`: a peer that accepts but sends no greeting within handshake_timeout_s
+        is not waited for again (handshake.NoGreeting): no paratrain endpoint listens there."""
         self.config = config or TransportConfig()
         self.name = name or f"{host}:{port}"
         self.origin = origin
@@ -137,6 +142,7 @@ class RpcClient:
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}
         self._error: Exception | None = None
+        self._give_up, self._silence_is_final = give_up, silence_is_final
         self._conn = self._connect(host, port, secret)
         self._turns = ReadTurns(self._conn.fileno()) if supported(self._conn.tls) else None
         if self._turns is not None:
@@ -188,6 +194,14 @@ class RpcClient:
             except (OSError, handshake.HandshakeClosed) as exc:
                 if sock is not None:
                     sock.close()
+                if isinstance(exc, handshake.NoGreeting) and self._silence_is_final:
+                    raise handshake.NoGreeting(
+                        f"{self.name} at {host}:{port} accepted the connection but sent no paratrain "
+                        f"greeting within {self.config.handshake_timeout_s} s"
+                    ) from exc
+                gone = self._give_up() if self._give_up is not None else None
+                if gone:
+                    raise TransportError(f"gave up connecting to {self.name}: {gone}") from exc
                 if time.monotonic() + delay > deadline:
                     what = "connect to" if sock is None else "authenticate with"
                     who = f"{self.origin} " if self.origin else ""

@@ -27,6 +27,11 @@ class HandshakeClosed(TransportError):
     drops handshakes: trying again may succeed)."""
 
 
+class NoGreeting(HandshakeClosed):
+    """The peer accepted the connection but sent no paratrain greeting within the handshake
+    timeout: a stalled endpoint, or another program listening on that port."""
+
+
 def _hmac(key: bytes, *parts: bytes) -> bytes:
     return hmac.digest(key, b"".join(parts), hashlib.sha256)
 
@@ -63,7 +68,10 @@ def accept(sock: socket.socket, secret: bytes) -> tuple[bytes, bytes]:
 
 def connect(sock: socket.socket, secret: bytes) -> tuple[bytes, bytes]:
     """Client side. Returns (receive key, send key); raises AuthenticationError on a bad peer."""
-    hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
+    try:
+        hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
+    except TimeoutError:  # a paratrain endpoint greets as soon as it accepts
+        raise NoGreeting("the peer accepted the connection but sent no paratrain greeting") from None
     if hello[: len(MAGIC)] != MAGIC:
         if hello[:6] == MAGIC[:6]:
             raise TransportError(

@@ -34,5 +34,14 @@ def binding(host: str, port: int, change: str) -> Iterator[None]:
         why = _WHY.get(exc.errno or 0)
         if why is None:
             raise
-        shown = f"[{host}]" if ":" in host else host
-        raise PortUnavailable(f"port {port} on {shown} {why}: {change}") from None
+        raise unavailable(host, port, why, change) from None
+
+
+def unavailable(host: str, port: int, why: str, change: str) -> PortUnavailable:
+    """The error that says `port` on `host` cannot be used, `why`, and the setting that changes it.
+    Also raised by those that only connect there: a listener that is no paratrain endpoint."""
+    shown = f"[{host}]" if ":" in host else host
+    return PortUnavailable(f"port {port} on {shown} {why}: {change}")
+
+
+TAKEN = _WHY[errno.EADDRINUSE]

@@ -41,7 +41,7 @@ from paratrain.kvstore.worker.checks import (
     check_tensors,
     explain_wait,
 )
-from paratrain.kvstore.worker.failover import Payload, Servers
+from paratrain.kvstore.worker.failover import Payload, Servers, Spared, Unreachable
 from paratrain.kvstore.worker.state import (
     by_values,
     gather_state,
@@ -51,7 +51,7 @@ from paratrain.kvstore.worker.state import (
     scatter_state,
     write_state,
 )
-from paratrain.transport.client import Future, RpcClient
+from paratrain.transport.client import Future, Reply, RpcClient
 from paratrain.transport.tensors import dtype_name
 
 logger = logging.getLogger(__name__)
@@ -100,14 +100,18 @@ class DistKVStore(SparseAPI):
         self._ctx = ctx
         self.rank, self.num_workers = ctx.rank, ctx.num_workers
         self._timeout_s = ctx.config.transport.request_timeout_s
-        self._clients = [self._connect(i, host, port) for i, (host, port) in enumerate(ctx.servers)]
+        self._clients: list[Any] = [self._reach(i, host, port) for i, (host, port) in enumerate(ctx.servers)]
         # Smaller slices only where every slice of a key is at one version after each round (sync),
         # and where the servers are on several hosts (on one, more frames only cost CPU).
-        spread = len({host for host, _ in ctx.servers}) > 1
+        spread = len({host for host, _ in ctx.servers if host}) > 1  # "": a server lost before the start
         most = config.max_slice_bytes if config.policy.cuts_keys() and spread else None
         self._placement = Placement(len(self._clients), config.slice_elements, most)
         self._frame_bytes = config.frame_bytes if most is None else min(config.frame_bytes, most)
         self._servers = Servers(self._clients, ctx.config.replication)  # copies, fail-over
+        if ctx.link is not None and ctx.config.replication > 1:
+            ctx.link.on_server_lost(self._server_dropped)
+            for rank, why in list(ctx.link.lost_servers.items()):  # lost before this hook
+                self._server_dropped(rank, why)
         if ctx.config.replication > 1 and ctx.link is not None:  # a restarted server caught up
             ctx.link.on_server_back(self._server_back)
         self._keys: dict[Any, KeyInfo] = {}
@@ -135,13 +139,30 @@ class DistKVStore(SparseAPI):
                 [list(address) for address in ctx.servers] if replicated else None,
             )
             self._all_servers(*configure.wire())
-        if ctx.link is not None and ctx.config.replication > 1:
-            ctx.link.on_server_lost(self._server_dropped)
         if not self._joined:
             self._barrier("kvstore-create")
         atexit.register(self.close)
 
-    def _connect(self, rank: int, host: str, port: int) -> RpcClient:
+    def _reach(self, rank: int, host: str, port: int) -> RpcClient | Unreachable:
+        """Server `rank`'s client. With replication, a server the scheduler lost before this
+        worker reached it (it may never have registered) is dead from the start: no waiting for
+        its connect timeout."""
+        link = self._ctx.link
+        if self._ctx.config.replication == 1 or link is None:
+            return self._connect(rank, host, port)
+        name = f"server {rank}"
+        if rank in link.lost_servers:
+            return Unreachable(name, link.lost_servers[rank])
+        try:
+            return self._connect(rank, host, port, give_up=lambda: link.lost_servers.get(rank))
+        except TransportError:
+            if rank not in link.lost_servers:
+                raise
+            return Unreachable(name, link.lost_servers[rank])
+
+    def _connect(
+        self, rank: int, host: str, port: int, give_up: Callable[[], str | None] | None = None
+    ) -> RpcClient:
         ctx = self._ctx
         assert ctx.spec is not None
         return RpcClient(
@@ -153,6 +174,7 @@ class DistKVStore(SparseAPI):
             same_host=same_host(host, ctx.spec.host),
             on_close=functools.partial(self._server_lost, rank),
             origin=f"worker {ctx.rank} at {ctx.spec.host}",
+            give_up=give_up,
         )
 
     def _server_back(self, rank: int, host: str, port: int) -> None:
@@ -194,12 +216,23 @@ class DistKVStore(SparseAPI):
         return self._tables
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _all_servers(self, op: str, meta: dict, tensors_for: Callable[[int], list] | None = None) -> list:
-        live = self._servers.live()  # with replication, dead servers are skipped
-        futures = [self._clients[i].submit(op, meta, tensors_for(i) if tensors_for else ()) for i in live]
-        return [r.meta for r in self._wait(futures)]
+    def _all_servers(self, op: str, meta: dict) -> list:
+        return [reply.meta for _, reply in self._every_live(op, meta)]
 
-    def _wait(self, futures: list[Future]) -> list:
+    def _every_live(self, op: str, meta: dict) -> list[tuple[int, Reply]]:
+        """(server, reply) of every live server; with replication, one lost meanwhile is left out."""
+        return self._answered([(s, self._servers.submit(s, op, meta)) for s in self._servers.live()])
+
+    def _answered(self, sent: list[tuple[int, Future | Spared]]) -> list[tuple[int, Reply]]:
+        """The replies to requests sent to one server each, but of those lost meanwhile (Spared)."""
+        replies = self._wait([future for _, future in sent])
+        return [
+            (server, reply)
+            for (server, future), reply in zip(sent, replies, strict=True)
+            if not _lost(future)
+        ]
+
+    def _wait(self, futures: list[Future | Spared]) -> list:
         try:
             return [f.wait(self._timeout_s) for f in futures]
         except (RemoteError, TransportError, TimeoutError) as exc:
@@ -297,7 +330,8 @@ class DistKVStore(SparseAPI):
         )
 
         def send(with_values: bool) -> None:
-            sent, futures = [], []
+            sent: list[tuple[int, dict, Future | Spared]] = []
+            live = set(self._servers.live())
             for s, meta in frames:  # to every copy of the slices (only the primary: no replication)
                 chain = self._servers.chain(s)
                 tensors = (
@@ -309,11 +343,13 @@ class DistKVStore(SparseAPI):
                     else ()
                 )
                 for t in chain:
-                    sent.append((t, meta))
-                    copy = dict(meta, chain=chain) if len(chain) > 1 else meta
-                    futures.append(self._clients[t].submit("init", copy, tensors))
-            for (s, meta), reply in zip(sent, self._wait(futures), strict=True):
-                self._map_regions(s, meta, reply.meta)
+                    if t in live:
+                        copy = dict(meta, chain=chain) if len(chain) > 1 else meta
+                        sent.append((t, meta, self._servers.submit(t, "init", copy, tensors)))
+            replies = self._wait([future for _, _, future in sent])
+            for (t, meta, future), reply in zip(sent, replies, strict=True):
+                if not _lost(future):
+                    self._map_regions(t, meta, reply.meta)
 
         if self._joined:
             send(with_values=False)
@@ -572,7 +608,7 @@ class DistKVStore(SparseAPI):
         for key in keys:
             self._info(key)
         message = protocol.SetHyper(keys, optim.check_hyperparameters(hyperparameters))
-        futures = [self._clients[i].submit(*message.wire(), ()) for i in self._servers.live()]
+        futures: list = [self._servers.submit(i, *message.wire()) for i in self._servers.live()]
         return Handle(futures, timeout_s=self._timeout_s, what=f"set_hyper of {len(keys)} key(s)")
 
     def clip_by_norm(self) -> None:
@@ -595,7 +631,7 @@ class DistKVStore(SparseAPI):
     def clip_scale(self, clock: int, scale: float) -> Handle:
         """Round `clock` is applied multiplied by `scale`; the pulls of the round wait for it."""
         message = protocol.ClipScale(clock, float(scale))
-        futures = [self._clients[i].submit(*message.wire(), ()) for i in self._servers.live()]
+        futures: list = [self._servers.submit(i, *message.wire()) for i in self._servers.live()]
         return Handle(futures, timeout_s=self._timeout_s, what=f"clip_scale of round {clock}")
 
     def join(self) -> None:
@@ -612,9 +648,7 @@ class DistKVStore(SparseAPI):
         # Every slice sees each push and pull of its key: counts are the same on all of them.
         combine = {"version": min, "pushes": max, "pulls": max}
         per_key: dict[Any, dict[str, int]] = {}
-        asked = [self._clients[s].submit(*protocol.Stats().wire()) for s in self._servers.live()]
-        replies = self._wait(asked)
-        for reply in self._serving(replies):
+        for reply in self._serving(self._every_live(*protocol.Stats().wire())):
             for shard in reply.meta["shards"]:
                 total = per_key.setdefault(shard["key"], {"slices": 0})
                 total["slices"] += 1
@@ -624,16 +658,16 @@ class DistKVStore(SparseAPI):
                         total[name] = both(total[name], value) if name in total else value
         return per_key
 
-    def _serving(self, replies: list) -> list:
+    def _serving(self, replies: list[tuple[int, Reply]]) -> list[Reply]:
         """Stats replies of the live servers, keeping each slice's copy on the server serving it."""
         if self._servers.replication == 1:
-            return replies
+            return [reply for _, reply in replies]
         primary = {(key, p.start): p.server for key, info in self._keys.items() for p in info.slices}
-        for server, reply in zip(self._servers.live(), replies, strict=True):
+        for server, reply in replies:
             shards = reply.meta["shards"]
             serving = self._servers.serving
             reply.meta["shards"] = [s for s in shards if serving(primary[(s["key"], s["start"])]) == server]
-        return replies
+        return [reply for _, reply in replies]
 
     # -- state ------------------------------------------------------------------------------------
     def save_state(self, path: str | os.PathLike[str]) -> None:
@@ -641,9 +675,7 @@ class DistKVStore(SparseAPI):
         so the file loads into any number of servers. Written to a temporary file, then renamed."""
         self.barrier()
         if self.rank == 0:
-            replies = self._wait(
-                [self._clients[s].submit(*protocol.GetState().wire()) for s in self._servers.live()]
-            )
+            replies = [reply for _, reply in self._every_live(*protocol.GetState().wire())]
             optimizer: list = next((r.meta["optimizer"] for r in replies if r.meta["optimizer"]), [])
             tables = self._tables.gather() if self._tables is not None and self._tables.tables else ()
             hyper = {key: values for r in replies for key, values in r.meta.get("hyper", [])}
@@ -657,11 +689,12 @@ class DistKVStore(SparseAPI):
         self.barrier()
         if self.rank == 0:
             per_server = scatter_state(read_state(path), self._keys)
+            live = set(self._servers.live())
             futures = [  # to every live copy
-                self._clients[t].submit(*protocol.SetState(meta).wire(), tensors)
+                self._servers.submit(t, *protocol.SetState(meta).wire(), tensors)
                 for s, (meta, tensors) in per_server.items()
                 for t in self._servers.chain(s)
-                if t not in self._servers.dead
+                if t in live
             ]
             self._wait(futures)
             hyper = {key: values for key, values in read_hyper(path).items() if key in self._keys}
@@ -707,3 +740,8 @@ class DistKVStore(SparseAPI):
         for arena in self._arenas.values():
             arena.close()
         self._arenas = {}
+
+
+def _lost(future: Future | Spared) -> bool:
+    """Whether the server of this part of a call to every live server or copy was lost meanwhile."""
+    return isinstance(future, Spared) and future.lost

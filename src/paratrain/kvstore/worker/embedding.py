@@ -102,9 +102,15 @@ class TableClient:
             raise KVStoreError(str(exc)) from None
 
     def _all(self, msg: Message) -> list:
-        """`msg` to every (live) server."""
+        """`msg` to every (live) server; with replication one lost meanwhile is left out."""
         live = self._servers.live() if self._servers is not None else range(len(self._clients))
-        return self._wait([self._clients[s].submit(*msg.wire()) for s in live])
+        return self._wait([self._submit(s, *msg.wire()) for s in live])
+
+    def _submit(self, server: int, op: str, meta: dict, tensors: Sequence[torch.Tensor] = ()) -> Any:
+        """A request to `server` alone; with replication its loss meanwhile is survived (Spared)."""
+        if self._servers is None:
+            return self._clients[server].submit(op, meta, tensors)
+        return self._servers.submit(server, op, meta, tensors)
 
     def _per_primary(self, msg: Any) -> list:
         """`msg` for each server's rows: at that server, or with replication at its first live copy."""
@@ -138,7 +144,7 @@ class TableClient:
             chains = [self._servers.chain(p) for p in range(len(self._clients))]
             live = self._servers.live()
             sent = [replace(init, chains=[c for c in chains if s in c]) for s in live]
-            self._wait([self._clients[s].submit(*m.wire()) for s, m in zip(live, sent, strict=True)])
+            self._wait([self._submit(s, *m.wire()) for s, m in zip(live, sent, strict=True)])
         self.tables.setdefault(key, TableInfo(dim, config))
 
     # -- routing, pull and push -------------------------------------------------------------------
@@ -288,7 +294,8 @@ class TableClient:
                 order = torch.argsort(route.index)
                 columns = [c[order] for c in columns]
             futures = [  # with replication, to every live copy of each server's rows
-                self._clients[t].submit(
+                self._submit(
+                    t,
                     *protocol.SparseSetState(key, names, p).wire(),
                     [route.ids[a:b]] + [c[a:b].contiguous() for c in columns],
                 )

@@ -10,6 +10,13 @@ push it already has from the dead primary's replication and waits for the others
 round; the caller's Handle never sees the fail-over. Only when every server of a chain is dead does
 the wait fail.
 
+A call that is no push or pull goes to every live server (configure, set_optimizer, set_hyper,
+stats, a checkpoint's get_state) or to every copy of some slices (init, a checkpoint's load): there
+the server that dies during it is only marked dead (`Servers.submit`, `Spared`): the others got
+the same message, and its slices are served by a copy that has it. A server lost before the job
+started (it never registered, or died before this worker connected) is dead from the start: its
+place holds an `Unreachable` client.
+
 On one machine a primary keeps its slices in shared memory (as an unreplicated server does): the
 worker adds its pushes into the open round's buffer and reads the pulled values there. A backup
 does not, so a request sent to any server but the primary goes as its `Payload` says: the pushes in
@@ -133,12 +140,74 @@ class Servers:
             return self.clients[primary].submit(op, meta, tensors, out=out)
         return FailoverFuture(self, primary, op, meta, tensors, out, payload)
 
+    def covered(self) -> None:
+        """Raises KVStoreError if every copy of some server's slices is dead."""
+        for primary in range(len(self.clients)):
+            self.serving(primary)
+
+    def submit(
+        self, server: int, op: str, meta: dict, tensors: Sequence[torch.Tensor] = ()
+    ) -> Future | Spared:
+        """A request to `server` alone, one of a call to every live server or every copy (not a
+        push or pull): with replication, its loss meanwhile is survived (Spared)."""
+        future = self.clients[server].submit(op, meta, tensors)
+        return future if self.replication == 1 else Spared(self, server, future)
+
     def in_place(self, primary: int) -> bool:
         """Whether a request for `primary`'s slices may use its shared memory: it serves them."""
         try:
             return self.replication == 1 or self.serving(primary) == primary
         except KVStoreError:
             return False  # the request itself says so
+
+
+class Spared:
+    """A Future of one server's part in a call to every live server or every copy: if that server
+    dies first, it is marked dead and the wait returns an empty reply (`lost` set), as long as
+    every slice keeps a live copy (which got the same call)."""
+
+    def __init__(self, servers: Servers, server: int, future: Future) -> None:
+        self._servers, self.server, self._future = servers, server, future
+        self.lost = False
+
+    @property
+    def what(self) -> str:
+        return self._future.what
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout_s: float | None = None) -> Reply:
+        try:
+            return self._future.wait(timeout_s)
+        except TransportError as exc:
+            self._servers.lost(self.server, exc)
+            self._servers.covered()
+            self.lost = True
+            return Reply({}, [])
+
+
+class Unreachable:
+    """The client of a server lost before this worker could connect to it: every request fails."""
+
+    same_host_path = False
+
+    def __init__(self, name: str, why: object) -> None:
+        self.name, self._why = name, why
+
+    def request(self, op: str, meta: dict | None = None, tensors: object = (), out: object = None) -> Future:
+        raise TransportError(f"{self.name} was lost before it could be reached: {self._why}")
+
+    def submit(self, op: str, meta: dict | None = None, tensors: object = (), out: object = None) -> Future:
+        future = Future((op, 0, self.name), None)
+        future._set(None, TransportError(f"{self.name} was lost before it could be reached: {self._why}"))
+        return future
+
+    def call(self, op: str, meta: dict | None = None, timeout_s: float | None = None) -> Reply:
+        return self.request(op, meta).wait(timeout_s)
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass

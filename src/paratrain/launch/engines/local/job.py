@@ -413,6 +413,14 @@ class _Job:
         if again:
             self.lost.remove(child)
             self._spawn("server", child.rank, self._secret, self._port)
+        else:  # one that never registered is lost for the scheduler now, not at its start timeout
+            reason = child.failure_reason or "died"
+            threading.Thread(
+                target=_tell_scheduler,
+                args=(self.scheduler_address, self._secret, "server", child.rank, reason),
+                name="exited",
+                daemon=True,
+            ).start()
 
     # -- stopping
 
@@ -493,6 +501,25 @@ def _describe(cfg: LocalJobConfig, scheduler_address: str) -> str:
         f"  timeout {timeout}, stop grace {cfg.stop_grace_s} s, exit grace {cfg.exit_grace_s} s, "
         f"python {cfg.python}"
     )
+
+
+def _tell_scheduler(address: str, secret: bytes, role: str, rank: int, reason: str) -> None:
+    """Say to the scheduler that this process died and the job goes on without it (`exited`)."""
+    from paratrain.cluster.protocol import Exited
+    from paratrain.transport.client import RpcClient
+    from paratrain.transport.config import TransportConfig
+
+    host, port = address.rsplit(":", 1)
+    try:
+        client = RpcClient(
+            host, int(port), secret, config=TransportConfig(connect_timeout_s=10.0), name="the scheduler"
+        )
+        try:
+            client.call(*Exited(role, rank, reason).wire(), timeout_s=10.0)
+        finally:
+            client.close()
+    except Exception as exc:  # the scheduler is gone or busy: its start timeout still ends the job
+        logger.warning("could not tell the scheduler that %s %d %s: %s", role, rank, reason, exc)
 
 
 def _listen(host: str) -> socket.socket:
