@@ -28,6 +28,9 @@ def test_fsdp_strategy_names_and_refusals():
         Strategy(architecture="fsdp", compression="bf16")
     with pytest.raises(ValueError, match="Strategy.pipeline_stages=2 cannot run"):
         Strategy(architecture="fsdp", pipeline_stages=2)
+    assert Strategy.parse("fsdp:precision=bf16,reduce_precision=bf16").reduce_precision == "bf16"
+    with pytest.raises(ValueError, match="Strategy.reduce_precision='bf16' needs architecture='fsdp'"):
+        Strategy(reduce_precision="bf16")
 
 
 class _Blocks(nn.Module):
@@ -80,6 +83,12 @@ def test_sharded_checkpoint_round_trips_and_runs_no_code_on_load(tmp_path, capsy
         (2, "fsdp", ()),
         (4, "fsdp:accumulation_steps=3,reshard_after_forward=false", ("schedule",)),
         (2, "fsdp:clip_grad_norm=0.5", ("recipe", "rel", "tol=1e-5")),
+        # FSDP's mixed precision (parameters gathered and computed in bf16/fp16; gradients reduced
+        # in fp32, or bf16 where asked) against one process under autocast: not the same roundings
+        # (autocast keeps some ops in fp32), so within test_train's bf16 tolerance. fp16: step 2
+        # overflows on one worker only; every worker skips it, with the reference's loss scale.
+        (2, "fsdp:precision=bf16,reduce_precision=bf16,clip_grad_norm=0.3", ("recipe", "rel", "tol=1e-2")),
+        (2, "fsdp:precision=fp16,clip_grad_norm=0.3", ("recipe", "rel", "inject=2", "tol=1e-2")),
     ],
 )
 def test_fsdp_matches_single_process_adamw(workers, strategy, options):

@@ -101,6 +101,8 @@ trainer = Trainer(
     progress=False,
 )
 resumed_at = trainer.steps
+computed_in = set()  # the first block's weight dtype in each forward
+unwrap(trainer.model)[0].register_forward_pre_hook(lambda module, args: computed_in.add(module.weight.dtype))
 sched = schedule(optimizer, resumed_at)
 halving = "schedule" in opts
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5) if halving else None
@@ -202,6 +204,9 @@ def error(got: torch.Tensor, value: torch.Tensor) -> float:
 
 
 diff = max(error(got[name], value) for name, value in expected.items())
+if ctx.distributed and strategy.architecture == "fsdp":  # FSDP's policy gathers them in that dtype
+    wanted = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(strategy.precision, torch.float32)
+    assert computed_in == {wanted}, f"the forward ran with {computed_in} weights, not {wanted}"
 if strategy.clip_grad_norm is not None:  # else the check would not show that clipping matches
     reached = max(n for n in norms if math.isfinite(n))
     assert reached > strategy.clip_grad_norm, f"the gradient never reached the clip: {reached}"

@@ -47,6 +47,18 @@ class Engine(Protocol):
         no model.pt)."""
         ...
 
+    @property
+    def handles_precision(self) -> bool:
+        """Whether the engine runs the strategy's precision itself (FSDP's mixed precision policy):
+        then the Trainer puts no autocast around the forward."""
+        ...
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Whether each worker's `.grad` holds only its shard of the aggregated gradient: then the
+        Trainer's overflow check and clipping norm are summed over the workers."""
+        ...
+
     def set_sync(self, sync: bool) -> None:
         """Whether this micro-batch's backward sends gradients (the last of an accumulation)."""
         ...
@@ -86,6 +98,8 @@ class EngineBase:
     regroups_itself = False
     per_worker_optimizer = False
     sharded_state = False
+    handles_precision = False
+    shards_gradients = False
 
     def set_sync(self, sync: bool) -> None:
         pass

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from paratrain import checkpoint
 from paratrain.checkpoint import sharded
+from paratrain.train.precision import DTYPES
 from paratrain.train.trainer import LocalEngine
 
 if TYPE_CHECKING:
@@ -39,6 +40,9 @@ class FSDPEngine(LocalEngine):
 
     sharded_state = True
     """The Trainer saves no model.pt: this engine writes the model and optimizer sharded (`save`)."""
+    handles_precision = True
+    """Strategy.precision is FSDP's MixedPrecisionPolicy (collective/fsdp.py), not autocast."""
+    shards_gradients = True
 
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, ctx: Any
@@ -49,8 +53,15 @@ class FSDPEngine(LocalEngine):
 
         init_torch_distributed(ctx, backend_for(model))
         blocks = strategy.fsdp_blocks.split() if strategy.fsdp_blocks else ()
+        param_dtype = DTYPES[strategy.precision]
+        reduce_dtype = DTYPES[strategy.reduce_precision] or (torch.float32 if param_dtype else None)
         sharded_model = shard_model(
-            model, optimizer, blocks=blocks, reshard_after_forward=strategy.reshard_after_forward
+            model,
+            optimizer,
+            blocks=blocks,
+            reshard_after_forward=strategy.reshard_after_forward,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
         )
         super().__init__(sharded_model)
         self.optimizer = optimizer

@@ -277,6 +277,8 @@ class Trainer:
             if fsdp.is_sharded(found):  # into the engine's model: fsdp's shards, or DDP's replica
                 fsdp.load_state(found.path, self.engine.model, optimizer)
             self._log_resume(found.path)
+        if self.engine.shards_gradients and self.gate.active:
+            self.gate.agree = self._sum_over_workers
         self.observe = StepObserver(self.ctx, self.strategy, trace_dir)
         self._bind_model()
         _make_distributed(optimizer, self)
@@ -303,7 +305,8 @@ class Trainer:
         """Train the engine's model (again, when an elastic engine rebuilt it on a new group)."""
         self.model = self.engine.model
         self.model.register_forward_pre_hook(_BeforeForward(self), with_kwargs=True)
-        if self.autocast is not None and not self.pipelined:  # a pipeline's blocks get it instead
+        # A pipeline's blocks get it instead; an fsdp engine casts with FSDP's own policy.
+        if self.autocast is not None and not self.pipelined and not self.engine.handles_precision:
             self.autocast.attach(self.model)
         self.observe.attach(self.model)
 
@@ -468,11 +471,16 @@ class Trainer:
     def _agree_over_stages(self, values: torch.Tensor) -> torch.Tensor:
         """`values` summed over a pipeline's stages (all-reduced over every worker, divided by the
         replicas, which hold the same averaged gradients): GradientGate.agree."""
+        return self._sum_over_workers(values) / self.replicas
+
+    def _sum_over_workers(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` (a small CPU tensor) all-reduced over every worker (GradientGate.agree where
+        each worker holds a shard of the gradient)."""
         import torch.distributed as dist
 
         comm = values.to(self.device) if dist.get_backend() == "nccl" else values.clone()
         dist.all_reduce(comm)
-        return comm.cpu() / self.replicas
+        return comm.cpu()
 
     def step(self, loss: torch.Tensor) -> None:
         """backward, optimizer step (every accumulation_steps calls) and zero_grad; logs the loss."""
