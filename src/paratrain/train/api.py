@@ -9,6 +9,7 @@ at a hook inherits EngineBase's no-op.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -83,7 +84,10 @@ class Engine(Protocol):
         """Whether the engine recovered from `error`, raised in backward (then the step is skipped)."""
         ...
 
-    def save(self, folder: Path) -> None: ...
+    def save(self, folder: Path) -> Future | None:
+        """This worker's engine state into the staging checkpoint `folder`. A future where the
+        write goes on in the background: the Trainer commits the checkpoint once it is done."""
+        ...
 
     def restore(self, folder: Path) -> None: ...
 
@@ -119,8 +123,8 @@ class EngineBase:
     def recover(self, trainer: Trainer, error: BaseException) -> bool:
         return False
 
-    def save(self, folder: Path) -> None:
-        pass
+    def save(self, folder: Path) -> Future | None:
+        return None
 
     def restore(self, folder: Path) -> None:
         pass
