@@ -43,6 +43,7 @@ from paratrain.checkpoint import sharded
 from paratrain.cluster.context import current
 from paratrain.data import ShardedLoader, first_rows, to_device
 from paratrain.metrics import MetricsLogger, NullMetrics, Progress, open_loggers
+from paratrain.metrics.telemetry import peak_memory_bytes
 from paratrain.train.api import Engine, EngineBase
 from paratrain.train.gradients import GradientGate
 from paratrain.train.jobdirs import job_defaults
@@ -288,7 +289,7 @@ class Trainer:
             self._log_resume(found.path)
         if self.engine.shards_gradients and self.gate.active:
             self.gate.agree = self._sum_over_workers
-        self.observe = StepObserver(self.ctx, self.strategy, trace_dir)
+        self.observe = StepObserver(self.ctx, self.strategy, trace_dir, device=self.device)
         self._bind_model()
         _make_distributed(optimizer, self)
         self.sparse = sparse_modules(model)
@@ -548,7 +549,8 @@ class Trainer:
         self._scalars.update(self.gate.scalars())
         scalars = {k: float(v) for k, v in self._scalars.items()}
         samples, self._samples = self._samples * self.replicas, 0
-        self.progress.update(steps=1, samples=samples, **scalars)
+        memory = peak_memory_bytes(self.device) if self.progress.enabled else None
+        self.progress.update(steps=1, samples=samples, memory_bytes=memory, **scalars)
         data_s = self.loader.take_wait_s() if self.loader is not None else 0.0
         self.observe.step_done(samples // self.replicas, scalars.get("loss"), self.engine, data_s)
         if self.steps % self.log_every == 0:
