@@ -34,6 +34,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 import _jobs  # noqa: E402
+import _plot  # noqa: E402
 
 RESULT = re.compile(r"MEMBENCH rank=(\d+) peak_mb=([0-9.]+) model_peak_mb=([0-9.]+) sent_per_step=(\d+)")
 SERVERS = {"collective": 0, "fsdp": 0, "dist_sync": 1}
@@ -132,9 +133,13 @@ def main() -> None:
         parser.error(f"--runs: unknown {unknown}; the runs are {list(SERVERS)}")
     width = layer_width(args.mb, args.layers)
     params_bytes = args.layers * (width * width + width) * 4
-    print(f"model: {args.layers} x Linear({width}, {width}) = {params_bytes / 1e6:.1f} MB fp32, AdamW")
-    print(f"{'strategy':<12} {'peak MB (max)':>14} {'model MB (max)':>15} {'sent MB/step':>13} {'ideal':>8}")
-    peaks = {}
+    title = (
+        f"{args.workers} workers, {args.layers} x Linear({width}, {width}) = {params_bytes / 1e6:.1f} MB "
+        "fp32, AdamW; per worker, the largest"
+    )
+    print(title)
+    head = ["strategy", "peak MB", "model MB", "sent MB/step", "ideal MB/step"]
+    rows, peaks = [], {}
     for name in runs:
         role = ["--paratrain-role", "--strategy", name, "--mb", str(args.mb), "--layers", str(args.layers)]
         role += ["--steps", str(args.steps)]
@@ -142,14 +147,16 @@ def main() -> None:
             os.path.abspath(__file__), role, args.workers, SERVERS[name], args.timeout, RESULT
         )
         if found is None:
-            print(f"{name:<12} failed")
+            rows.append([name, "failed", "failed", "failed", "-"])
             continue
         peak = max(float(f[1]) for f in found)
         model_peak = max(float(f[2]) for f in found)
         sent = max(int(f[3]) for f in found)
         peaks[name] = model_peak
         ideal = ideal_bytes(name, params_bytes, args.workers)
-        print(f"{name:<12} {peak:>14.1f} {model_peak:>15.1f} {sent / 1e6:>13.1f} {ideal / 1e6:>8.1f}")
+        rows.append([name, f"{peak:.1f}", f"{model_peak:.1f}", f"{sent / 1e6:.1f}", f"{ideal / 1e6:.1f}"])
+    print("\n".join(_plot.format_table(head, rows)))
+    _plot.save_table("memory", title, head, rows)
     if "dist_sync" in runs:
         print(
             "dist_sync: on one host the kvstore's tensors go through shared-memory rings (transport/shm.py),"

@@ -5,6 +5,7 @@
     paratrain launch -w 2 -s 0 --strategy collective:pipeline_stages=2,micro_batches=4 examples/gpt.py
     paratrain launch -w 2 -s 1 --strategy ps:update_on=worker examples/gpt.py     # servers sum only
     paratrain launch -w 2 -s 2 --strategy dist_sync examples/gpt.py               # servers step
+    paratrain launch -w 2 -s 0 --strategy fsdp examples/gpt.py                    # sharded
 
 The text needs no download: the standard library's .py files, read from this Python's own
 installation (bytes as tokens, the last tenth of the text held out). The recipe is the usual one:

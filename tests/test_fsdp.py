@@ -28,6 +28,9 @@ def test_fsdp_strategy_names_and_refusals():
         Strategy(architecture="fsdp", compression="bf16")
     with pytest.raises(ValueError, match="Strategy.pipeline_stages=2 cannot run"):
         Strategy(architecture="fsdp", pipeline_stages=2)
+    assert Strategy.parse("fsdp:precision=bf16,reduce_precision=bf16").reduce_precision == "bf16"
+    with pytest.raises(ValueError, match="Strategy.reduce_precision='bf16' needs architecture='fsdp'"):
+        Strategy(reduce_precision="bf16")
 
 
 class _Blocks(nn.Module):
@@ -80,6 +83,12 @@ def test_sharded_checkpoint_round_trips_and_runs_no_code_on_load(tmp_path, capsy
         (2, "fsdp", ()),
         (4, "fsdp:accumulation_steps=3,reshard_after_forward=false", ("schedule",)),
         (2, "fsdp:clip_grad_norm=0.5", ("recipe", "rel", "tol=1e-5")),
+        # FSDP's mixed precision (parameters gathered and computed in bf16/fp16; gradients reduced
+        # in fp32, or bf16 where asked) against one process under autocast: not the same roundings
+        # (autocast keeps some ops in fp32), so within test_train's bf16 tolerance. fp16: step 2
+        # overflows on one worker only; every worker skips it, with the reference's loss scale.
+        (2, "fsdp:precision=bf16,reduce_precision=bf16,clip_grad_norm=0.3", ("recipe", "rel", "tol=1e-2")),
+        (2, "fsdp:precision=fp16,clip_grad_norm=0.3", ("recipe", "rel", "inject=2", "tol=1e-2")),
     ],
 )
 def test_fsdp_matches_single_process_adamw(workers, strategy, options):
@@ -92,7 +101,11 @@ def test_fsdp_matches_single_process_adamw(workers, strategy, options):
 def test_a_checkpoint_of_four_fsdp_workers_resumes_on_two_under_fsdp_and_ddp_and_exports(tmp_path):
     ckpt = tmp_path / "ckpt"
     args = ("6", "adamw", f"ckpt={ckpt}")
-    first = run_job(JOBS / "train_parity.py", workers=4, args=("fsdp", *args, "stop=3"), timeout_s=240)
+    # Each checkpoint is written in the background during the next step (the job holds the write
+    # until that step has begun and checks it is not yet the latest); close() commits the last one.
+    first = run_job(
+        JOBS / "train_parity.py", workers=4, args=("fsdp", *args, "stop=3", "heldsave"), timeout_s=240
+    )
     assert "trained steps 0..3" in first.lines("worker", 0)
     found = checkpoint.latest(ckpt)
     assert found.step == 3 and not found.file("model.pt").exists()
@@ -117,3 +130,12 @@ def test_a_checkpoint_of_four_fsdp_workers_resumes_on_two_under_fsdp_and_ddp_and
             assert "trained steps 3..6" in lines and any(line.startswith("parity ok") for line in lines), (
                 lines
             )
+
+
+def test_a_worker_killed_while_a_checkpoint_is_written_leaves_the_one_before_latest(tmp_path):
+    args = ("fsdp", "6", "adamw", f"ckpt={tmp_path}", "heldsave", "dieat=3")
+    outcome = run_job(JOBS / "train_parity.py", workers=2, args=args, timeout_s=240, expect="failure")
+    assert "exiting during the write of checkpoint 3" in outcome.lines("worker", 0)
+    found = checkpoint.latest(tmp_path)
+    assert found.step == 2 and sharded.is_sharded(found.path / sharded.FOLDER)
+    assert not sharded.is_sharded(checkpoint.staging_dir(tmp_path, 3) / sharded.FOLDER)

@@ -286,7 +286,8 @@ def test_grafana_dashboard_is_well_formed() -> None:
 
 def test_every_grafana_metric_is_in_a_real_jobs_scrape(logged_job: LoggedJob) -> None:
     wanted = grafana_metrics()
-    assert {"paratrain_worker_step_seconds_total", "paratrain_push_staleness_rounds_bucket"} <= wanted
+    named = {"paratrain_worker_step_seconds_total", "paratrain_push_staleness_rounds_bucket"}
+    assert named | {"paratrain_worker_peak_memory_bytes"} <= wanted
     missing = sorted(wanted - set(logged_job.samples))
     assert not missing, f"queried by grafana.json but not in /metrics: {missing}"
 

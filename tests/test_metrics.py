@@ -136,6 +136,20 @@ def test_progress_plain_lines() -> None:
     ]
 
 
+def test_progress_shows_the_latest_peak_memory() -> None:
+    stream, clock = io.StringIO(), FakeClock()
+    with Progress(desc="train", every_s=2.0, stream=stream, clock=clock) as progress:
+        clock.t += 1.0
+        progress.update(steps=1, loss=0.5, memory_bytes=3 * 2**29)
+        clock.t += 2.0
+        progress.update(steps=1, memory_bytes=900 * 2**20)
+    assert stream.getvalue().splitlines() == [
+        "train step 1 loss 0.5 peak mem 1.5 GiB",
+        "train step 2 loss 0.5 peak mem 900 MiB",
+        "train done step 2 loss 0.5 peak mem 900 MiB time 3.0s",
+    ]
+
+
 def test_progress_without_total_or_samples() -> None:
     stream, clock = io.StringIO(), FakeClock()
     progress = Progress(stream=stream, every_s=0, clock=clock)

@@ -30,7 +30,15 @@ def _worker(t: float, steps: int, samples: int, compute: float, loss: float) -> 
         "communication": steps * 0.01,
         "waiting": steps * 0.02,
     }
-    return {"time": t, "steps": steps, "samples": samples, "loss": loss, "seconds": seconds, "rss_bytes": 5}
+    return {
+        "time": t,
+        "steps": steps,
+        "samples": samples,
+        "loss": loss,
+        "seconds": seconds,
+        "rss_bytes": 5,
+        "peak_memory_bytes": 7,
+    }
 
 
 def _server(t: float, pushes: int, staleness: list) -> dict:
@@ -95,6 +103,7 @@ def test_prometheus_text_parses_with_labels_and_conventions() -> None:
         (s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples
     }
     assert samples["paratrain_worker_steps_total", (("rank", "0"), ("role", "worker"))] == 30
+    assert samples["paratrain_worker_peak_memory_bytes", (("rank", "0"), ("role", "worker"))] == 7
     key = (("key", "w"), ("rank", "0"), ("role", "server"))
     assert samples["paratrain_key_received_bytes_total", key] == 1200
     assert samples["paratrain_node_up", (("rank", "0"), ("role", "worker"))] == 0  # failed
@@ -167,6 +176,22 @@ def test_merge_names_what_is_wrong(tmp_path: Path) -> None:
         merge_traces(tmp_path)
 
 
+def test_peak_memory_is_the_gpu_allocators_on_a_gpu_and_peak_rss_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import resource
+
+    import torch
+
+    from paratrain.metrics.telemetry import peak_memory_bytes
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: asked.append(device) or 1234)
+    assert peak_memory_bytes(torch.device("cuda", 1)) == 1234 and asked == [torch.device("cuda", 1)]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert peak_memory_bytes(torch.device("cpu")) >= before and peak_memory_bytes(None) >= before
+
+
 def test_trainer_trace_dir_writes_a_timeline_and_telemetry(tmp_path: Path) -> None:
     import torch
     from torch import nn
@@ -192,6 +217,9 @@ def test_trainer_trace_dir_writes_a_timeline_and_telemetry(tmp_path: Path) -> No
     assert names.count("forward") == names.count("backward") == names.count("optimizer step") == 3
     report = worker_telemetry().report()
     assert report["steps"] == before + 3 and report["loss"] is not None and report["strategy"] == "local"
+    # On the CPU the peak is the process's peak RSS: about what it holds now, or more (the kernel
+    # folds each thread's page counts into the peak lazily, so it may trail the RSS a little).
+    assert report["peak_memory_bytes"] >= 0.9 * report["rss_bytes"] > 0
 
 
 def test_a_prepared_loop_records_its_backward_ranges_as_the_trainer_does(tmp_path: Path) -> None:

@@ -8,7 +8,10 @@ each tensor's largest value), inject=N (replica 0's batch of step N holds an inf
 step must be skipped everywhere, exactly, and the loss scale halve), ref32 (the reference runs in
 fp32 whatever the strategy's precision), adamw (AdamW in place of SGD with momentum), schedule
 (the learning rate halves every 2 steps: a StepLR made after the Trainer; not with ckpt, whose
-checkpoints hold no scheduler; recipe's warmup goes on from the restored step)
+checkpoints hold no scheduler; recipe's warmup goes on from the restored step), heldsave (fsdp
+with ckpt: each background write of a checkpoint waits until the next step has begun, which
+checks that the checkpoint is still in flight and not yet the latest), dieat=N (with heldsave:
+worker 0 exits at the start of step N, while step N-1's checkpoint is being written)
 
 The reference simulates the workers in one process: W replicas of the same model, each computing the
 gradient of its own ShardedLoader batches (split into the strategy's micro-batches), then: averaged
@@ -17,7 +20,9 @@ H steps (local SGD), or never averaged (architecture "local").
 """
 
 import math
+import os
 import sys
+import threading
 import time
 
 import torch
@@ -25,6 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import paratrain
+from paratrain import checkpoint
 from paratrain.collective.fsdp import full_state_dict
 from paratrain.data import ShardedLoader
 from paratrain.train import Strategy, Trainer, unwrap
@@ -101,6 +107,33 @@ trainer = Trainer(
     progress=False,
 )
 resumed_at = trainer.steps
+released = threading.Semaphore(0)  # heldsave: one token per background write
+if "heldsave" in opts:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def held_write(self, plan, planner):  # on the writing thread
+        assert released.acquire(timeout=120), "the held checkpoint write was never released"
+        return write_data(self, plan, planner)
+
+    FileSystemWriter.write_data = held_write
+
+
+def check_held_save() -> None:
+    """heldsave: the step about to run finds the last step's checkpoint in flight, not yet latest."""
+    in_flight = trainer.checkpoint_in_flight
+    assert in_flight == trainer.steps, f"step {trainer.steps} starts with {in_flight} in flight"
+    latest = checkpoint.latest(ckpt)
+    assert latest is None or latest.step < in_flight, f"{latest.path} is latest while being written"
+    if trainer.steps == int(opts.get("dieat", -1)) and ctx.rank == 0:
+        print(f"exiting during the write of checkpoint {in_flight}", flush=True)
+        os._exit(3)
+    released.release()
+
+
+computed_in = set()  # the first block's weight dtype in each forward
+unwrap(trainer.model)[0].register_forward_pre_hook(lambda module, args: computed_in.add(module.weight.dtype))
 sched = schedule(optimizer, resumed_at)
 halving = "schedule" in opts
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5) if halving else None
@@ -110,6 +143,8 @@ for _ in trainer.epochs(100):
     for x, y in trainer.loader:
         if trainer.steps >= stop:
             break
+        if "heldsave" in opts and trainer.steps > resumed_at:
+            check_held_save()
         x, before = poisoned(x, trainer.steps, trainer.replica), None
         if trainer.steps == inject:
             before = {name: p.detach().clone() for name, p in unwrap(trainer.model).named_parameters()}
@@ -127,6 +162,7 @@ for _ in trainer.epochs(100):
         time.sleep(float(opts.get("delay", 0)))
     if trainer.steps >= stop:
         break
+released.release()  # the last checkpoint, which close() commits
 print(f"trained steps {resumed_at}..{trainer.steps}")
 x_eval = torch.randn(7, 8, generator=torch.Generator().manual_seed(5))
 outputs = trainer.eval_step(x_eval)  # forward only; pipelined: through the stages, on the last one
@@ -202,6 +238,9 @@ def error(got: torch.Tensor, value: torch.Tensor) -> float:
 
 
 diff = max(error(got[name], value) for name, value in expected.items())
+if ctx.distributed and strategy.architecture == "fsdp":  # FSDP's policy gathers them in that dtype
+    wanted = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(strategy.precision, torch.float32)
+    assert computed_in == {wanted}, f"the forward ran with {computed_in} weights, not {wanted}"
 if strategy.clip_grad_norm is not None:  # else the check would not show that clipping matches
     reached = max(n for n in norms if math.isfinite(n))
     assert reached > strategy.clip_grad_norm, f"the gradient never reached the clip: {reached}"

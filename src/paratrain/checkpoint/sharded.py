@@ -5,6 +5,13 @@ staging checkpoint (`save`); any number of ranks, or one process, reads it back 
 any other layout (`load`): DCP's planner maps the saved chunks onto the shards the reader asks for.
 The folder is staged and committed with the rest of the checkpoint (store.py), so it is as atomic.
 
+`save_async` is DCP's `async_save`: the state is copied to CPU memory at the call (training may
+change it at once), then a thread writes the copy; the checkpoint is committed only once the write
+is complete (the Trainer asks `finished`), so a process killed during the write leaves the previous
+checkpoint the latest. The thread's collectives (the save plans, the coordinator's metadata) run on
+a process group of their own, which must have a CPU backend (Gloo): sharing training's group from
+two threads would interleave their collectives.
+
 No code on load. DCP's FileSystemReader unpickles the folder's `.metadata` with plain `pickle.load`
 and the default load planner reads non-tensor entries (an optimizer's param_groups) with
 `torch.load(weights_only=False)`: either runs whatever a crafted file names. Here the metadata goes
@@ -21,8 +28,9 @@ import os
 import pickle
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -129,6 +137,28 @@ def save(folder: str | os.PathLike[str], state: dict[str, Any]) -> None:
     writer = dcp.FileSystemWriter(Path(folder), sync_files=True)
     with _alone_is_meant():
         dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+
+
+def save_async(
+    folder: str | os.PathLike[str], state: dict[str, Any], group: dist.ProcessGroup | None = None
+) -> Future:
+    """`save` in the background (see the module docstring); `group`: the write's own process group.
+    Pass the future to `finished` before committing the checkpoint."""
+    writer = dcp.FileSystemWriter(Path(folder), sync_files=True)
+    with _alone_is_meant():
+        written = dcp.async_save(
+            state, storage_writer=writer, process_group=group, no_dist=not dist.is_initialized()
+        )
+    return cast(Future, written)
+
+
+def finished(written: Future, folder: str | os.PathLike[str]) -> None:
+    """Wait for a `save_async` of `folder`; its failure (every rank's, gathered by DCP) becomes a
+    CheckpointError. On the coordinating rank (0) it returns once every rank's part is written."""
+    try:
+        written.result()
+    except CheckpointException as error:
+        raise CheckpointError(f"the sharded checkpoint in {folder} was not written: {error}") from error
 
 
 def load(folder: str | os.PathLike[str], state: dict[str, Any]) -> None:

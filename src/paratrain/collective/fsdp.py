@@ -5,6 +5,13 @@ parameters are all-gathered for its forward and backward and its gradients reduc
 Blocks are the units that are gathered at once: the children of an nn.Sequential, the repeated
 blocks of a transformer (the modules of every nn.ModuleList), or the submodules the user names.
 Each block is sharded, then the root (which takes the parameters no block holds).
+
+Mixed precision is FSDP's own `MixedPrecisionPolicy`, not autocast: the sharded parameters stay
+fp32 (the optimizer steps them), each block's all-gather casts them to `param_dtype` (so the gathered
+copy, the forward and backward are low precision: the memory and bytes saved), and gradients are
+reduce-scattered in `reduce_dtype` (fp32 by default: a sum over many workers keeps its low bits).
+The root's output comes back as fp32, as the Trainer's autocast gives it, so a loss computed after
+the forward is fp32.
 """
 
 from __future__ import annotations
@@ -45,27 +52,37 @@ def shard_model(
     *,
     blocks: Sequence[str] = (),
     reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """`model` sharded in place over the default process group (every rank starts from rank 0's
     parameters); `optimizer`'s parameters become the sharded ones. fully_shard replaces each
     Parameter with a DTensor one, so an optimizer built before it would step tensors no longer in
     the model: its parameter groups are rebuilt by parameter name, which needs an optimizer that
-    has not stepped yet (its state would be full tensors)."""
+    has not stepped yet (its state would be full tensors). `param_dtype`, `reduce_dtype`: the
+    mixed precision (see the module docstring); None keeps the parameters' own dtype."""
     if optimizer is not None and optimizer.state:
         raise ValueError(
             "Strategy.architecture='fsdp' needs an optimizer that has not stepped yet (its state would "
             "be unsharded); resume through the Trainer's sharded checkpoints instead"
         )
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     names = {id(p): name for name, p in model.named_parameters()}
     with torch.no_grad():  # fully_shard keeps each rank's own slice of its own values
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, 0)  # one by one: no flat copy of a model meant to be large
     chosen = find_blocks(model, blocks)
+    inner = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Between blocks the activations stay low precision; only what the root gives back is fp32.
+    outer = MixedPrecisionPolicy(
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        output_dtype=torch.float32 if param_dtype is not None else None,
+    )
     for block in chosen:
-        fully_shard(block, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=inner)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=outer)
     logger.debug("fully_shard: %d blocks and the root of %s", len(chosen), type(model).__name__)
     if optimizer is not None:
         sharded = dict(model.named_parameters())

@@ -106,6 +106,7 @@ class JobBoard:
             "seconds_per_step": split,
             "seconds": latest.get("seconds", {}),
             "rss_bytes": latest.get("rss_bytes"),
+            "peak_memory_bytes": latest.get("peak_memory_bytes"),
             "history": [[t, s, loss] for t, s, loss, _ in seen.history if loss is not None],
         }
 

@@ -5,14 +5,16 @@ Otherwise (the launcher pipes each child's output and prefixes its lines, so car
 garble it) it writes plain lines: one at the first update, then at most one every `every_s` seconds,
 and one at close:
 
-    {desc} step {n}[/{total}][ {name} {value:.4g}]...[ samples/s {rate:.1f}]
-    {desc} done step {n}[/{total}][ {name} {value:.4g}]...[ samples/s {overall:.1f}] time {elapsed:.1f}s
+    {desc} step {n}[/{total}][ {name} {value:.4g}]...[ samples/s {rate:.1f}][ peak mem {size}]
+    {desc} done step {n}[/{total}][ {name} {value:.4g}]...[ samples/s {overall:.1f}][ peak mem {size}]
+        time {elapsed:.1f}s   (one line)
 
-e.g. `train step 120/300 loss 0.2345 samples/s 1523.4`. Scalars are the latest values passed to
-`update`, in the order first given. samples/s covers the last `window_s` seconds (a little more: from
-the newest update at least that old), and the close line gives it over the whole run; it is left out
-until samples are counted and time has passed. Disabled, it writes nothing (the trainer enables it on
-worker 0 only) but still counts, so `samples_per_s` can feed metrics on every rank.
+e.g. `train step 120/300 loss 0.2345 samples/s 1523.4 peak mem 1.25 GiB`. Scalars are the latest
+values passed to `update`, in the order first given, and so is the process's peak memory (the
+Trainer gives it: metrics/telemetry.py). samples/s covers the last `window_s` seconds (a little
+more: from the newest update at least that old), and the close line gives it over the whole run;
+it is left out until samples are counted and time has passed. Disabled, it writes nothing (the
+trainer enables it on worker 0 only) but still counts, so `samples_per_s` can feed metrics on every rank.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Progress:
         self.step = initial
         self.samples = 0
         self.scalars: dict[str, float] = {}
+        self.memory_bytes: int | None = None
         self._clock = clock
         self._start = clock()
         self._window: deque[tuple[float, int]] = deque([(self._start, 0)])  # (time, samples so far)
@@ -63,14 +66,19 @@ class Progress:
         if enabled and _is_tty(self.stream):
             self._bar = tqdm(total=total, initial=initial, desc=desc, file=self.stream, unit="step")
 
-    def update(self, *, steps: int = 1, samples: int = 0, **scalars: float) -> None:
-        """Count `steps` steps and `samples` samples; remember the latest `scalars` (e.g. loss=...)."""
+    def update(
+        self, *, steps: int = 1, samples: int = 0, memory_bytes: int | None = None, **scalars: float
+    ) -> None:
+        """Count `steps` steps and `samples` samples; remember the latest `scalars` (e.g. loss=...)
+        and the process's peak `memory_bytes`, where given."""
         if steps < 0 or samples < 0:
             raise ValueError(f"Progress.update steps={steps!r} and samples={samples!r} must be >= 0")
         now = self._clock()
         self.step += steps
         self.samples += samples
         self.scalars.update({name: float(value) for name, value in scalars.items()})
+        if memory_bytes is not None:
+            self.memory_bytes = memory_bytes
         self._window.append((now, self.samples))
         while len(self._window) > 1 and self._window[1][0] <= now - self.window_s:
             self._window.popleft()
@@ -123,17 +131,29 @@ class Progress:
         parts += [f"{name} {value:.4g}" for name, value in self.scalars.items()]
         if rate is not None:
             parts.append(f"samples/s {rate:.1f}")
+        if self.memory_bytes is not None:
+            parts.append(f"peak mem {size(self.memory_bytes)}")
         return " ".join(parts)
 
     def _postfix(self, rate: float | None) -> dict[str, str]:
         postfix = {name: f"{value:.4g}" for name, value in self.scalars.items()}
         if rate is not None:
             postfix["samples/s"] = f"{rate:.1f}"
+        if self.memory_bytes is not None:
+            postfix["peak mem"] = size(self.memory_bytes)
         return postfix
 
     def _write(self, line: str) -> None:
         self.stream.write(line + "\n")
         self.stream.flush()
+
+
+def size(count: int) -> str:
+    """A byte count for people: 512 B, 3.4 MiB, 1.25 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count} B"
 
 
 def _is_tty(stream: IO[str]) -> bool:

@@ -74,6 +74,11 @@ def _worker_metrics(workers: list[dict[str, Any]]) -> Iterator[Metric]:
         "paratrain_worker_step_seconds", "Time in training steps, by phase.", labels=[*labels, "phase"]
     )
     memory = GaugeMetricFamily("paratrain_worker_resident_memory_bytes", "Resident memory.", labels=labels)
+    peak = GaugeMetricFamily(
+        "paratrain_worker_peak_memory_bytes",
+        "Peak memory: the allocator's peak of tensor bytes on the worker's GPU, else peak resident memory.",
+        labels=labels,
+    )
     for w in workers:
         who = ["worker", str(w["rank"])]
         steps.add_metric(who, w["step"])
@@ -84,7 +89,9 @@ def _worker_metrics(workers: list[dict[str, Any]]) -> Iterator[Metric]:
             seconds.add_metric([*who, phase], w["seconds"].get(phase, 0.0))
         if w["rss_bytes"] is not None:
             memory.add_metric(who, w["rss_bytes"])
-    yield from (steps, samples, loss, seconds, memory)
+        if w["peak_memory_bytes"] is not None:
+            peak.add_metric(who, w["peak_memory_bytes"])
+    yield from (steps, samples, loss, seconds, memory, peak)
 
 
 def _straggler_metrics(job: dict[str, Any], workers: list[dict[str, Any]]) -> Iterator[Metric]:

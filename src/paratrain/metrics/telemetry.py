@@ -1,9 +1,9 @@
 """What a process tells the scheduler about itself, on the heartbeats it already sends.
 
 A worker's figures are cumulative counters (steps, samples, seconds of data loading, compute,
-communication and waiting) plus the latest loss; the scheduler turns differences between two
-heartbeats into rates and per-step splits (board.py), so nothing is sent per step and a lost
-heartbeat loses no count.
+communication and waiting) plus the latest loss and its peak memory (`peak_memory_bytes`); the
+scheduler turns differences between two heartbeats into rates and per-step splits (board.py), so
+nothing is sent per step and a lost heartbeat loses no count.
 A server's figures come from its KVServer (kvstore/report.py). The report is a small msgpack-able
 dict; `report()` is called by the heartbeat thread once per interval.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import sys
 import threading
 import time
 from typing import Any
@@ -35,6 +36,8 @@ class WorkerTelemetry:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.strategy: str | None = None
         """The Trainer's strategy, shown on the job page."""
+        self.device: Any = None
+        """The Trainer's device (a torch.device): where its peak memory is measured."""
 
     def step_done(
         self,
@@ -67,6 +70,7 @@ class WorkerTelemetry:
                 "seconds": dict(self.seconds),
                 "strategy": self.strategy,
                 **process_figures(),
+                "peak_memory_bytes": peak_memory_bytes(self.device),
             }
 
 
@@ -82,6 +86,18 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_memory_bytes(device: Any = None) -> int:
+    """The most memory this process has held for training: on a GPU (a torch.device of type cuda)
+    the caching allocator's peak of allocated tensor bytes on it, else the peak resident set
+    (getrusage's ru_maxrss, whatever the process allocated)."""
+    if device is not None and device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB elsewhere
 
 
 _worker: WorkerTelemetry | None = None

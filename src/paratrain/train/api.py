@@ -9,6 +9,7 @@ at a hook inherits EngineBase's no-op.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -47,6 +48,18 @@ class Engine(Protocol):
         no model.pt)."""
         ...
 
+    @property
+    def handles_precision(self) -> bool:
+        """Whether the engine runs the strategy's precision itself (FSDP's mixed precision policy):
+        then the Trainer puts no autocast around the forward."""
+        ...
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Whether each worker's `.grad` holds only its shard of the aggregated gradient: then the
+        Trainer's overflow check and clipping norm are summed over the workers."""
+        ...
+
     def set_sync(self, sync: bool) -> None:
         """Whether this micro-batch's backward sends gradients (the last of an accumulation)."""
         ...
@@ -71,7 +84,10 @@ class Engine(Protocol):
         """Whether the engine recovered from `error`, raised in backward (then the step is skipped)."""
         ...
 
-    def save(self, folder: Path) -> None: ...
+    def save(self, folder: Path) -> Future | None:
+        """This worker's engine state into the staging checkpoint `folder`. A future where the
+        write goes on in the background: the Trainer commits the checkpoint once it is done."""
+        ...
 
     def restore(self, folder: Path) -> None: ...
 
@@ -86,6 +102,8 @@ class EngineBase:
     regroups_itself = False
     per_worker_optimizer = False
     sharded_state = False
+    handles_precision = False
+    shards_gradients = False
 
     def set_sync(self, sync: bool) -> None:
         pass
@@ -105,8 +123,8 @@ class EngineBase:
     def recover(self, trainer: Trainer, error: BaseException) -> bool:
         return False
 
-    def save(self, folder: Path) -> None:
-        pass
+    def save(self, folder: Path) -> Future | None:
+        return None
 
     def restore(self, folder: Path) -> None:
         pass

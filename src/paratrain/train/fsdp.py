@@ -6,22 +6,26 @@ the optimizer steps each worker's shards. A checkpoint holds the model and optim
 sharded, in its `sharded/` folder (torch.distributed.checkpoint, checkpoint/sharded.py), beside each
 worker's own file (steps, data position, random state). Such a checkpoint loads into any number of
 fsdp workers, into DDP or into one process: DCP reshards on load, and the data position is carried
-over in samples (`resharded_loader_state`).
+over in samples (`resharded_loader_state`). The sharded state is written in the background while
+training goes on; the Trainer commits the checkpoint once the write is complete.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from paratrain import checkpoint
 from paratrain.checkpoint import sharded
+from paratrain.train.precision import DTYPES
 from paratrain.train.trainer import LocalEngine
 
 if TYPE_CHECKING:
@@ -39,6 +43,9 @@ class FSDPEngine(LocalEngine):
 
     sharded_state = True
     """The Trainer saves no model.pt: this engine writes the model and optimizer sharded (`save`)."""
+    handles_precision = True
+    """Strategy.precision is FSDP's MixedPrecisionPolicy (collective/fsdp.py), not autocast."""
+    shards_gradients = True
 
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, ctx: Any
@@ -49,23 +56,35 @@ class FSDPEngine(LocalEngine):
 
         init_torch_distributed(ctx, backend_for(model))
         blocks = strategy.fsdp_blocks.split() if strategy.fsdp_blocks else ()
+        param_dtype = DTYPES[strategy.precision]
+        reduce_dtype = DTYPES[strategy.reduce_precision] or (torch.float32 if param_dtype else None)
         sharded_model = shard_model(
-            model, optimizer, blocks=blocks, reshard_after_forward=strategy.reshard_after_forward
+            model,
+            optimizer,
+            blocks=blocks,
+            reshard_after_forward=strategy.reshard_after_forward,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
         )
         super().__init__(sharded_model)
         self.optimizer = optimizer
+        self._checkpoint_group: Any = None
+        """Gloo, for the background writes' collectives (sharded.save_async)."""
 
     def set_sync(self, sync: bool) -> None:
         cast(FSDPModule, self.model).set_requires_gradient_sync(sync)
 
-    def save(self, folder: Path) -> None:
-        save_state(folder, self.model, self.optimizer)
+    def save(self, folder: Path) -> Future:
+        if self._checkpoint_group is None:  # every worker saves at the same step: a collective is safe
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        return save_state(folder, self.model, self.optimizer, self._checkpoint_group)
 
 
-def save_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Every worker writes its shards of the model's and the optimizer's state into folder/sharded.
-    An optimizer that has not stepped is left out: torch's get_state_dict would take a step (at lr 0)
-    to create its state, which changes Adam's step count."""
+def save_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, group: Any = None) -> Future:
+    """Every worker writes its shards of the model's and the optimizer's state into folder/sharded,
+    in the background (sharded.save_async, on the Gloo process group `group`): the future is done
+    once they are written. An optimizer that has not stepped is left out: torch's get_state_dict
+    would take a step (at lr 0) to create its state, which changes Adam's step count."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer.state:
@@ -73,7 +92,7 @@ def save_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
     else:
         state = {"model": get_model_state_dict(model)}
-    sharded.save(folder / SHARDED, state)
+    return sharded.save_async(folder / SHARDED, state, group)
 
 
 def load_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

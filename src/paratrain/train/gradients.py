@@ -11,8 +11,10 @@ replicas averaged). `GradientGate` runs there, in the order torch's recipe has
    batch and any number of workers clip alike;
 3. the step, unless an overflow was found; the loss scale follows.
 
-Where no process holds the whole gradient (a pipeline: each stage its own parameters), `agree` sums
-[overflow, squared norm] over the processes that together hold it: one all-reduce of two numbers.
+Where no process holds the whole gradient (a pipeline: each stage its own parameters; fsdp: each
+worker a shard of every one), `agree` sums [overflow, squared norm] over the processes that
+together hold it: one all-reduce of two numbers. A sharded gradient (a DTensor) is checked on its
+local shard, so that each element counts once.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class GradientGate:
     def step(self, optimizer: torch.optim.Optimizer, local_step: Callable[[], Any]) -> Any:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads = [p.grad for p in params if p.grad is not None]
+        if self.agree is not None:  # this process's part of the gradient
+            grads = [_local(grad) for grad in grads]
         found = self.scaler.unscale_(grads) if self.scaler is not None else torch.zeros(1)
         norm = torch.nn.utils.get_total_norm(grads) if self.clip is not None else None
         if self.agree is not None:
@@ -74,3 +78,10 @@ class GradientGate:
         """For the Trainer's metrics: the loss scale and the gradient's norm, where they exist."""
         out = {"loss_scale": self.scaler.scale} if self.scaler is not None else {}
         return out | ({"grad_norm": self.last_norm} if self.last_norm is not None else {})
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A sharded gradient's (DTensor's) shard on this process; a plain one as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return grad.to_local() if isinstance(grad, DTensor) else grad

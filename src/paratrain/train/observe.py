@@ -28,8 +28,11 @@ from paratrain.metrics.trace import open_tracer, tracer
 
 
 class StepObserver:
-    def __init__(self, ctx: Any, strategy: Any, trace_dir: str | Path | None = None) -> None:
+    def __init__(
+        self, ctx: Any, strategy: Any, trace_dir: str | Path | None = None, device: torch.device | None = None
+    ) -> None:
         self.telemetry = worker_telemetry()
+        self.telemetry.device = device  # where the heartbeat's peak memory is measured
         self.telemetry.strategy = _describe(strategy) if getattr(ctx, "distributed", False) else "local"
         if trace_dir is not None:
             link = getattr(ctx, "link", None)

@@ -84,7 +84,9 @@ class Strategy:
     """32, bf16 or fp16: the forward runs under torch.autocast in that dtype (weights, gradients
     and optimizer state stay fp32). fp16 scales the loss dynamically as torch.amp.GradScaler does:
     a step whose aggregated gradient holds inf or NaN is skipped on every worker and the scale
-    halves (train/precision.py)."""
+    halves (train/precision.py). Under fsdp it is FSDP's MixedPrecisionPolicy instead: parameters
+    are gathered and computed in that dtype, the sharded ones and the optimizer stay fp32
+    (collective/fsdp.py; reduce_precision)."""
     clip_grad_norm: float | None = None
     """Clip the aggregated gradient to this global L2 norm before each optimizer step: what
     torch.nn.utils.clip_grad_norm_ gives in one process on the global batch (a pipeline's norm
@@ -98,13 +100,17 @@ class Strategy:
     reshard_after_forward: bool = True
     """fsdp only. Free each block's gathered parameters after its forward (gathered again for
     backward): less memory, one more all-gather per block."""
+    reduce_precision: str = "32"
+    """fsdp only. The dtype gradients are reduce-scattered in: 32 (default, whatever `precision`
+    is: the sum over workers keeps its low bits), bf16 or fp16 (half the bytes)."""
 
     def __post_init__(self, staleness: int) -> None:
         def bad(field: str, why: str) -> ValueError:
             return ValueError(f"Strategy.{field}={getattr(self, field)!r} {why}")
 
-        if self.precision in (32, "fp32", "float32"):  # what a user may write for the default
-            object.__setattr__(self, "precision", "32")
+        for field in ("precision", "reduce_precision"):
+            if getattr(self, field) in (32, "fp32", "float32"):  # what a user may write for the default
+                object.__setattr__(self, field, "32")
         object.__setattr__(self, "consistency", parse(self.consistency, staleness, "Strategy"))
         for field, allowed in (
             ("architecture", ARCHITECTURES),
@@ -113,6 +119,7 @@ class Strategy:
             ("compression", COMPRESSIONS),
             ("pipeline_schedule", SCHEDULES),
             ("precision", PRECISIONS),
+            ("reduce_precision", PRECISIONS),
         ):
             value = getattr(self, field)
             if value not in allowed:
@@ -146,8 +153,10 @@ class Strategy:
         if self.fsdp_blocks is not None and not isinstance(self.fsdp_blocks, str):
             raise bad("fsdp_blocks", "must be module names separated by spaces, or None")
         fsdp = self.architecture == "fsdp"
-        if not fsdp and (self.fsdp_blocks or not self.reshard_after_forward):
-            field = "fsdp_blocks" if self.fsdp_blocks else "reshard_after_forward"
+        fsdp_only = {"fsdp_blocks": bool(self.fsdp_blocks), "reduce_precision": self.reduce_precision != "32"}
+        fsdp_only["reshard_after_forward"] = not self.reshard_after_forward
+        if not fsdp and any(fsdp_only.values()):
+            field = next(name for name, changed in fsdp_only.items() if changed)
             raise bad(field, f"needs architecture='fsdp', not {self.architecture!r}")
         if fsdp and (self.compression or self.pipeline_stages > 1):
             field = "compression" if self.compression else "pipeline_stages"

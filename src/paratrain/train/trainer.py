@@ -24,10 +24,13 @@ strategy's autocast (train/precision.py), on the worker's device (docs/training.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import random
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -36,9 +39,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from paratrain import checkpoint
+from paratrain.checkpoint import sharded
 from paratrain.cluster.context import current
 from paratrain.data import ShardedLoader, first_rows, to_device
 from paratrain.metrics import MetricsLogger, NullMetrics, Progress, open_loggers
+from paratrain.metrics.telemetry import peak_memory_bytes
 from paratrain.train.api import Engine, EngineBase
 from paratrain.train.gradients import GradientGate
 from paratrain.train.jobdirs import job_defaults
@@ -190,7 +195,9 @@ class Trainer:
     OUTPUT_DIR/checkpoints and OUTPUT_DIR/metrics, checkpoint_every to the spec's. With
     `trace_dir` (or `paratrain launch --trace DIR`), each worker writes a Chrome-trace timeline of
     its steps there (train/observe.py). `device`: where the model and every batch go (default: the
-    worker's, ctx.device: its GPU where it has one, else the CPU)."""
+    worker's, ctx.device: its GPU where it has one, else the CPU). `async_checkpoints`: a sharded
+    (fsdp) checkpoint's state is written in the background while training goes on, and committed
+    once written (False: save_checkpoint waits for the write)."""
 
     def __init__(
         self,
@@ -212,6 +219,7 @@ class Trainer:
         ctx: Any = None,
         trace_dir: str | Path | None = None,
         device: str | torch.device | None = None,
+        async_checkpoints: bool = True,
     ) -> None:
         self.ctx = current(ctx)
         self.strategy = resolve_strategy(strategy, self.ctx.num_servers, self.ctx.distributed)
@@ -261,6 +269,8 @@ class Trainer:
         self._joined_in = False  # a joiner has met the others at an epoch's start
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every, self.keep, self.log_every = checkpoint_every, keep, log_every
+        self.async_checkpoints = async_checkpoints
+        self._saving: _Saving | None = None
         self._micro = 0
         self._samples = 0
         self._scalars: dict[str, float | torch.Tensor] = {}
@@ -277,7 +287,9 @@ class Trainer:
             if fsdp.is_sharded(found):  # into the engine's model: fsdp's shards, or DDP's replica
                 fsdp.load_state(found.path, self.engine.model, optimizer)
             self._log_resume(found.path)
-        self.observe = StepObserver(self.ctx, self.strategy, trace_dir)
+        if self.engine.shards_gradients and self.gate.active:
+            self.gate.agree = self._sum_over_workers
+        self.observe = StepObserver(self.ctx, self.strategy, trace_dir, device=self.device)
         self._bind_model()
         _make_distributed(optimizer, self)
         self.sparse = sparse_modules(model)
@@ -303,7 +315,8 @@ class Trainer:
         """Train the engine's model (again, when an elastic engine rebuilt it on a new group)."""
         self.model = self.engine.model
         self.model.register_forward_pre_hook(_BeforeForward(self), with_kwargs=True)
-        if self.autocast is not None and not self.pipelined:  # a pipeline's blocks get it instead
+        # A pipeline's blocks get it instead; an fsdp engine casts with FSDP's own policy.
+        if self.autocast is not None and not self.pipelined and not self.engine.handles_precision:
             self.autocast.attach(self.model)
         self.observe.attach(self.model)
 
@@ -468,11 +481,16 @@ class Trainer:
     def _agree_over_stages(self, values: torch.Tensor) -> torch.Tensor:
         """`values` summed over a pipeline's stages (all-reduced over every worker, divided by the
         replicas, which hold the same averaged gradients): GradientGate.agree."""
+        return self._sum_over_workers(values) / self.replicas
+
+    def _sum_over_workers(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` (a small CPU tensor) all-reduced over every worker (GradientGate.agree where
+        each worker holds a shard of the gradient)."""
         import torch.distributed as dist
 
         comm = values.to(self.device) if dist.get_backend() == "nccl" else values.clone()
         dist.all_reduce(comm)
-        return comm.cpu() / self.replicas
+        return comm.cpu()
 
     def step(self, loss: torch.Tensor) -> None:
         """backward, optimizer step (every accumulation_steps calls) and zero_grad; logs the loss."""
@@ -531,7 +549,8 @@ class Trainer:
         self._scalars.update(self.gate.scalars())
         scalars = {k: float(v) for k, v in self._scalars.items()}
         samples, self._samples = self._samples * self.replicas, 0
-        self.progress.update(steps=1, samples=samples, **scalars)
+        memory = peak_memory_bytes(self.device) if self.progress.enabled else None
+        self.progress.update(steps=1, samples=samples, memory_bytes=memory, **scalars)
         data_s = self.loader.take_wait_s() if self.loader is not None else 0.0
         self.observe.step_done(samples // self.replicas, scalars.get("loss"), self.engine, data_s)
         if self.steps % self.log_every == 0:
@@ -541,6 +560,8 @@ class Trainer:
             self.metrics.log(
                 self.steps, {**scalars, **extra, **({"lr": float(lr)} if lr is not None else {})}
             )
+        if self._saving is not None:
+            self._finish_save(wait=False)
         if self.checkpoint_every and self.steps % self.checkpoint_every == 0:
             self.save_checkpoint()
 
@@ -551,13 +572,15 @@ class Trainer:
 
     def save_checkpoint(self) -> Path | None:
         """Every worker calls it (the Trainer does, every checkpoint_every steps); returns the
-        checkpoint's folder on worker 0 once committed. Between micro-steps it refuses."""
+        checkpoint's folder on worker 0 once committed (None while a background write goes on:
+        `checkpoint_in_flight`). Between micro-steps it refuses."""
         if self.checkpoint_dir is None:
             raise ValueError("save_checkpoint needs the Trainer's checkpoint_dir")
         if self._micro:
             raise ValueError("save_checkpoint between accumulation micro-steps would lose gradients")
+        self._finish_save(wait=True)  # one background write at a time
         folder = checkpoint.staging_dir(self.checkpoint_dir, self.steps)
-        self.engine.save(folder)
+        written = self.engine.save(folder)
         worker: dict[str, Any] = {
             "steps": self.steps,
             "loader": self.loader.state_dict() if self.loader is not None else None,
@@ -576,11 +599,31 @@ class Trainer:
             worker["optimizer"] = self.optimizer.state_dict()  # top-k: each worker steps its own
         checkpoint.save_file(folder / f"worker-{self.rank}.pt", worker)
         self.ctx.barrier(name=f"checkpoint-{self.steps}")
-        if self.rank != 0:
+        commit = None
+        if self.rank == 0:
+            meta = {"strategy": self.strategy.as_dict(), "num_workers": self.num_workers}
+            meta["metrics"] = {name: float(value) for name, value in self._scalars.items()}
+            root, step = self.checkpoint_dir, self.steps
+            commit = functools.partial(checkpoint.commit, root, step, meta, keep=self.keep)
+        if written is None:
+            return commit() if commit is not None else None
+        self._saving = _Saving(written, folder, self.steps, commit)
+        return self._finish_save(wait=not self.async_checkpoints)
+
+    @property
+    def checkpoint_in_flight(self) -> int | None:
+        """The step of a checkpoint whose state is still being written in the background, or None."""
+        return self._saving.step if self._saving is not None else None
+
+    def _finish_save(self, wait: bool) -> Path | None:
+        """A background write that is done (waited for, with `wait`): worker 0 commits it. Worker 0's
+        write is done once every worker's is (sharded.finished)."""
+        saving = self._saving
+        if saving is None or not (wait or saving.written.done()):
             return None
-        meta = {"strategy": self.strategy.as_dict(), "num_workers": self.num_workers}
-        meta["metrics"] = {name: float(value) for name, value in self._scalars.items()}
-        return checkpoint.commit(self.checkpoint_dir, self.steps, meta, keep=self.keep)
+        self._saving = None
+        sharded.finished(saving.written, saving.folder)
+        return saving.commit() if saving.commit is not None else None
 
     def _restore_local(self, found: checkpoint.Checkpoint, model: nn.Module) -> None:
         from paratrain.train import fsdp
@@ -617,10 +660,23 @@ class Trainer:
         log("resumed from checkpoint %s at step %d%s", path, self.steps, where)
 
     def close(self) -> None:
-        """Stop the progress line, flush metrics, leave the servers' rounds."""
+        """Commit a checkpoint still being written, stop the progress line, flush metrics, leave
+        the servers' rounds."""
+        self._finish_save(wait=True)
         self.progress.close()
         self.metrics.close()
         self.engine.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Saving:
+    """A checkpoint whose engine state is being written in the background."""
+
+    written: Future
+    folder: Path
+    step: int
+    commit: Callable[[], Path] | None
+    """Worker 0's commit of the checkpoint, once written; None on the other workers."""
 
 
 def prepare(
