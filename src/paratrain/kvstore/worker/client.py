@@ -96,6 +96,7 @@ class DistKVStore(SparseAPI):
         if not ctx.servers:
             raise KVStoreError("a distributed kvstore needs servers: launch the job with -s 1 or more")
         assert ctx.spec is not None
+        config.policy.check_job(ctx.num_workers if members is None else len(members), ctx.config.replication)
         self.config = config
         self._ctx = ctx
         self.rank, self.num_workers = ctx.rank, ctx.num_workers
@@ -610,7 +611,7 @@ class DistKVStore(SparseAPI):
         """What the servers counted per key so far (summed over a key's slices): pushes, pulls,
         bytes in and out, the key's oldest version, open rounds and pulls waiting on it."""
         # Every slice sees each push and pull of its key: counts are the same on all of them.
-        combine = {"version": min, "pushes": max, "pulls": max}
+        combine = {"version": min, "pushes": max, "pulls": max, "late": max}
         per_key: dict[Any, dict[str, int]] = {}
         asked = [self._clients[s].submit(*protocol.Stats().wire()) for s in self._servers.live()]
         replies = self._wait(asked)
