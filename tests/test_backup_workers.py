@@ -162,6 +162,21 @@ def test_bad_settings_name_the_field_and_value(make, error):
         make()
 
 
+def test_the_trainer_refuses_checkpoint_barriers_with_backup_workers(tmp_path):
+    from paratrain.train import Trainer
+
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=r"consistency=backup\(1\) cannot run with checkpoint_every=5"):
+        Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            strategy="dist_sync:backup_workers=1",
+            checkpoint_dir=tmp_path,
+            checkpoint_every=5,
+            progress=False,
+        )
+
+
 def test_the_vocabulary_and_the_wire():
     assert Strategy.parse("dist_sync:backup_workers=2").consistency == Backup(2)
     assert KVStoreConfig(consistency="backup").consistency == Backup(1)
