@@ -30,7 +30,7 @@ import torch
 from paratrain.cluster.context import Context
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import optim, protocol
-from paratrain.kvstore.api import Handle, Keys, KVStoreConfig, SparseAPI
+from paratrain.kvstore.api import Handle, Keys, KVStoreConfig, SparseAPI, WaitDiagnosis
 from paratrain.kvstore.compressed import WorkerCompression, compression_config
 from paratrain.kvstore.placement import Placement, Slice
 from paratrain.kvstore.shared import ArenaMap, Region, same_host
@@ -384,7 +384,7 @@ class DistKVStore(SparseAPI):
             warn_after_s=self.config.wait_warning_s,
         )
 
-    def _diagnose(self, waiting: list[tuple[int, dict]], pulls: bool) -> str:
+    def _diagnose(self, waiting: list[tuple[int, dict]], pulls: bool) -> WaitDiagnosis:
         """Ask the servers that have not replied what the call waits for: the rounds its pulls
         need and the workers that have not pushed them (the servers log the same)."""
         probes = []
