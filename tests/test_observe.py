@@ -330,7 +330,9 @@ def test_server_counts_how_stale_each_push_is_and_reports_it() -> None:
     assert report["staleness"] == [[0, 1], [1, 1], [2, 1]]
     assert (report["pushes"], report["pulls"], report["bytes_in"], report["bytes_out"]) == (3, 1, 48, 16)
     (key,) = report["keys"]
-    assert key == {"key": "w", "pushes": 3, "pulls": 1, "bytes_in": 48, "bytes_out": 16, "version": 3}
+    assert key == {"key": "w", "pushes": 3, "pulls": 1, "bytes_in": 48, "bytes_out": 16, "late": 0} | {
+        "version": 3
+    }
 
     bounded = _kv_server("rounds")
     _push(bounded, 0, clock=0)

@@ -41,7 +41,10 @@ PARATRAIN = str(Path(sys.executable).parent / "paratrain")
         ("collective:acumulation_steps=4", "Strategy has no field 'acumulation_steps' (its fields: "),
         ("collective:acumulation_steps=4", "did you mean 'accumulation_steps'?"),
         ("ps:consistency=bounded,stalenes=2", "did you mean 'staleness'?"),
-        ("ps:consistency=asink", "Strategy.consistency='asink' is not one of sync, async, bounded; did you"),
+        (
+            "ps:consistency=asink",
+            "Strategy.consistency='asink' is not one of sync, async, bounded, backup; did you",
+        ),
         ("ps:update_on=workers", "did you mean 'worker'?"),
         ("collective:compression=fp61", "did you mean 'fp16'?"),
         ("collective:pipeline_schedule=1fb1", "did you mean '1f1b'?"),

@@ -51,6 +51,26 @@ def test_user_frames_are_the_callers_not_paratrains():
     )
 
 
+def test_a_long_waits_diagnosis_names_the_awaited_workers_and_asks_with_them():
+    from types import SimpleNamespace
+
+    from paratrain.cluster.protocol import StacksWanted
+    from paratrain.kvstore.worker.checks import explain_wait
+
+    waits = [{"round": 3, "key": "w", "missing": [2, 1]}, {"round": 3, "key": "b", "missing": [1]}]
+    reply = SimpleNamespace(meta={"waits": waits})
+    client = SimpleNamespace(name="server 0", request=lambda op, query: SimpleNamespace(wait=lambda s: reply))
+    found = explain_wait([(client, "waiting", {})], timeout_s=1.0)
+    assert found.awaited == (1, 2) and "round 3 of key 'w' on server 0 waits for worker(s) 2, 1" in str(found)
+    asked: list = []
+    stacks.set_asker(lambda why, awaited: asked.append(StacksWanted(why, list(awaited))))
+    try:
+        stacks.ask(f"pull has waited 1 s: {found}", found.awaited)
+    finally:
+        stacks.set_asker(None)
+    assert StacksWanted.from_meta(asked[0].wire()[1]).awaited == [1, 2]
+
+
 def test_this_process_is_not_signalled_without_a_handler(tmp_path):
     # A process of a job that has not reached paratrain.init yet would be ended by SIGUSR1.
     proc = tmp_path / "123"
@@ -84,6 +104,11 @@ def test_a_stuck_worker_is_named_at_its_line_and_paratrain_stacks_shows_it(tmp_p
             ],
         )
         assert said[0].startswith("[scheduler 0] ") and "worker 1 (host" in said[0]
+        assert "(the worker the others wait for)" in said[0], said  # marked among the reports
+        log = _text(folder / "job.log")
+        assert "asks every process for its stacks (it waits for worker(s) 1)" in log
+        others = [ln for ln in log.splitlines() if "main thread at" in ln and "worker 0 (host" in ln]
+        assert all("wait for)" not in ln for ln in others), others
         # ... every process wrote its threads' stacks to its log (faulthandler's format) ...
         for name in ("worker-0", "worker-1", "server-0", "scheduler-0"):
             _wait_for(f"{name}'s stacks", lambda n=name: "Thread 0x" in _text(folder / "logs" / f"{n}.log"))

@@ -134,13 +134,15 @@ def test_the_loader_measures_the_wait_for_batches():
     assert loader.take_wait_s() == 0.0
 
 
-def test_a_worker_slowed_in_its_forward_is_named_with_phase_compute(tmp_path):
-    # 3 workers, dist_sync: worker 1's forward takes 55 ms instead of 5 ms from step 30 to step 110.
+@pytest.mark.parametrize(("strategy", "servers"), [("dist_sync", 1), ("collective", 0)])
+def test_a_worker_slowed_in_its_forward_is_named_with_phase_compute(tmp_path, strategy, servers):
+    # 3 workers: worker 1's forward takes 55 ms instead of 5 ms from step 30 to step 110. Under
+    # collective (DDP) every rank's step takes as long; the others' wait in the all-reduce is theirs.
     outcome = run_job(
         JOBS / "slow_worker.py",
         workers=3,
-        servers=1,
-        args=("1", "30", "110", "200"),
+        servers=servers,
+        args=("1", "30", "110", "200", strategy),
         env={"PARATRAIN_LOG_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"},
         timeout_s=240,
     )
@@ -160,3 +162,25 @@ def test_job_config_takes_a_straggler_config():
     assert JobConfig(stragglers=StragglerConfig(ratio=2.0, steps=5)).as_dict()["stragglers.ratio"] == 2.0
     with pytest.raises(TypeError, match=r"JobConfig\.stragglers=\{'ratio': 2\}"):
         JobConfig(stragglers={"ratio": 2})
+
+
+def test_ddps_wait_after_its_last_bucket_is_waiting_not_compute():
+    # What the comm hook notes (train/observe.py): the last bucket went to all-reduce, and backward
+    # then blocked on it (for the slowest rank's gradients). That time is waiting, not compute.
+    from types import SimpleNamespace
+
+    from paratrain.train.observe import StepObserver
+
+    observer = StepObserver(SimpleNamespace(rank=0), strategy=None)
+    before = dict(observer.telemetry.seconds)
+    with observer.backward():
+        time.sleep(0.01)  # the backward's own work
+        observer._all_reduce.launched = time.perf_counter()
+        time.sleep(0.05)  # blocked on the all-reduce
+    observer.step_done(1, 0.1, engine=SimpleNamespace())
+    spent = {phase: observer.telemetry.seconds[phase] - before[phase] for phase in PHASES}
+    assert spent["waiting"] >= 0.05 and spent["compute"] >= 0.01
+    with observer.backward():  # a backward without a bucket sent (no_sync micro-steps): no wait
+        pass
+    observer.step_done(1, 0.1, engine=SimpleNamespace())
+    assert observer.telemetry.seconds["waiting"] - before["waiting"] == spent["waiting"]

@@ -1,5 +1,6 @@
 """The CNN of examples/digits.py, seeded, for the test jobs and their one-process references (one
-copy: a job's script directory is on its sys.path; tests import it the same way)."""
+copy: a job's script directory is on its sys.path; tests import it the same way); and a small MLP
+for jobs that must be quick."""
 
 import torch
 from torch import nn
@@ -18,3 +19,8 @@ def make_model() -> nn.Module:
         nn.ReLU(),
         nn.Linear(64, 10),
     )
+
+
+def make_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))

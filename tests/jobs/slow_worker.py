@@ -1,9 +1,9 @@
 """A job with one worker slowed on purpose (tests/test_stragglers.py).
 
-argv: RANK FROM TO STEPS   Every worker's forward takes 5 ms (a sleep: a step
+argv: RANK FROM TO STEPS [STRATEGY]   Every worker's forward takes 5 ms (a sleep: a step
 of a real model's length, which the machine's load does not stretch), worker RANK's 55 ms from
-step FROM to step TO. dist_sync with the Trainer, heartbeats every 0.2 s (the scheduler compares
-steps at each one).
+step FROM to step TO. STRATEGY (default dist_sync) with the Trainer, heartbeats every 0.2 s (the
+scheduler compares steps at each one).
 """
 
 import sys
@@ -17,6 +17,7 @@ import paratrain
 from paratrain.train import Trainer
 
 slow_rank, first, last, steps = (int(arg) for arg in sys.argv[1:5])
+strategy = sys.argv[5] if len(sys.argv) > 5 else "dist_sync"
 ctx = paratrain.init(paratrain.JobConfig(heartbeat_interval_s=0.2))
 
 
@@ -38,7 +39,7 @@ trainer = Trainer(
     module,
     torch.optim.SGD(module.parameters(), lr=0.01),
     DataLoader(data, batch_size=8),
-    strategy="dist_sync",
+    strategy=strategy,
     progress=False,
 )
 while trainer.steps < steps:

@@ -138,9 +138,10 @@ class SchedulerLink:
         )
 
     # -- a stuck job's stacks (cluster/stacks.py) ---------------------------------------------------
-    def ask_for_stacks(self, why: str) -> None:
-        """Ask the scheduler that every process of the job write its stacks."""
-        self.client.send(*p.StacksWanted(why).wire())
+    def ask_for_stacks(self, why: str, awaited: tuple[int, ...] = ()) -> None:
+        """Ask the scheduler that every process of the job write its stacks; `awaited`: the
+        workers this process's wait is for."""
+        self.client.send(*p.StacksWanted(why, list(awaited)).wire())
 
     def _dump_stacks(self, notice: p.DumpStacks) -> None:
         stacks.dump(notice.why)

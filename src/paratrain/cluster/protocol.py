@@ -7,7 +7,7 @@ is told where it is handled (scheduler.py's module docstring); here is only its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from paratrain.transport.message import Message
@@ -72,6 +72,8 @@ class StacksWanted(Message, op="stacks_wanted"):
     """A wait passed its warning time here: every process should write its stacks (cluster/stacks.py)."""
 
     why: str = ""
+    awaited: list[int] = field(default_factory=list)
+    """The workers the wait is for (those that have not pushed its round), where known."""
 
 
 @dataclass(frozen=True, slots=True)

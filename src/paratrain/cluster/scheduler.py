@@ -140,6 +140,8 @@ class Scheduler(Handler):
         """The latest straggler events, with their time (the dashboard shows them)."""
         self._stragglers_path = os.path.join(log_dir, STRAGGLERS_FILE) if log_dir else None
         self._stacks_asked = -STACKS_EVERY_S
+        self._stacks_awaited: frozenset[int] = frozenset()
+        """The workers the last wait that asked for stacks was for (their reports are marked)."""
         sock = listen_socket(spec)
         self.server = RpcServer(spec.secret, self, sock=sock, config=config.transport, name="scheduler")
 
@@ -298,8 +300,11 @@ class Scheduler(Handler):
                 return
             self._stacks_asked = now
             conns = list(self.members.by_conn)
+            self._stacks_awaited = frozenset(wanted.awaited)
         who = asker.describe() if asker is not None else "a node"
-        logger.warning("%s asks every process for its stacks: %s", who, wanted.why)
+        awaited = ", ".join(map(str, sorted(wanted.awaited)))
+        for_whom = f" (it waits for worker(s) {awaited})" if awaited else ""
+        logger.warning("%s asks every process for its stacks%s: %s", who, for_whom, wanted.why)
         for conn in conns:
             _notify(conn, p.DumpStacks(wanted.why))
         stacks.dump(wanted.why)
@@ -309,7 +314,9 @@ class Scheduler(Handler):
         if node is None:
             return
         where = " <- ".join(report.frames) or "not in the user's code"
-        logger.warning("%s: main thread at %s", node.describe(), where)
+        awaited = node.role == "worker" and node.rank in self._stacks_awaited
+        mark = " (the worker the others wait for)" if awaited else ""
+        logger.warning("%s%s: main thread at %s", node.describe(), mark, where)
 
     # -- what the dashboard reads -------------------------------------------------------------------
     def roles(self) -> list[dict[str, Any]]:

@@ -9,7 +9,8 @@ interpreter (a long time.sleep, a native call) answers.
 A wait that passes its warning time (KVStoreConfig.wait_warning_s) calls `ask(why)`: this process's
 link sends the scheduler `stacks_wanted`; the scheduler asks every node to `dump_stacks`, and each one
 writes its threads' stacks to its log and answers with the top frames of its main thread in the
-user's code (`user_frames`), which the scheduler logs, one line per process, beside the warning.
+user's code (`user_frames`), which the scheduler logs, one line per process, beside the warning;
+the line of a worker the wait is for (`awaited`, from the servers' answer) says so.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ _SKIPPED = tuple(
 )
 """Frames under these folders are not the user's: paratrain, the standard library, torch."""
 
-_asker: Callable[[str], None] | None = None
+_asker: Callable[[str, tuple[int, ...]], None] | None = None
 
 
 def install() -> None:
@@ -73,17 +74,18 @@ def user_frames(limit: int = 4) -> list[str]:
     return found
 
 
-def set_asker(ask_fn: Callable[[str], None] | None) -> None:
+def set_asker(ask_fn: Callable[[str, tuple[int, ...]], None] | None) -> None:
     """How this process asks the job for its stacks (its scheduler link's; node.py sets it)."""
     global _asker
     _asker = ask_fn
 
 
-def ask(why: str) -> None:
-    """Ask every process of the job for its stacks (a no-op outside a job)."""
+def ask(why: str, awaited: tuple[int, ...] = ()) -> None:
+    """Ask every process of the job for its stacks (a no-op outside a job); `awaited`: the workers
+    the wait is for."""
     if _asker is None:
         return
     try:
-        _asker(why)
+        _asker(why, tuple(awaited))
     except Exception as exc:  # a courtesy to the reader of the logs: the wait goes on regardless
         logger.debug("could not ask for the job's stacks: %r", exc)

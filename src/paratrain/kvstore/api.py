@@ -162,6 +162,18 @@ def resolve_kind(kind: str | KVStoreConfig) -> KVStoreConfig:
     return KINDS[kind]
 
 
+@dataclass(frozen=True)
+class WaitDiagnosis:
+    """Why a call waits: what to say, and the workers it waits for (those that have not pushed
+    the rounds it needs; empty where none is known)."""
+
+    text: str
+    awaited: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        return self.text
+
+
 @dataclass
 class Handle:
     """Completion of one push / pull / pushpull. `wait()` raises the servers' errors, and a
@@ -178,7 +190,7 @@ class Handle:
     bounded modes; pushes applied, in async mode)."""
     what: str = "request"
     """What the caller waits for ("pushpull of key 'w'"), for the messages of a long wait."""
-    diagnose: Callable[[list[int]], str] | None = None
+    diagnose: Callable[[list[int]], WaitDiagnosis] | None = None
     """Given the indices of the futures not yet answered: what they wait for and on whom."""
     warn_after_s: float | None = None
     """Log what the wait is for after this long, and again every warn_after_s (None: never)."""
@@ -228,22 +240,22 @@ class Handle:
                     ) from None
                 why = self._why(pending)
                 logger.warning("%s has waited %.0f s: %s", self.what, waited, why)
-                stacks.ask(f"{self.what} has waited {waited:.0f} s: {why}")
+                stacks.ask(f"{self.what} has waited {waited:.0f} s: {why}", why.awaited)
                 assert warn_at is not None and self.warn_after_s is not None
                 warn_at += self.warn_after_s
         return replies
 
-    def _why(self, pending: list[int]) -> str:
+    def _why(self, pending: list[int]) -> WaitDiagnosis:
         if not pending:
-            return "every reply has just arrived"
+            return WaitDiagnosis("every reply has just arrived")
         unanswered = "no reply from " + ", ".join(self.futures[i].what.split(" from ")[-1] for i in pending)
         if self.diagnose is None:
-            return unanswered
+            return WaitDiagnosis(unanswered)
         try:
             return self.diagnose(pending)
         except Exception as exc:  # the diagnosis is a courtesy: the wait's own error must still come
             logger.debug("diagnosing a long wait failed", exc_info=True)
-            return f"{unanswered} (asking why failed: {exc!r})"
+            return WaitDiagnosis(f"{unanswered} (asking why failed: {exc!r})")
 
 
 @runtime_checkable

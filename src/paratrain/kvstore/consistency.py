@@ -14,6 +14,9 @@ applied once every member pushed to it, rounds in order, and the key's version b
 an optimizer a round's sum (or mean) becomes the value. In Async each push is applied on arrival,
 added to the value without an optimizer, and pulls never wait.
 
+`Backup(b)` is sync with backup workers: a round applies once all but b of its workers pushed,
+and a push to a round already applied is dropped (docs/concepts/backup_workers.md).
+
 A new consistency model is one class (a subclass of RoundPolicy or ArrivalPolicy overrides what
 differs) and one `register` line. Users may write a policy's name where they write configuration
 (`consistency="bounded"` with `staleness=2`, "dist_async"): `parse` turns it into a value at that
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -41,6 +45,10 @@ class Policy:
     dataclasses whose fields are the model's parameters."""
 
     name: ClassVar[str] = ""
+
+    def check_job(self, workers: int, replication: int) -> None:
+        """Refuse a job of `workers` pushing workers and servers kept `replication` times that
+        this model cannot run (ValueError naming the field and the value)."""
 
     # -- worker side -------------------------------------------------------------------------------
     def min_version(self, clock: int) -> int:
@@ -86,6 +94,20 @@ class Policy:
     def update(self, state: ShardState, grad: torch.Tensor, weight: int, buffer: int | None) -> None:
         """The one update of the value (holds state.cond)."""
         raise NotImplementedError
+
+    def round_complete(self, pushed: Set[int], waits: Set[int]) -> bool:
+        """Round models: whether a round that the workers `pushed` joined applies, `waits` being the
+        workers it waits for."""
+        raise NotImplementedError
+
+    def joins(self, clock: int, read: int) -> int:
+        """Round models: the round a push joins, from its clock (in the shard's clocks) and the
+        version its worker last pulled (`read`)."""
+        return clock
+
+    def drops_late(self) -> bool:
+        """Round models: whether a push to a round already applied is dropped (else refused)."""
+        return False
 
     def lends(self, state: ShardState) -> bool:
         """Whether backups may hold the value as it is, in the primary's memory (mirror.py)."""
@@ -154,6 +176,9 @@ class RoundPolicy(Policy):
 
     def update(self, state: ShardState, grad: torch.Tensor, weight: int, buffer: int | None) -> None:
         state.apply_round(grad, weight, buffer)
+
+    def round_complete(self, pushed: Set[int], waits: Set[int]) -> bool:
+        return waits <= pushed
 
     def lends(self, state: ShardState) -> bool:
         return state.lending and state.region is not None and state.optimizer is None
@@ -253,6 +278,63 @@ class Async(ArrivalPolicy):
         return 0
 
 
+@dataclass(frozen=True)
+class Backup(RoundPolicy):
+    """Sync with backup workers (Chen et al., "Revisiting Distributed Synchronous SGD", 2016;
+    TensorFlow's SyncReplicasOptimizer): a round applies once all but `backup_workers` of the
+    workers it waits for pushed to it, with the mean over the pushes that made it. A push to a
+    round already applied is dropped and counted (`late`), never added to a later round: its
+    worker's pull gets the newest value, and its next push joins the round of the version it
+    pulled (ShardState.catch_up), so the gradient of a round is always one of that round's
+    weights. Each slice closes its rounds on its own (as TensorFlow's per-variable accumulators
+    do): one worker's push may make a round on one slice and miss it on another."""
+
+    name: ClassVar[str] = "backup"
+    backup_workers: int = 1
+
+    def __post_init__(self) -> None:
+        b = self.backup_workers
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise ValueError(f"Backup.backup_workers={b!r} must be an int >= 1")
+
+    def check_job(self, workers: int, replication: int) -> None:
+        if self.backup_workers >= workers:
+            raise ValueError(
+                f"Backup.backup_workers={self.backup_workers} needs more workers than that: the job "
+                f"has {workers} pushing, and a round needs at least one"
+            )
+        if replication > 1:
+            raise ValueError(
+                f"Backup.backup_workers={self.backup_workers} with JobConfig.replication={replication}: "
+                "replicated servers do not tell a late push from one sent again after a fail-over"
+            )
+
+    def min_version(self, clock: int) -> int:
+        return clock  # its own round applied, or a later one
+
+    def adds_in_place(self) -> bool:
+        return False  # a worker's clock need not be its round: the server places every push
+
+    def admit(self, state: ShardState, push: Push) -> Push:
+        return state.catch_up(state.admit_joiner(push))
+
+    def check(self, state: ShardState, push: Push) -> None:
+        state.check_round(push, late=True)
+
+    def on_push(self, state: ShardState, push: Push) -> None:
+        state.join_or_drop(push)
+
+    def round_complete(self, pushed: Set[int], waits: Set[int]) -> bool:
+        made = len(pushed & waits)
+        return waits <= pushed or made >= max(1, len(waits) - self.backup_workers)
+
+    def joins(self, clock: int, read: int) -> int:
+        return max(clock, read)
+
+    def drops_late(self) -> bool:
+        return True
+
+
 POLICIES: dict[str, type[Policy]] = {}
 """The registry: name -> policy class."""
 
@@ -265,7 +347,7 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
-for _cls in (Sync, Async, Bounded):
+for _cls in (Sync, Async, Bounded, Backup):
     register(_cls)
 
 
@@ -273,14 +355,19 @@ def names() -> tuple[str, ...]:
     return tuple(POLICIES)
 
 
-def parse(value: Policy | str, staleness: int | None = None, owner: str = "KVStoreConfig") -> Policy:
-    """A policy from what a user wrote (`owner`'s fields `consistency` and `staleness`): a policy
-    value as it is, or a name ("rounds", the older wire name, is sync); `staleness` goes to a
-    policy with that field (Bounded). ValueError names the field and the value."""
-    if staleness is not None and (
-        not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0
-    ):
-        raise ValueError(f"{owner}.staleness={staleness!r} must be an int >= 0")
+def parse(
+    value: Policy | str,
+    staleness: int | None = None,
+    owner: str = "KVStoreConfig",
+    backup_workers: int | None = None,
+) -> Policy:
+    """A policy from what a user wrote (`owner`'s fields `consistency`, `staleness` and
+    `backup_workers`): a policy value as it is, or a name ("rounds", the older wire name, is
+    sync); `staleness` goes to a policy with that field (Bounded); `backup_workers` makes sync
+    Backup. ValueError names the field and the value."""
+    for field, number in (("staleness", staleness), ("backup_workers", backup_workers)):
+        if number is not None and (not isinstance(number, int) or isinstance(number, bool) or number < 0):
+            raise ValueError(f"{owner}.{field}={number!r} must be an int >= 0")
     if isinstance(value, str):
         name = "sync" if value == "rounds" else value
         if name not in POLICIES:
@@ -289,6 +376,12 @@ def parse(value: Policy | str, staleness: int | None = None, owner: str = "KVSto
         value = POLICIES[name]()
     elif not isinstance(value, Policy):
         raise ValueError(f"{owner}.consistency={value!r} is not a consistency policy or one of {names()}")
+    if backup_workers:
+        if value.name not in (Sync.name, Backup.name):
+            raise ValueError(
+                f"{owner}.backup_workers={backup_workers!r} needs consistency='sync', not {value}"
+            )
+        value = Backup(backup_workers)
     if not staleness:
         return value
     if not _has_staleness(type(value)):

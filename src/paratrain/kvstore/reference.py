@@ -7,9 +7,13 @@ compare (tests/test_reference.py); it is never used to train.
     sparse rows   tables of rows by id, created (zeros) by a training pull; the same optimizers
                   applied row by row, each row its own torch parameter and optimizer: that is what
                   the servers' lazy sparse optimizers compute (server/sparse_optim.py)
-    consistency   the policy's: in round models a worker's n-th push of a key joins round n, applied
-                  once every worker pushed it, rounds in order; otherwise a push applies on arrival.
-                  A pull the policy would hold back (its min_version is ahead) raises WouldWait.
+    consistency   the policy's: in round models a worker's n-th push of a key joins round n (or,
+                  with backup workers, the round of the version it last pulled, if later), applied
+                  once complete (every worker pushed it; all but b with backup workers), rounds in
+                  order, with the mean over the pushes that made it; a push to a round applied
+                  already is dropped (`late`) where the policy drops it. Otherwise a push applies
+                  on arrival. A pull the policy would hold back (its min_version is ahead) raises
+                  WouldWait.
 """
 
 from __future__ import annotations
@@ -56,6 +60,12 @@ class ReferenceStore:
         self.keys: dict[Any, _Key] = {}
         self.tables: dict[Any, _Table] = {}
         self.clocks: dict[tuple[int, Any], int] = {}
+        self.reads: dict[tuple[int, Any], int] = {}
+        """Per (rank, key): the version its last pull got."""
+        self.shifts: dict[tuple[int, Any], int] = {}
+        """Per (rank, key): the rounds that worker skipped (its round is its clock plus this)."""
+        self.late = 0
+        """Pushes dropped: their round was applied without them."""
         self._optimizer: tuple[str, dict] | None = None
 
     # -- dense keys --------------------------------------------------------------------------------
@@ -75,16 +85,33 @@ class ReferenceStore:
         entry.optimizer = optim.build(path, hyper, entry.param)
 
     def push(self, rank: int, key: Any, grad: torch.Tensor) -> None:
-        entry, clock = self.keys[key], self._tick(rank, key)
+        entry = self.keys[key]
         grad = grad.detach().clone().float()
         if not self.policy.holds_pushes():
+            self._tick(rank, key)
             self._update(entry, grad)
             return
-        entry.rounds.setdefault(clock, {})[rank] = grad
-        while len(entry.rounds.get(entry.version, {})) == self.workers:
+        round_ = self._round(rank, key)
+        if round_ < entry.version:
+            if not self.policy.drops_late():
+                raise ValueError(f"worker {rank}'s push of {key!r} to round {round_}, already applied")
+            self.late += 1
+            return
+        entry.rounds.setdefault(round_, {})[rank] = grad
+        members = set(range(self.workers))
+        while entry.version in entry.rounds and self.policy.round_complete(
+            entry.rounds[entry.version].keys(), members
+        ):
             pushed = entry.rounds.pop(entry.version)
             total = torch.stack([pushed[r] for r in sorted(pushed)]).sum(0)
-            self._update(entry, total / self.workers if self.average else total)
+            self._update(entry, total / len(pushed) if self.average else total)
+
+    def _round(self, rank: int, key: Any) -> int:
+        """The round this push joins (the policy's: its clock, or the version last pulled)."""
+        clock = self._tick(rank, key) + self.shifts.get((rank, key), 0)
+        round_ = self.policy.joins(clock, self.reads.get((rank, key), 0))
+        self.shifts[rank, key] = self.shifts.get((rank, key), 0) + round_ - clock
+        return round_
 
     def _update(self, entry: _Key, update: torch.Tensor) -> None:
         if entry.optimizer is not None:
@@ -98,9 +125,11 @@ class ReferenceStore:
 
     def pull(self, rank: int, key: Any) -> torch.Tensor:
         entry = self.keys[key]
-        need = self.policy.min_version(self.clocks.get((rank, key), 0))
+        clock = self.clocks.get((rank, key), 0)
+        need = self.policy.min_version(clock + self.shifts.get((rank, key), 0) if clock else 0)
         if entry.version < need:
             raise WouldWait(f"worker {rank}'s pull of {key!r} needs version {need}, at {entry.version}")
+        self.reads[rank, key] = entry.version
         return entry.value.clone()
 
     def version(self, key: Any) -> int:

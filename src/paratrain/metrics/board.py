@@ -115,7 +115,7 @@ class JobBoard:
         latest = seen.latest
         return {
             "rank": rank,
-            **{name: latest.get(name, 0) for name in ("pushes", "pulls", "bytes_in", "bytes_out")},
+            **{name: latest.get(name, 0) for name in ("pushes", "pulls", "bytes_in", "bytes_out", "late")},
             **{f"{name}_per_s": _rate(seen, name) for name in ("pushes", "pulls", "bytes_in", "bytes_out")},
             "waiting_pulls": latest.get("waiting_pulls", 0),
             "open_rounds": latest.get("open_rounds", 0),

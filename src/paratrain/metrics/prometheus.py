@@ -25,6 +25,7 @@ _SERVER_COUNTERS = (
     ("pulls", "paratrain_server_pulls", "Slices pulled from this server."),
     ("bytes_in", "paratrain_server_received_bytes", "Bytes of pushed slices received."),
     ("bytes_out", "paratrain_server_sent_bytes", "Bytes of pulled slices sent."),
+    ("late", "paratrain_server_late_pushes", "Pushed slices dropped: their round applied without them."),
 )
 _KEY_COUNTERS = (
     (

@@ -4,11 +4,18 @@ The Trainer calls `forward_begin`/`forward_end` (its model's hooks), `backward()
 (ranges) and `step_done` once per optimizer step. A step's time is split into compute (forward,
 backward, the optimizer, and the loop's own work), data (the loop waiting on the ShardedLoader for
 its next batch, measured there), communication (handing buckets to the kvstore: engines count it
-in `communication_s`) and waiting (for a round's pulls: `waiting_s`); the figures are cumulative
+in `communication_s`) and waiting (for a round's pulls: `waiting_s`; under DDP, the end of
+backward blocked on the all-reduce, after its last bucket went); the figures are cumulative
 counters read on the heartbeat (metrics/telemetry.py).
+
+Why DDP's wait is its own phase: every rank's step takes the slowest rank's time (the others wait
+for its buckets in the all-reduce), so a slow rank shows only in where the time goes. A comm hook
+notes when the step's last bucket went to all-reduce; the rest of backward is waiting, for the
+slowest rank's gradients mostly, so a fast rank's compute stays its own and the scheduler can
+name the slow one (cluster/stragglers.py). Without a hook of ours (compression has its own) DDP's
+wait counts as compute.
 With a trace folder, every range also goes to this process's timeline (metrics/trace.py), on the
-scheduler's clock; DDP's bucket all-reduces get ranges through a comm hook (only while tracing,
-and only without compression, which has its own hook).
+scheduler's clock; DDP's bucket all-reduces get ranges through the same comm hook.
 """
 
 from __future__ import annotations
@@ -43,15 +50,18 @@ class StepObserver:
         self._forward_start = 0.0
         self._in_backward = False
         """Whether Trainer.step's own backward range is open (then the hooks add none)."""
+        self._all_reduce = _AllReduceClock(self.tracer)
+        self._all_reduce_wait_s = 0.0
+        """Since the last step_done: the time backward was blocked on DDP's all-reduce."""
 
     def attach(self, model: nn.Module) -> None:
-        """Forward ranges from hooks on the model; all-reduce ranges on a DDP model."""
+        """The all-reduce clock on a DDP model; while tracing, forward ranges from hooks too."""
+        if isinstance(model, nn.parallel.DistributedDataParallel) and model._comm_hooks == []:
+            model.register_comm_hook(self._all_reduce, _clocked_all_reduce)
         if not self.tracer.enabled:
             return
         model.register_forward_pre_hook(_Hook(self.forward_begin))
         model.register_forward_hook(_Hook(self.forward_end))
-        if isinstance(model, nn.parallel.DistributedDataParallel) and model._comm_hooks == []:
-            model.register_comm_hook(self.tracer, _timed_all_reduce)
 
     def forward_begin(self, *_: Any) -> None:
         self._forward_start = self.tracer.begin()
@@ -83,11 +93,14 @@ class StepObserver:
     @contextmanager
     def backward(self) -> Iterator[None]:
         self._in_backward = True
+        self._all_reduce.launched = 0.0
         try:
             with self.tracer.range("backward"):
                 yield
         finally:
             self._in_backward = False
+            if self._all_reduce.launched:  # the rest of backward waited for the all-reduce
+                self._all_reduce_wait_s += time.perf_counter() - self._all_reduce.launched
 
     def optimizer(self) -> AbstractContextManager[None]:
         return self.tracer.range("optimizer step")
@@ -99,6 +112,7 @@ class StepObserver:
         waiting = getattr(engine, "waiting_s", 0.0)
         if communication or waiting:
             engine.communication_s = engine.waiting_s = 0.0
+        waiting, self._all_reduce_wait_s = waiting + self._all_reduce_wait_s, 0.0
         self.telemetry.step_done(
             samples=samples,
             loss=loss,
@@ -122,18 +136,30 @@ class _Hook:
         return self
 
 
-def _timed_all_reduce(state, bucket):  # noqa: ANN001, ANN201 (DDP checks real annotations, not strings)
-    """DDP's default all-reduce (mean), with a range from its start to its completion."""
+class _AllReduceClock:
+    """The comm hook's state: when this backward's last bucket went to all-reduce (perf_counter;
+    0.0: none yet), and the tracer that gets each all-reduce's range while tracing."""
+
+    def __init__(self, tracer: Any) -> None:
+        self.tracer = tracer
+        self.launched = 0.0
+
+
+def _clocked_all_reduce(state, bucket):  # noqa: ANN001, ANN201 (DDP checks real annotations, not strings)
+    """DDP's default all-reduce (mean), noting when it went; while tracing, a range from its start
+    to its completion."""
     import torch.distributed as dist
 
-    start = state.begin()
+    state.launched = time.perf_counter()
+    tracer = state.tracer
+    start = tracer.begin() if tracer.enabled else 0.0
     tensor = bucket.buffer().div_(dist.get_world_size())
     future = dist.all_reduce(tensor, async_op=True).get_future()
 
     def done(fut: Any) -> Any:
-        state.add(
-            "all_reduce", start, state.begin() - start, {"bytes": tensor.numel() * tensor.element_size()}
-        )
+        if tracer.enabled:
+            size = {"bytes": tensor.numel() * tensor.element_size()}
+            tracer.add("all_reduce", start, tracer.begin() - start, size)
         return fut.value()[0]
 
     return future.then(done)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from paratrain.compression import CompressionConfig
 from paratrain.kvstore.api import AGGREGATION as AGGREGATIONS
 from paratrain.kvstore.api import KVStoreConfig
-from paratrain.kvstore.consistency import Async, Policy, Sync, parse
+from paratrain.kvstore.consistency import Async, Backup, Policy, Sync, parse
 
 if TYPE_CHECKING:
     from paratrain.pipeline.api import PipelineConfig
@@ -46,8 +46,10 @@ class Strategy:
     optimizer state (collective/fsdp.py)."""
     consistency: Policy = Sync()
     """ps, and hybrid's embedding tables: a kvstore/consistency.py policy, Sync(), Async() (each
-    worker's push is applied on arrival) or Bounded(s) (a worker runs at most s steps ahead of the
-    slowest). Its name is accepted too ("bounded" with `staleness`) and made the policy."""
+    worker's push is applied on arrival), Bounded(s) (a worker runs at most s steps ahead of the
+    slowest) or, ps only, Backup(b) (sync rounds that apply once all but b workers pushed:
+    docs/concepts/backup_workers.md). Its name is accepted too ("bounded" with `staleness`) and made the
+    policy."""
     staleness: dataclasses.InitVar[int] = 0
     """With consistency="bounded" (a name): its bound s. Not kept: it is the policy's field."""
     update_on: str = "server"
@@ -103,15 +105,19 @@ class Strategy:
     reduce_precision: str = "32"
     """fsdp only. The dtype gradients are reduce-scattered in: 32 (default, whatever `precision`
     is: the sum over workers keeps its low bits), bf16 or fp16 (half the bytes)."""
+    backup_workers: dataclasses.InitVar[int] = 0
+    """ps with sync consistency: b > 0 makes the policy Backup(b), rounds that apply once all but
+    b workers pushed ("dist_sync:backup_workers=1"). Not kept: it is the policy's field."""
 
-    def __post_init__(self, staleness: int) -> None:
+    def __post_init__(self, staleness: int, backup_workers: int) -> None:
         def bad(field: str, why: str) -> ValueError:
             return ValueError(f"Strategy.{field}={getattr(self, field)!r} {why}")
 
         for field in ("precision", "reduce_precision"):
             if getattr(self, field) in (32, "fp32", "float32"):  # what a user may write for the default
                 object.__setattr__(self, field, "32")
-        object.__setattr__(self, "consistency", parse(self.consistency, staleness, "Strategy"))
+        consistency = parse(self.consistency, staleness, "Strategy", backup_workers)
+        object.__setattr__(self, "consistency", consistency)
         for field, allowed in (
             ("architecture", ARCHITECTURES),
             ("update_on", UPDATE_ON),
@@ -166,6 +172,12 @@ class Strategy:
             raise bad("consistency", f"needs architecture='ps' or 'hybrid', not {self.architecture!r}")
         if not ps and self.aggregation != "process":
             raise bad("aggregation", f"needs architecture='ps', not {self.architecture!r}")
+        if isinstance(self.consistency, Backup) and (not ps or self.aggregation != "process"):
+            raise bad(
+                "consistency",
+                f"needs architecture='ps' and aggregation='process', not {self.architecture!r} and "
+                f"{self.aggregation!r}: a round of backup workers counts the workers that push",
+            )
         if ps and self.consistency != Sync() and self.update_on == "worker":
             raise bad(
                 "update_on",
@@ -275,7 +287,10 @@ class Strategy:
         return NAMED[base].replace(**changes)
 
 
-FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Strategy)} | {"staleness": "int"}
+FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Strategy)} | {
+    "staleness": "int",
+    "backup_workers": "int",
+}
 
 
 def did_you_mean(word: object, choices: Iterable[object]) -> str:

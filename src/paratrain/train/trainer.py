@@ -42,6 +42,7 @@ from paratrain import checkpoint
 from paratrain.checkpoint import sharded
 from paratrain.cluster.context import current
 from paratrain.data import ShardedLoader, first_rows, to_device
+from paratrain.kvstore.consistency import Backup
 from paratrain.metrics import MetricsLogger, NullMetrics, Progress, open_loggers
 from paratrain.metrics.telemetry import peak_memory_bytes
 from paratrain.train.api import Engine, EngineBase
@@ -259,6 +260,11 @@ class Trainer:
         """Elastic workers (JobConfig.elastic): each epoch starts with the workers that are left."""
         if self.elastic and stages > 1:
             raise ValueError(f"Strategy.pipeline_stages={stages} cannot run with JobConfig.elastic")
+        if isinstance(self.strategy.consistency, Backup) and (checkpoint_every or self.elastic):
+            # Checkpoints and elastic epochs meet at a barrier after a number of steps; a worker
+            # behind may first push to a round that the others, waiting there, never push.
+            what = f"checkpoint_every={checkpoint_every}" if checkpoint_every else "JobConfig.elastic"
+            raise ValueError(f"Strategy.consistency={self.strategy.consistency} cannot run with {what}")
         if self.ctx.joined and self.strategy.architecture == "ps" and self.strategy.update_on != "server":
             raise ValueError(
                 f"Strategy.update_on={self.strategy.update_on!r}: a worker joining a running elastic job "

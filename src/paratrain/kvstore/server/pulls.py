@@ -95,12 +95,10 @@ class Pulls:
         request = pull.request
         try:
             extra, values = self._compression.encode_pull(request.meta, sent, values)
-            request.reply({"versions": [s.version for s in sent], **extra}, values)  # readers see theirs
             rank = request.meta.get("rank", -1)
             for shard in pull.shards:
-                shard.read[rank] = shard.version
-                shard.counts["pulls"] += 1
-                shard.counts["bytes_out"] += shard.value.numel() * shard.value.element_size()
+                shard.served(rank)
+            request.reply({"versions": [s.version for s in sent], **extra}, values)  # readers see theirs
         except (KVError, ValueError, TypeError, KeyError) as exc:
             self._refuse(request, f"server {self.rank}: {exc}")
         except TransportError as exc:  # the worker is gone: its connection's end reports it

@@ -1,10 +1,11 @@
 """A server's figures for the dashboard, read from the counters its shards keep as they serve.
 
 `server_report(kv)` is what a server's heartbeat carries (node.py passes it to its SchedulerLink):
-totals of pushes, pulls and bytes, the pulls queued for a round (queue depth), open rounds, the
-staleness histogram, the rows of each sparse table, and the hottest keys by bytes moved, each with
-its counts and version. Per key, `pushes` and `pulls` are the largest count of the key's slices here
-and bytes are their sum, as `DistKVStore.stats()` combines slices, so the two can be compared.
+totals of pushes, pulls and bytes, late pushes dropped (backup workers), the pulls queued for a
+round (queue depth), open rounds, the staleness histogram, the rows of each sparse table, and the
+hottest keys by bytes moved, each with its counts and version. Per key, `pushes` and `pulls` are the
+largest count of the key's slices here and bytes are their sum, as `DistKVStore.stats()` combines
+slices, so the two can be compared.
 
 Also the answers to a worker's `stats` (per shard) and `waiting` (what holds its pull back) requests.
 """
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 TOP_KEYS = 20
 NAME_CHARS = 120
 """Key names are cut to this length: the report rides on a heartbeat, whose header is capped."""
-COUNTS = ("pushes", "pulls", "bytes_in", "bytes_out")
+COUNTS = ("pushes", "pulls", "bytes_in", "bytes_out", "late")
 
 
 def server_report(server: Any, top: int = TOP_KEYS) -> dict[str, Any]:
@@ -38,6 +39,7 @@ def server_report(server: Any, top: int = TOP_KEYS) -> dict[str, Any]:
         )
         entry["pushes"] = max(entry["pushes"], counts["pushes"])
         entry["pulls"] = max(entry["pulls"], counts["pulls"])
+        entry["late"] = max(entry["late"], counts["late"])
         entry["bytes_in"] += counts["bytes_in"]
         entry["bytes_out"] += counts["bytes_out"]
         entry["version"] = min(entry["version"], shard.version)

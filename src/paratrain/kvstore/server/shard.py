@@ -38,7 +38,7 @@ from paratrain.kvstore.shared import Region
 # use are bounded too: one per push being received, plus one accumulator per round in flight (at
 # most staleness + 1 rounds, since pulls hold workers back).
 POOL_BUFFERS = 4
-COUNTS = ("pushes", "pulls", "bytes_in", "bytes_out")
+COUNTS = ("pushes", "pulls", "bytes_in", "bytes_out", "late")
 
 
 @dataclass
@@ -70,7 +70,8 @@ class ShardState:
     optimizer: torch.optim.Optimizer | None = None
     cond: threading.Condition = field(default_factory=threading.Condition)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
-    """What this shard has served: pushes, pulls and their bytes (read by `stats`)."""
+    """What this shard has served: pushes, pulls and their bytes, and the pushes dropped for
+    arriving after their round was applied (`late`: backup workers) (read by `stats`)."""
     read: dict[int, int] = field(default_factory=dict)
     """Per worker rank: the version its last pull got (a push's staleness counts from it)."""
     region: Region | None = None
@@ -109,6 +110,9 @@ class ShardState:
     offsets: dict[int, int] = field(default_factory=dict)
     """Per joiner that pushed this shard: the round its clock 0 stands for (it pushes and pulls
     in its own clocks, counted from its start; the shard shifts them)."""
+    caught_up: dict[int, int] = field(default_factory=dict)
+    """Backup workers: per worker, the rounds it skipped, having pulled newer values than its
+    clock (its clocks plus this are the shard's: catch_up)."""
 
     # -- elastic membership -----------------------------------------------------------------------
     def waits_for(self) -> frozenset[int]:
@@ -141,13 +145,26 @@ class ShardState:
 
     def pull_version(self, rank: int, min_version: int) -> int:
         """A pull's min_version in this shard's versions (a joiner's are shifted)."""
-        shift = self.offsets.get(rank)
-        return min_version if shift is None or min_version == 0 else min_version + shift
+        if min_version == 0:
+            return 0
+        return min_version + self.offsets.get(rank, 0) + self.caught_up.get(rank, 0)
+
+    def catch_up(self, push: Push) -> Push:
+        """Backup workers: a push joins the round of the version its worker last pulled (a late
+        worker's clock lags the rounds applied without it), in the shard's clocks from then on."""
+        with self.cond:
+            push.clock += self.caught_up.get(push.rank, 0)
+            round_ = self.rules.policy.joins(push.clock, self.read.get(push.rank, 0))
+            if round_ != push.clock:
+                self.caught_up[push.rank] = self.caught_up.get(push.rank, 0) + round_ - push.clock
+                push.clock = round_
+            return push
 
     def forget(self, rank: int) -> None:
         """A joiner left or died: the rank's shift goes (a later worker of that rank starts anew)."""
         with self.cond:
             self.offsets.pop(rank, None)
+            self.caught_up.pop(rank, None)
 
     # -- buffers ----------------------------------------------------------------------------------
     def buffer(self) -> torch.Tensor:
@@ -254,10 +271,13 @@ class ShardState:
         if push.grad is None:
             raise KVError(f"push to {self.describe()}: async pushes carry their payload")
 
-    def check_round(self, push: Push) -> None:
+    def check_round(self, push: Push, late: bool = False) -> None:
+        """`late`: a push to a round already applied passes (it is dropped: join_or_drop)."""
         grad = push.grad
         with self.cond:
             if push.clock < self.version:
+                if late:
+                    return
                 raise KVError(f"push to {self.describe()} for round {push.clock}, already applied")
             entry = self.rounds.get(push.clock)
             if entry is not None and push.rank in entry.pushed:
@@ -327,12 +347,24 @@ class ShardState:
                 entry.weight += push.weight
             self.apply_complete_rounds()
 
+    def join_or_drop(self, push: Push) -> None:
+        """Backup workers: join the push's round, or drop it (counted) where the round was applied
+        without it; one step under cond, so no round closes between the look and the join."""
+        with self.cond:
+            if push.clock >= self.version:
+                self.join_round(push)
+                return
+            self.counts["late"] += 1
+            if push.grad is not None and push.owned:
+                self.recycle(push.grad)
+
     def apply_complete_rounds(self) -> None:
-        """Apply, in order, the rounds that every member has pushed to (also after a member left)."""
+        """Apply, in order, the rounds that are complete (the policy's: every member pushed, or
+        enough of them), also after a member left."""
         with self.cond:
             while True:
                 entry = self.rounds.get(self.version)
-                if entry is None or not self.waits_for() <= entry.pushed:
+                if entry is None or not self.rules.policy.round_complete(entry.pushed, self.waits_for()):
                     return
                 if self.readers:  # a pull is being sent from the value: wait, then look again
                     self.cond.wait()
@@ -454,6 +486,14 @@ class ShardState:
                 self.region.stamp(self.version)
 
     # -- pull -------------------------------------------------------------------------------------
+    def served(self, rank: int) -> None:
+        """A pull of worker `rank` is answered with the value at this version (pinned, or read by
+        the worker from shared memory): counted, and its next push's staleness (and, with backup
+        workers, its round) counts from here. Before the reply goes, so its next push finds it."""
+        self.read[rank] = self.version
+        self.counts["pulls"] += 1
+        self.counts["bytes_out"] += self.value.numel() * self.value.element_size()
+
     def ready(self, min_version: int) -> bool:
         return (self.version if self.on_applied is None else self.durable) >= min_version
 
@@ -571,6 +611,7 @@ class ShardState:
             with self.writing():
                 self.value.copy_(value.reshape(-1))
                 self.version, self.rounds, self.durable, self.applied = 0, {}, 0, {}
+                self.read, self.caught_up = {}, {}
                 self.shares, self.scales = {}, {}
                 if self.region is not None:
                     self.region.stamp(0)

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from paratrain.errors import RemoteError, TransportError
-from paratrain.kvstore.api import Keys, check_key
+from paratrain.kvstore.api import Keys, WaitDiagnosis, check_key
 from paratrain.transport.tensors import dtype_name
 
 
-def explain_wait(probes: list[tuple[Any, str, dict]], timeout_s: float | None) -> str:
+def explain_wait(probes: list[tuple[Any, str, dict]], timeout_s: float | None) -> WaitDiagnosis:
     """Send each (client, op, query) probe of a long wait ("waiting", "sparse_waiting") and say what
     the servers answered: the rounds the call waits for and the workers that have not pushed them."""
     probe_s = min(10.0, timeout_s or 10.0)
@@ -30,7 +30,8 @@ def explain_wait(probes: list[tuple[Any, str, dict]], timeout_s: float | None) -
             asked.append((client.name, client.request(op, query)))
         except TransportError as exc:
             asked.append((client.name, exc))
-    reasons = []
+    reasons: list[str] = []
+    awaited: set[int] = set()
     for name, probe in asked:
         reply = None
         try:
@@ -42,6 +43,7 @@ def explain_wait(probes: list[tuple[Any, str, dict]], timeout_s: float | None) -
             continue
         waits = reply.meta.get("waits", [])
         for wait in waits:
+            awaited.update(int(rank) for rank in wait["missing"])
             missing = ", ".join(map(str, wait["missing"])) or "none (being applied)"
             reasons.append(
                 f"round {wait['round']} of {wait.get('kind', 'key')} {wait['key']!r} on {name} waits for "
@@ -49,7 +51,8 @@ def explain_wait(probes: list[tuple[Any, str, dict]], timeout_s: float | None) -
             )
         if not waits:
             reasons.append(f"{name} has not replied, though it reports no round this call waits for")
-    return "; ".join(dict.fromkeys(reasons))  # each reason once (a key's slices on one server)
+    text = "; ".join(dict.fromkeys(reasons))  # each reason once (a key's slices on one server)
+    return WaitDiagnosis(text, tuple(sorted(awaited)))
 
 
 def check_init_value(key: Any, value: Any) -> None:

@@ -30,7 +30,7 @@ import torch
 from paratrain.cluster.context import Context
 from paratrain.errors import KVStoreError, RemoteError, TransportError
 from paratrain.kvstore import optim, protocol
-from paratrain.kvstore.api import Handle, Keys, KVStoreConfig, SparseAPI
+from paratrain.kvstore.api import Handle, Keys, KVStoreConfig, SparseAPI, WaitDiagnosis
 from paratrain.kvstore.compressed import WorkerCompression, compression_config
 from paratrain.kvstore.placement import Placement, Slice
 from paratrain.kvstore.shared import ArenaMap, Region, same_host
@@ -96,6 +96,7 @@ class DistKVStore(SparseAPI):
         if not ctx.servers:
             raise KVStoreError("a distributed kvstore needs servers: launch the job with -s 1 or more")
         assert ctx.spec is not None
+        config.policy.check_job(ctx.num_workers if members is None else len(members), ctx.config.replication)
         self.config = config
         self._ctx = ctx
         self.rank, self.num_workers = ctx.rank, ctx.num_workers
@@ -419,7 +420,7 @@ class DistKVStore(SparseAPI):
             warn_after_s=self.config.wait_warning_s,
         )
 
-    def _diagnose(self, waiting: list[tuple[int, dict]], pulls: bool) -> str:
+    def _diagnose(self, waiting: list[tuple[int, dict]], pulls: bool) -> WaitDiagnosis:
         """Ask the servers that have not replied what the call waits for: the rounds its pulls
         need and the workers that have not pushed them (the servers log the same)."""
         probes = []
@@ -646,7 +647,7 @@ class DistKVStore(SparseAPI):
         """What the servers counted per key so far (summed over a key's slices): pushes, pulls,
         bytes in and out, the key's oldest version, open rounds and pulls waiting on it."""
         # Every slice sees each push and pull of its key: counts are the same on all of them.
-        combine = {"version": min, "pushes": max, "pulls": max}
+        combine = {"version": min, "pushes": max, "pulls": max, "late": max}
         per_key: dict[Any, dict[str, int]] = {}
         for reply in self._serving(self._every_live(*protocol.Stats().wire())):
             for shard in reply.meta["shards"]:
