@@ -8,7 +8,8 @@ each tensor's largest value), inject=N (replica 0's batch of step N holds an inf
 step must be skipped everywhere, exactly, and the loss scale halve), ref32 (the reference runs in
 fp32 whatever the strategy's precision), adamw (AdamW in place of SGD with momentum), schedule
 (the learning rate halves every 2 steps: a StepLR made after the Trainer; not with ckpt, whose
-checkpoints hold no scheduler; recipe's warmup goes on from the restored step)
+checkpoints hold no scheduler; recipe's warmup goes on from the restored step), norm (a LayerNorm
+ends the model: parameters that tensor parallelism leaves whole)
 
 The reference simulates the workers in one process: W replicas of the same model, each computing the
 gradient of its own ShardedLoader batches (split into the strategy's micro-batches), then: averaged
@@ -47,6 +48,8 @@ data = TensorDataset(torch.randn(150, 8, generator=g), torch.randn(150, 3, gener
 def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    if "norm" in opts:
+        model.append(nn.LayerNorm(3))
     if "adamw" in opts:
         return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=1e-2)
     if "recipe" not in opts:
@@ -88,7 +91,8 @@ if "compile" in opts:
 ckpt = opts.get("ckpt")
 stop = int(opts.get("stop", steps))
 pipelined = strategy.pipeline_stages > 1
-replicas = max(1, W // strategy.pipeline_stages)  # alone, the stages share one process
+# Alone, the stages (and a tensor-parallel group) share one process.
+replicas = max(1, W // (strategy.pipeline_stages * strategy.tensor_parallel))
 BATCH = 12 // replicas
 trainer = Trainer(
     model,
