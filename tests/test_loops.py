@@ -340,12 +340,18 @@ def _perplexities(lines: list[str]) -> list[float]:
     ]
 
 
-def test_the_gpt_recipe_learns_alone_and_under_collective_alike():
+def test_the_gpt_recipe_learns_alone_under_collective_and_tensor_parallel_alike():
     alone = subprocess.run(
         [sys.executable, str(GPT), *GPT_ARGS], capture_output=True, text=True, timeout=300, check=True
     )
     [reference] = _perplexities(alone.stdout.splitlines())
-    outcome = run_job(GPT, workers=2, servers=0, args=GPT_ARGS, timeout_s=300)
-    found = _perplexities(outcome.stdout.splitlines())
-    assert len(found) == 2 and reference < 64, (reference, found)  # 256 equally likely bytes: 256
-    assert all(abs(p - reference) <= 0.02 * reference for p in found), (reference, found)
+    assert reference < 64, reference  # 256 equally likely bytes: 256
+    for strategy in ("collective", "fsdp:tensor_parallel=2"):  # the heads split over two workers
+        args = (*GPT_ARGS, "--strategy", strategy)
+        found = _perplexities(
+            run_job(GPT, workers=2, servers=0, args=args, timeout_s=300).stdout.splitlines()
+        )
+        assert len(found) == 2 and all(abs(p - reference) <= 0.02 * reference for p in found), (
+            strategy,
+            found,
+        )

@@ -30,6 +30,10 @@ def test_tensor_parallel_fields_and_refusals():
         ({"architecture": "fsdp", "tp_plan": "up:colwise"}, "tp_plan='up:colwise' needs tensor_parallel > 1"),
         ({"architecture": "fsdp", "tensor_parallel": 2, "tp_plan": "up:diagonal"}, "style 'diagonal'"),
         ({"architecture": "fsdp", "tensor_parallel": 2, "tp_plan": "up"}, "item 'up' is not pattern:style"),
+        (
+            {"architecture": "fsdp", "tensor_parallel": 2, "precision": "fp16"},
+            "precision='fp16' with tensor_par",
+        ),
     ]
     for fields, message in refusals:
         with pytest.raises(ValueError, match=message):

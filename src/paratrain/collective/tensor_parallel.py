@@ -173,16 +173,18 @@ def device_mesh(dims: Mapping[str, int], device_type: str) -> DeviceMesh:
 
 
 def parallelize(
-    model: nn.Module, mesh: DeviceMesh, plan: str | Callable[[nn.Module, DeviceMesh], Any] | None
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: str | Mapping[str, str] | Callable[[nn.Module, DeviceMesh], Any] | None,
 ) -> nn.Module:
-    """`model` split in place over the 1-d `mesh` by `plan` (its text form, a function that splits
-    the model itself, or None for `default_plan`). Parameters of modules the plan leaves alone
-    stay whole on every worker of the mesh, computed alike from the same inputs."""
+    """`model` split in place over the 1-d `mesh` by `plan` (its text form or a dict, a function
+    that splits the model itself, or None for `default_plan`). Parameters of modules the plan
+    leaves alone stay whole on every worker of the mesh, computed alike from the same inputs."""
     if callable(plan):
         plan(model, mesh)
         return model
     size = mesh.size()
-    chosen = parse_plan(plan) if plan else default_plan(model)
+    chosen = parse_plan(plan_text(plan)) if plan is not None else default_plan(model)
     if not chosen:
         raise ValueError(
             f"Strategy.tensor_parallel={size} with no tp_plan: paratrain's default splits the "

@@ -196,6 +196,12 @@ class Strategy:
                 f"Strategy.tensor_parallel={tp} needs architecture='fsdp' (the tensor dimension inside, "
                 f"fsdp across the rest of the workers), not {self.architecture!r}"
             )
+        if tp > 1 and self.precision == "fp16":
+            raise ValueError(
+                f"Strategy.precision='fp16' with tensor_parallel={tp}: each worker holds a part of the "
+                "gradient, so an overflow in one part must skip the step on every worker, which the "
+                "loss scaler does not agree on yet; use precision='bf16' (no loss scaling)"
+            )
         if self.tp_plan is None or callable(self.tp_plan):
             if self.tp_plan is not None and tp == 1:
                 raise ValueError(f"Strategy.tp_plan={self.tp_plan!r} needs tensor_parallel > 1")
