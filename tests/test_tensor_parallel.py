@@ -119,3 +119,32 @@ def test_tensor_parallel_matches_one_process_and_its_checkpoints_reshard(
             assert "trained steps 3..5" in lines and any(line.startswith("parity ok") for line in lines), (
                 lines
             )
+
+
+DROPOUT_JOB = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import paratrain
+from paratrain.train import Trainer
+
+ctx = paratrain.init()
+torch.manual_seed(ctx.rank)  # each worker's own random state, as a script that seeds by rank has
+g = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g))
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Dropout(0.5), nn.LayerNorm(8))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+strategy = "fsdp:tensor_parallel=2"
+trainer = Trainer(model, optimizer, DataLoader(data, batch_size=4), strategy=strategy, progress=False)
+for x, y in trainer.loader:
+    trainer.step(nn.functional.mse_loss(trainer.model(x), y))
+weights = [torch.empty(8), torch.empty(8)]
+torch.distributed.all_gather(weights, trainer.model[4].weight.detach())
+print("norm weights alike" if torch.equal(*weights) else f"norm weights differ: {weights}")
+"""
+
+
+def test_a_groups_workers_drop_alike_where_the_model_is_whole():
+    outcome = run_job(DROPOUT_JOB, workers=2, timeout_s=240)
+    assert outcome.lines("worker", 0, "stdout") == ["norm weights alike"], outcome.stdout

@@ -199,3 +199,23 @@ def parallelize(
     parallelize_module(model, mesh, styles)
     logger.debug("tensor parallel over %d workers: %s", size, resolved)
     return model
+
+
+def align_random_state(mesh: DeviceMesh) -> None:
+    """Every worker of the 1-d `mesh` takes its first worker's random state (torch's CPU
+    generator, and the current GPU's where there is one). Where the model is whole, a group's
+    workers must compute alike: a dropout there drawing a different mask on each would make
+    their copies of the same parameters drift apart."""
+    import torch
+    import torch.distributed as dist
+
+    group = mesh.get_group()
+    carrier = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    states = [(torch.get_rng_state, torch.set_rng_state)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append((torch.cuda.get_rng_state, torch.cuda.set_rng_state))
+    for get, put in states:
+        state = get()
+        sent = state.to(carrier) if carrier is not None else state
+        dist.broadcast(sent, group=group, group_src=0)
+        put(sent.cpu())

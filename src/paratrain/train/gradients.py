@@ -13,6 +13,8 @@ replicas averaged). `GradientGate` runs there, in the order torch's recipe has
 
 Where no process holds the whole gradient (a pipeline: each stage its own parameters), `agree` sums
 [overflow, squared norm] over the processes that together hold it: one all-reduce of two numbers.
+Sharded and split gradients (fsdp, tensor parallelism) are DTensors, which know their whole: the
+norm is torch's per device mesh, made whole, then combined (`total_norm`).
 """
 
 from __future__ import annotations

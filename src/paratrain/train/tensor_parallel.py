@@ -35,12 +35,13 @@ class MeshEngine(FSDPEngine):
         from paratrain.cluster.rendezvous import init_torch_distributed
         from paratrain.collective import backend_for
         from paratrain.collective.fsdp import shard_model
-        from paratrain.collective.tensor_parallel import device_mesh, parallelize
+        from paratrain.collective.tensor_parallel import align_random_state, device_mesh, parallelize
 
         init_torch_distributed(ctx, backend_for(model))
         dims = mesh_dims(strategy, ctx.num_workers)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.mesh = device_mesh(dims, device.type)
+        align_random_state(self.mesh["tp"])
         blocks = strategy.fsdp_blocks.split() if strategy.fsdp_blocks else ()
         split = partial(parallelize, mesh=self.mesh["tp"], plan=strategy.tp_plan)
         sharded_model = shard_model(
