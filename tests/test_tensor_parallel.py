@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from paratrain import checkpoint, serve
-from paratrain.collective.tensor_parallel import default_plan, resolve_plan
+from paratrain.collective.tensor_parallel import default_plan, parallelize, resolve_plan
 from paratrain.launch.api import check_strategy
 from paratrain.testing import run_job
 from paratrain.train import Strategy
@@ -40,6 +40,17 @@ def test_tensor_parallel_fields_and_refusals():
             Strategy(**fields)
     with pytest.raises(ValueError, match="tensor_parallel=4 does not divide the job's 6 worker"):
         check_strategy("fsdp:tensor_parallel=4", 0, 6)  # before any process starts
+
+
+def _split_by_hand(model, mesh):
+    model.split_over = mesh
+
+
+def test_a_plan_may_be_a_function_that_splits_the_model_itself():
+    strategy = Strategy(architecture="fsdp", tensor_parallel=2, tp_plan=_split_by_hand)
+    assert strategy.as_dict()["tp_plan"] == f"{__name__}._split_by_hand"  # how a checkpoint names it
+    model, mesh = nn.Linear(2, 2), object()
+    assert parallelize(model, mesh, strategy.tp_plan) is model and model.split_over is mesh
 
 
 def test_default_plan_splits_mlp_pairs_and_plans_are_checked():
@@ -121,7 +132,7 @@ def test_tensor_parallel_matches_one_process_and_its_checkpoints_reshard(
             )
 
 
-DROPOUT_JOB = """
+SPLIT_JOB = """
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -129,22 +140,34 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain
 from paratrain.train import Trainer
 
+
+def build():
+    return nn.Sequential(
+        nn.Embedding(16, 8), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Dropout(0.5), nn.LayerNorm(8),
+        nn.Linear(8, 6),
+    )
+
+
 ctx = paratrain.init()
-torch.manual_seed(ctx.rank)  # each worker's own random state, as a script that seeds by rank has
+torch.manual_seed(ctx.rank)  # each worker's own random state and start, as a script seeding by rank has
+model = build()
 g = torch.Generator().manual_seed(0)
-data = TensorDataset(torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g))
-model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Dropout(0.5), nn.LayerNorm(8))
+data = TensorDataset(torch.randint(0, 16, (16, 5), generator=g), torch.randn(16, 5, 6, generator=g))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-strategy = "fsdp:tensor_parallel=2"
+strategy = "fsdp:tensor_parallel=2,tp_plan=0:rowwise 1:colwise 3:rowwise 6:colwise_rep"
 trainer = Trainer(model, optimizer, DataLoader(data, batch_size=4), strategy=strategy, progress=False)
+torch.manual_seed(0)
+start = build().eval()  # worker 0's start, which every worker took
+ids = data.tensors[0][:3]
+assert (trainer.eval_step(ids) - start(ids)).abs().max() < 1e-5, "the split model computes otherwise"
 for x, y in trainer.loader:
     trainer.step(nn.functional.mse_loss(trainer.model(x), y))
 weights = [torch.empty(8), torch.empty(8)]
-torch.distributed.all_gather(weights, trainer.model[4].weight.detach())
+torch.distributed.all_gather(weights, trainer.model[5].weight.detach())
 print("norm weights alike" if torch.equal(*weights) else f"norm weights differ: {weights}")
 """
 
 
-def test_a_groups_workers_drop_alike_where_the_model_is_whole():
-    outcome = run_job(DROPOUT_JOB, workers=2, timeout_s=240)
+def test_every_style_splits_alike_and_a_groups_workers_drop_alike_where_the_model_is_whole():
+    outcome = run_job(SPLIT_JOB, workers=2, timeout_s=240)
     assert outcome.lines("worker", 0, "stdout") == ["norm weights alike"], outcome.stdout
