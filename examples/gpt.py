@@ -6,6 +6,7 @@
     paratrain launch -w 2 -s 1 --strategy ps:update_on=worker examples/gpt.py     # servers sum only
     paratrain launch -w 2 -s 2 --strategy dist_sync examples/gpt.py               # servers step
     paratrain launch -w 2 -s 0 --strategy fsdp examples/gpt.py                    # sharded
+    paratrain launch -w 4 -s 0 --strategy fsdp:tensor_parallel=2 examples/gpt.py  # 2-D: tp x fsdp
 
 The text needs no download: the standard library's .py files, read from this Python's own
 installation (bytes as tokens, the last tenth of the text held out). The recipe is the usual one:
@@ -84,23 +85,33 @@ class Embed(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm causal self-attention and MLP, each a residual branch."""
+    """Pre-norm causal self-attention and MLP, each a residual branch. The forward counts heads
+    from the projections' width (-1), so that under tensor parallelism (TP_PLAN) each worker
+    attends with its own share of the heads."""
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.head_width = width // heads
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.out = nn.Linear(width, width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).unbind(2)
-        attended = nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (
+            proj(h).view(b, t, -1, self.head_width).transpose(1, 2) for proj in (self.q, self.k, self.v)
         )
-        x = x + self.out(attended.transpose(1, 2).reshape(b, t, c))
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(attended.transpose(1, 2).reshape(b, t, -1))
         return x + self.mlp(self.norm2(x))
+
+
+TP_PLAN = "*.q:colwise *.k:colwise *.v:colwise *.out:rowwise *.mlp.0:colwise *.mlp.2:rowwise"
+"""Megatron's split of each block (Strategy.tp_plan): the heads' projections by columns and the
+output projection by rows (one all-reduce per attention), and the MLP's pair likewise. The heads
+must divide by Strategy.tensor_parallel."""
 
 
 def gpt(vocab: int, width: int, layers: int, heads: int, context: int) -> nn.Sequential:
@@ -118,6 +129,8 @@ def main() -> None:
     ctx = paratrain.init()
     strategy = resolve_strategy(args.strategy, ctx.num_servers, ctx.distributed)
     strategy = strategy.replace(precision=args.precision, clip_grad_norm=1.0)
+    if strategy.tensor_parallel > 1 and strategy.tp_plan is None:
+        strategy = strategy.replace(tp_plan=TP_PLAN)
     tokens = torch.tensor(list(read_text(args.chars)), dtype=torch.long)
     split = len(tokens) * 9 // 10
     train, held_out = windows(tokens[:split], args.context), windows(tokens[split:], args.context)
@@ -128,7 +141,8 @@ def main() -> None:
     no_decay = [p for p in model.parameters() if p.dim() < 2]  # biases and norms
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
-    replicas = (ctx.num_workers // strategy.pipeline_stages) if ctx.distributed else 1
+    per_replica = strategy.pipeline_stages * strategy.tensor_parallel  # workers that share batches
+    replicas = (ctx.num_workers // per_replica) if ctx.distributed else 1
     loader = DataLoader(train, batch_size=args.batch_size // replicas, shuffle=True, drop_last=True)
     trainer = paratrain.Trainer(
         model, optimizer, loader, strategy=strategy, loss_fn=next_token_loss, seed=args.seed

@@ -84,6 +84,7 @@ MISTAKES = [
     ("unknown backend", BASE + "backend: kube\n", "job.yaml:13: backend:", "'local', 'ray', 'slurm' or 'k8s'"),
     ("unknown strategy", _replace(7, "strategy: dist_synk"), "job.yaml:7: strategy:", "dist_sync, dist_async"),
     ("ps without servers", _replace(6, "servers: 0"), "job.yaml:7: strategy:", "needs servers"),
+    ("tensor groups that do not fit", _replace(7, "strategy: fsdp:tensor_parallel=4"), "job.yaml:7: strategy:", "does not divide the job's 2 worker"),
     ("bad name", _replace(1, "name: My_Job"), "job.yaml:1: name:", "lower-case letters, digits and '-'"),
     ("missing field", BASE.replace("output_dir: /shared/out\n", ""), "job.yaml:1: output_dir:", "is required"),
     ("missing script", _replace(3, "  file: train.py"), "job.yaml:2: entry.script:", "is required"),
@@ -108,6 +109,10 @@ def test_every_mistake_names_line_field_and_what_is_allowed(text, where, allowed
     named = [p for p in problems if p.startswith(where)]
     assert named, problems
     assert allowed in named[0], named[0]
+
+
+def test_a_strategy_is_checked_against_the_specs_own_workers():
+    assert _spec(_replace(7, "strategy: fsdp:tensor_parallel=2")).strategy == "fsdp:tensor_parallel=2"
 
 
 BOMB = "".join(

@@ -11,7 +11,8 @@ fp32 whatever the strategy's precision), adamw (AdamW in place of SGD with momen
 checkpoints hold no scheduler; recipe's warmup goes on from the restored step), heldsave (fsdp
 with ckpt: each background write of a checkpoint waits until the next step has begun, which
 checks that the checkpoint is still in flight and not yet the latest), dieat=N (with heldsave:
-worker 0 exits at the start of step N, while step N-1's checkpoint is being written)
+worker 0 exits at the start of step N, while step N-1's checkpoint is being written), norm (a
+LayerNorm ends the model: parameters that tensor parallelism leaves whole)
 
 The reference simulates the workers in one process: W replicas of the same model, each computing the
 gradient of its own ShardedLoader batches (split into the strategy's micro-batches), then: averaged
@@ -53,6 +54,8 @@ data = TensorDataset(torch.randn(150, 8, generator=g), torch.randn(150, 3, gener
 def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    if "norm" in opts:
+        model.append(nn.LayerNorm(3))
     if "adamw" in opts:
         return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=1e-2)
     if "recipe" not in opts:
@@ -94,7 +97,8 @@ if "compile" in opts:
 ckpt = opts.get("ckpt")
 stop = int(opts.get("stop", steps))
 pipelined = strategy.pipeline_stages > 1
-replicas = max(1, W // strategy.pipeline_stages)  # alone, the stages share one process
+# Alone, the stages (and a tensor-parallel group) share one process.
+replicas = max(1, W // (strategy.pipeline_stages * strategy.tensor_parallel))
 BATCH = 12 // replicas
 trainer = Trainer(
     model,

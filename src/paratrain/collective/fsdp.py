@@ -17,12 +17,15 @@ the forward is fp32.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +57,13 @@ def shard_model(
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    mesh: DeviceMesh | None = None,
+    split: Callable[[nn.Module], Any] | None = None,
 ) -> nn.Module:
-    """`model` sharded in place over the default process group (every rank starts from rank 0's
-    parameters); `optimizer`'s parameters become the sharded ones. fully_shard replaces each
+    """`model` sharded in place over the default process group, or over the 1-d `mesh` (not at all
+    on a mesh of one); every rank starts from rank 0's parameters. `split`, where given, runs
+    between that start and the sharding (tensor parallelism's parallelize_module). `optimizer`'s
+    parameters become the sharded ones. fully_shard replaces each
     Parameter with a DTensor one, so an optimizer built before it would step tensors no longer in
     the model: its parameter groups are rebuilt by parameter name, which needs an optimizer that
     has not stepped yet (its state would be full tensors). `param_dtype`, `reduce_dtype`: the
@@ -72,18 +79,21 @@ def shard_model(
     with torch.no_grad():  # fully_shard keeps each rank's own slice of its own values
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, 0)  # one by one: no flat copy of a model meant to be large
-    chosen = find_blocks(model, blocks)
-    inner = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    # Between blocks the activations stay low precision; only what the root gives back is fp32.
-    outer = MixedPrecisionPolicy(
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
-        output_dtype=torch.float32 if param_dtype is not None else None,
-    )
-    for block in chosen:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=inner)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=outer)
-    logger.debug("fully_shard: %d blocks and the root of %s", len(chosen), type(model).__name__)
+    if split is not None:
+        split(model)
+    if mesh is None or mesh.size() > 1:
+        chosen = find_blocks(model, blocks)
+        inner = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        # Between blocks the activations stay low precision; only what the root gives back is fp32.
+        outer = MixedPrecisionPolicy(
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            output_dtype=torch.float32 if param_dtype is not None else None,
+        )
+        for block in chosen:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=inner)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=outer)
+        logger.debug("fully_shard: %d blocks and the root of %s", len(chosen), type(model).__name__)
     if optimizer is not None:
         sharded = dict(model.named_parameters())
         for group in optimizer.param_groups:

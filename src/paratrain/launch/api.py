@@ -121,8 +121,9 @@ class LaunchConfig:
 def check_strategy(name: str, num_servers: int, num_workers: int = 1) -> list[str]:
     """Checks a job's strategy before any process starts: raises ValueError naming the strategy
     and the cause if it does not parse (a misspelt name, field or value gets the nearest valid
-    one), needs servers the job lacks, or cuts the model into a number of pipeline stages that does
-    not divide the workers. Returns warnings about a valid job that would leave processes idle."""
+    one), needs servers the job lacks, or cuts the model into a number of pipeline stages (or
+    tensor-parallel groups) that does not divide the workers. Returns warnings about a valid job
+    that would leave processes idle."""
     from paratrain.train.strategy import Strategy  # train/ is below launch/; imported late for speed
 
     try:
@@ -142,6 +143,13 @@ def check_strategy(name: str, num_servers: int, num_workers: int = 1) -> list[st
             f"worker(s) (-w {num_workers}): each replica of the model runs on {stages} workers, so "
             f"launch with -w {fits}, ..."
         )
+    if strategy.tensor_parallel > 1:
+        from paratrain.train.mesh import mesh_dims
+
+        try:
+            mesh_dims(strategy, num_workers)
+        except ValueError as exc:
+            raise ValueError(f"strategy={name!r}: {exc}") from None
     if arch in ("collective", "local", "fsdp") and num_servers:
         return [
             f"strategy={name!r} is a {arch} strategy and uses no servers: the job's {num_servers} "

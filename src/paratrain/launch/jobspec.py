@@ -223,7 +223,7 @@ class JobSpec(_Strict):
     def _strategy(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is not None:
             try:
-                check_strategy(value, info.data.get("servers", 1))
+                check_strategy(value, info.data.get("servers", 1), info.data.get("workers", 1))
             except ValueError as exc:  # without the launcher's "strategy=...: " (the field is named)
                 raise ValueError(re.sub(r"^strategy=\S+: ", "", str(exc))) from None
         return value

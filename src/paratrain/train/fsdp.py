@@ -107,6 +107,7 @@ def load_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     saved = sharded.SafeReader(folder / SHARDED).read_metadata().state_dict_metadata
     if any(key.startswith("optimizer.") for key in saved):
         model_state, optimizer_state = get_state_dict(model, optimizer)
+        _add_saved_group_keys(optimizer_state, saved)
         state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state}
         sharded.load(folder / SHARDED, state)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
@@ -114,6 +115,16 @@ def load_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
         state = {"model": get_model_state_dict(model)}  # saved before the optimizer's first step
         sharded.load(folder / SHARDED, state)
         set_model_state_dict(model, state["model"])
+
+
+def _add_saved_group_keys(optimizer_state: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Parameter-group entries that the checkpoint holds and a fresh optimizer lacks (an LR
+    scheduler's initial_lr) join the state to fill: DCP loads only the keys it is given."""
+    groups = optimizer_state["param_groups"]
+    for key in saved:
+        path = key.split(".", 3)
+        if path[:2] == ["optimizer", "param_groups"] and len(path) == 4 and int(path[2]) < len(groups):
+            groups[int(path[2])].setdefault(path[3], None)
 
 
 def is_sharded(found: checkpoint.Checkpoint) -> bool:

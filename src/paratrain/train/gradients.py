@@ -13,8 +13,10 @@ replicas averaged). `GradientGate` runs there, in the order torch's recipe has
 
 Where no process holds the whole gradient (a pipeline: each stage its own parameters; fsdp: each
 worker a shard of every one), `agree` sums [overflow, squared norm] over the processes that
-together hold it: one all-reduce of two numbers. A sharded gradient (a DTensor) is checked on its
-local shard, so that each element counts once.
+together hold it: one all-reduce of two numbers. A sharded gradient (a DTensor) is then checked on
+its local shard, so that each element counts once. Under tensor parallelism, where a DTensor may
+be whole on several workers, there is no `agree`: the norm is torch's per device mesh, made whole,
+then combined (`total_norm`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class GradientGate:
         if self.agree is not None:  # this process's part of the gradient
             grads = [_local(grad) for grad in grads]
         found = self.scaler.unscale_(grads) if self.scaler is not None else torch.zeros(1)
-        norm = torch.nn.utils.get_total_norm(grads) if self.clip is not None else None
+        norm = total_norm(grads) if self.clip is not None else None
         if self.agree is not None:
             local_sq = norm.detach().float().cpu() ** 2 if norm is not None else torch.zeros(())
             summed = self.agree(torch.stack([found.reshape(()), local_sq.reshape(())]))
@@ -70,7 +72,8 @@ class GradientGate:
                 )
                 return None
         if norm is not None and self.clip is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, self.clip, norm)
+            for same_mesh in _by_mesh(params, lambda p: p.grad).values():
+                torch.nn.utils.clip_grads_with_norm_(same_mesh, self.clip, norm)
             self.last_norm = float(norm)
         return local_step()
 
@@ -85,3 +88,31 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def _by_mesh(items: list[Any], tensor: Callable[[Any], Any] = lambda t: t) -> dict[Any, list[Any]]:
+    """`items` grouped by the device mesh of their tensor (None: a plain tensor). torch's foreach
+    norms and products take tensors of one mesh at a time."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[Any]] = {}
+    for item in items:
+        value = tensor(item)
+        groups.setdefault(value.device_mesh if isinstance(value, DTensor) else None, []).append(item)
+    return groups
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all of `grads`, as a plain tensor: torch's get_total_norm of each mesh's
+    gradients (fsdp's shards, tensor parallelism's splits), made whole, then combined. Plain tensors
+    (parameters a tensor-parallel group holds whole, alike on each of its workers) count once."""
+    from torch.distributed.tensor import DTensor
+
+    groups = _by_mesh(grads)
+    if list(groups) == [None]:
+        return torch.nn.utils.get_total_norm(grads)
+    parts = []
+    for same_mesh in groups.values():
+        norm = torch.nn.utils.get_total_norm(same_mesh)
+        parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return torch.linalg.vector_norm(torch.stack([part.float() for part in parts]))

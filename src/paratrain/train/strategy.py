@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +108,16 @@ class Strategy:
     backup_workers: dataclasses.InitVar[int] = 0
     """ps with sync consistency: b > 0 makes the policy Backup(b), rounds that apply once all but
     b workers pushed ("dist_sync:backup_workers=1"). Not kept: it is the policy's field."""
+    tensor_parallel: int = 1
+    """fsdp only. >1: each block's layers are split across this many workers (torch's DTensor tensor
+    parallelism, Megatron's column and row splits), and fsdp shards over the rest: workers =
+    data x tensor_parallel, laid on one DeviceMesh with the tensor dimension innermost (train/mesh.py)."""
+    tp_plan: str | Mapping[str, str] | Callable[..., Any] | None = None
+    """With tensor_parallel > 1: which modules are split how, as "pattern:style" items separated by
+    spaces (or a dict of them): patterns are dotted module names where `*` stands for one name
+    ("blocks.*.mlp.0"), styles colwise, rowwise or colwise_rep (collective/tensor_parallel.py). Or a
+    function (model, tp_mesh) that splits the model itself. Default: the Linear pairs of every
+    Sequential MLP (Linear, activation, Linear) as colwise then rowwise."""
 
     def __post_init__(self, staleness: int, backup_workers: int) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -194,7 +204,34 @@ class Strategy:
             )
         if self.pipeline_stages > 1 and self.accumulation_steps > 1:
             raise bad("accumulation_steps", "is micro_batches in a pipeline; set that instead")
+        self._check_tensor_parallel()
         self._check_loop_features()
+
+    def _check_tensor_parallel(self) -> None:
+        """tensor_parallel and tp_plan: types, the architecture they run under, the plan's words."""
+        tp = self.tensor_parallel
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"Strategy.tensor_parallel={tp!r} must be an int >= 1")
+        if tp > 1 and self.architecture != "fsdp":
+            raise ValueError(
+                f"Strategy.tensor_parallel={tp} needs architecture='fsdp' (the tensor dimension inside, "
+                f"fsdp across the rest of the workers), not {self.architecture!r}"
+            )
+        if tp > 1 and self.precision == "fp16":
+            raise ValueError(
+                f"Strategy.precision='fp16' with tensor_parallel={tp}: each worker holds a part of the "
+                "gradient, so an overflow in one part must skip the step on every worker, which the "
+                "loss scaler does not agree on yet; use precision='bf16' (no loss scaling)"
+            )
+        if self.tp_plan is None or callable(self.tp_plan):
+            if self.tp_plan is not None and tp == 1:
+                raise ValueError(f"Strategy.tp_plan={self.tp_plan!r} needs tensor_parallel > 1")
+            return
+        from paratrain.collective.tensor_parallel import plan_text
+
+        object.__setattr__(self, "tp_plan", plan_text(self.tp_plan))  # one canonical, hashable form
+        if tp == 1:
+            raise ValueError(f"Strategy.tp_plan={self.tp_plan!r} needs tensor_parallel > 1")
 
     def _check_loop_features(self) -> None:
         """Loss scaling and clipping need the aggregated gradient on the workers before they step."""
@@ -239,6 +276,8 @@ class Strategy:
         """The fields as plain data (a checkpoint's metadata): the policy as it is written,
         "bounded(2)"."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if callable(self.tp_plan):  # a function: its name says which
+            fields["tp_plan"] = f"{self.tp_plan.__module__}.{self.tp_plan.__qualname__}"
         return fields | {"consistency": str(self.consistency)}
 
     @property

@@ -249,13 +249,19 @@ class Trainer:
             raise ValueError(f"checkpoint_every={checkpoint_every} needs a checkpoint_dir")
         self.rank, self.num_workers = self.ctx.rank, self.ctx.num_workers
         # Data parallel replicas: every worker, or in a pipeline the stages x replicas mesh's replicas
-        # (rank q is stage q % stages of replica q // stages; a replica's stages read the same batches).
+        # (rank q is stage q % stages of replica q // stages; a replica's stages read the same batches),
+        # or under tensor parallelism the mesh's "dp" (a tensor-parallel group reads the same batches).
         stages = self.strategy.pipeline_stages if self.ctx.distributed else 1
         if self.num_workers % stages:
             raise ValueError(
                 f"Strategy.pipeline_stages={stages} does not divide the job's {self.num_workers} workers"
             )
-        self.replicas, self.replica = self.num_workers // stages, self.rank // stages
+        group = stages
+        if self.ctx.distributed and self.strategy.tensor_parallel > 1:
+            from paratrain.train.mesh import mesh_dims
+
+            group = mesh_dims(self.strategy, self.num_workers)["tp"]
+        self.replicas, self.replica = self.num_workers // group, self.rank // group
         self.elastic = self.ctx.distributed and self.ctx.config.elastic is not None
         """Elastic workers (JobConfig.elastic): each epoch starts with the workers that are left."""
         if self.elastic and stages > 1:
@@ -335,6 +341,10 @@ class Trainer:
 
             if self.elastic:
                 raise ValueError("Strategy.architecture='fsdp' cannot run with JobConfig.elastic")
+            if self.strategy.tensor_parallel > 1:
+                from paratrain.train.tensor_parallel import MeshEngine
+
+                return MeshEngine(model, optimizer, self.strategy, self.ctx)
             return fsdp.FSDPEngine(model, optimizer, self.strategy, self.ctx)
         if arch == "ps":
             from paratrain.train.ps import PSEngine
