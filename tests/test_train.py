@@ -71,6 +71,14 @@ def test_strategy_names_and_settings(name, fields):
         (lambda: Strategy.parse("dist_fast"), "strategy 'dist_fast' is not one of"),
         (lambda: Strategy.parse("ps:speed=3"), "strategy setting 'speed=3'"),
         (lambda: Strategy.parse("ps:staleness=two"), "staleness='two' is not a number"),
+        (
+            lambda: Strategy.parse("dist_async:precision=fp16"),
+            "Strategy.precision='fp16' with the optimizer on the servers needs consistency='sync'",
+        ),
+        (
+            lambda: Strategy.parse("dist_sync_device:precision=fp16"),
+            "and aggregation='process', not sync and 'host'",
+        ),
     ],
 )
 def test_bad_strategies_name_the_field_and_value(make, message):
@@ -337,6 +345,9 @@ PARITY = [
     # gradient, so 1e-3 after six steps.
     (2, 0, "collective:precision=fp16,clip_grad_norm=0.3", ("recipe", "rel", "inject=2")),
     (2, 1, "ps:update_on=worker,precision=fp16,clip_grad_norm=0.3", ("recipe", "rel", "inject=2")),
+    # With the optimizer on the servers: each server drops the round on the workers' flags
+    # (kvstore/server/overflow.py), and clips the others by the norm of their shares.
+    (2, 2, "dist_sync:bucket_mb=0.0001,precision=fp16,clip_grad_norm=0.3", ("recipe", "rel", "inject=2")),
     (2, 0, "collective:pipeline_stages=2,micro_batches=3,precision=fp16", ("recipe", "inject=2", "tol=1e-3")),
     # bf16 against an fp32 reference: bf16 keeps 8 significant bits (unit roundoff 2^-9 = 2e-3
     # per rounding, several per gradient), and six AdamW steps moved the parameters 0.3% from the

@@ -186,11 +186,20 @@ class Strategy:
             )
         # A pipeline's stages step their own optimizers (the servers only sum their replicas).
         on_servers = self.distributed_optimizer and not sends_updates and self.pipeline_stages == 1
-        if self.precision == "fp16" and on_servers:
+        # The servers drop a sync round any worker's gradient overflowed in (train/ps.py). An
+        # async or bounded push is applied before its worker's backward has ended, and a host's
+        # leader pushes the others' gradients without their checks.
+        if (
+            self.precision == "fp16"
+            and on_servers
+            and (self.consistency != Sync() or self.aggregation != "process")
+        ):
             raise ValueError(
-                "Strategy.precision='fp16' with the optimizer on the servers (architecture='ps', "
-                "update_on='server') is not supported yet: the servers cannot skip an overflowing "
-                "round; use precision='bf16', or update_on='worker'"
+                f"Strategy.precision='fp16' with the optimizer on the servers needs consistency="
+                f"'sync' and aggregation='process', not {self.consistency} and {self.aggregation!r}: "
+                "a skipped step must be agreed before any server applies it, and an async or bounded "
+                "push is applied as it arrives, before its worker's backward (and overflow check) has "
+                "ended; use precision='bf16' (no loss scaling), or update_on='worker'"
             )
         # On the servers a sync round's mean waits for the global norm (train/ps.py); other rounds
         # have no one mean to clip, and a host's leader would need its host's part of the exchange.

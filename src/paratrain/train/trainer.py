@@ -320,7 +320,7 @@ class Trainer:
         if arch == "ps":
             from paratrain.train.ps import PSEngine
 
-            return PSEngine(model, optimizer, self.strategy, self.ctx)
+            return PSEngine(model, optimizer, self.strategy, self.ctx, scaler=self.gate.scaler)
         from paratrain.train.elastic import ElasticCollectiveEngine, elastic_enabled
 
         if elastic_enabled(self.ctx):
