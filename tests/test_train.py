@@ -111,11 +111,39 @@ def test_server_optimizer_takes_each_groups_hyperparameters():
     assert changed_hyperparameters([first, first], [first, second]) == [(1, {"lr": 0.5, "weight_decay": 0.1})]
 
 
-def test_clipping_with_the_optimizer_on_the_servers_needs_sync_rounds_of_every_worker():
-    assert Strategy.parse("dist_sync:clip_grad_norm=1").clip_grad_norm == 1.0  # the servers clip
-    for name in ("dist_async:", "ps:consistency=bounded,", "dist_sync_device:"):
-        with pytest.raises(ValueError, match="needs consistency='sync' and aggregation='process'"):
+def test_clipping_with_the_optimizer_on_the_servers_needs_each_worker_to_push_its_own():
+    for name in ("dist_sync:", "dist_async:", "ps:consistency=bounded,"):  # servers, or each worker
+        assert Strategy.parse(f"{name}clip_grad_norm=1").clip_grad_norm == 1.0
+    for name in ("dist_sync_device:", "dist_async_device:"):
+        with pytest.raises(ValueError, match="needs aggregation='process', not 'host': a host's leader"):
             Strategy.parse(f"{name}clip_grad_norm=1")
+
+
+def test_async_workers_clip_their_own_gradient_before_it_leaves():
+    """dist_async has no one mean per round: each worker pushes its gradient clipped to norm c,
+    as clip_grad_norm_ clips it in one process, and none leaves during backward."""
+    from paratrain.train.ps import PSEngine
+
+    model, data = _model_and_data()
+    twin = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = PSEngine(model, optimizer, Strategy.parse("dist_async:clip_grad_norm=0.05"), ALONE)
+    sent = []
+    pushpull = engine.kv.pushpull_async
+    engine.kv.pushpull_async = lambda keys, values, out: (
+        sent.append([v.clone() for v in values]) or pushpull(keys, values, out)
+    )
+    x, y = data.tensors
+    nn.functional.mse_loss(model(x), y).backward()
+    assert sent == []  # held until step(): the norm needs the whole gradient
+    engine.step(optimizer, lambda: None)
+    nn.functional.mse_loss(twin(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.05)
+    assert len(sent) == 1 and norm > 0.05 and engine.last_norm == pytest.approx(float(norm))
+    assert float(torch.nn.utils.get_total_norm(sent[0])) <= 0.05 * (1 + 1e-6)
+    for value, p in zip(sent[0], twin.parameters(), strict=True):
+        torch.testing.assert_close(value, p.grad, rtol=0, atol=0)
+    engine.close()
 
 
 def test_an_lr_change_is_found_by_group_whatever_made_it():

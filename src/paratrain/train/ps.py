@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from paratrain import kvstore
+from paratrain.kvstore.consistency import Sync
 from paratrain.kvstore.worker.client import DistKVStore
 from paratrain.metrics.trace import tracer
 from paratrain.train.api import EngineBase
@@ -112,6 +113,15 @@ def changed_hyperparameters(sent: list[dict], now: list[dict]) -> list[tuple[int
         )
     changes = [{k: v for k, v in new.items() if old.get(k) != v} for old, new in zip(sent, now, strict=True)]
     return [(i, change) for i, change in enumerate(changes) if change]
+
+
+def clip_(values: list[torch.Tensor], max_norm: float) -> float:
+    """Scale `values` in place to global L2 norm at most `max_norm`, with clip_grad_norm_'s
+    arithmetic (its two halves, on tensors rather than parameters); returns the norm before."""
+    norm = torch.nn.utils.get_total_norm(values)
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(values, coefficient.to(values[0].device))
+    return float(norm)
 
 
 def _plain(value: Any) -> Any:
@@ -164,7 +174,13 @@ class PSEngine(EngineBase):
             self.kv.set_optimizer(torch.optim.SGD, lr=1.0)  # the value moves by the pushed mean update
         elif self.on_server:
             self._send_groups(optimizer)
-        self.clip = strategy.clip_grad_norm if self.syncs_hyperparameters else None
+        # Sync rounds are clipped on the servers by the norm of their mean; async and bounded ones
+        # have no one mean, so each worker clips its own gradient before it leaves, as async
+        # parameter-server systems do (its pushes then wait for the end of backward).
+        sync = strategy.consistency == Sync()
+        clip = strategy.clip_grad_norm if self.syncs_hyperparameters else None
+        self.clip = clip if sync else None
+        self.local_clip = None if sync else clip
         self.round = 0  # the servers' rounds (versions), counted from init or a restored state
         self.last_norm: float | None = None  # the last round's norm, before clipping
         if self.clip is not None:
@@ -235,8 +251,8 @@ class PSEngine(EngineBase):
         self.sync_now = sync
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if not self.sync_now or self.sends_updates:
-            return  # an accumulation micro-step (or top-k's updates): the gradient stays in .grad
+        if not self.sync_now or self.sends_updates or self.local_clip is not None:
+            return  # an accumulation micro-step (or top-k's updates, or clipped whole): it stays in .grad
         i = self.index[id(param)]
         grad = param.grad
         assert grad is not None  # a post-accumulate-grad hook runs once the gradient exists
@@ -257,6 +273,8 @@ class PSEngine(EngineBase):
         start = time.perf_counter()
         with torch.no_grad(), tracer().range("push", keys=len(self._bucket), bytes=self._bucket_size):
             values = [self._wire_value(i) for i in self._bucket]
+            if self.local_clip is not None:  # the whole gradient is in this one bucket
+                self.last_norm = clip_(values, self.local_clip)
             if self.scaler is not None:  # unscaled as they leave, and checked (see the docstring)
                 torch._amp_foreach_non_finite_check_and_unscale_(values, self._found, self.scaler.inverse())
             handle = self.kv.pushpull_async(

@@ -89,8 +89,11 @@ class Strategy:
     """Clip the aggregated gradient to this global L2 norm before each optimizer step: what
     torch.nn.utils.clip_grad_norm_ gives in one process on the global batch (a pipeline's norm
     spans every stage; under ps with update_on='server', in sync mode, the servers clip each
-    round's mean by the norm their shares add up to). Under ps a clip_grad_norm_ of the user's own
-    between backward and step cannot reach the servers, and raises an error."""
+    round's mean by the norm their shares add up to; in async and bounded modes, which have no
+    one mean per round, each worker clips its own gradient before pushing it). The optimizer's
+    parameters are clipped: an embedding table's rows (hybrid) are not parameters, and are
+    stepped unclipped as in one process. Under ps a clip_grad_norm_ of the user's own between
+    backward and step cannot reach the servers, and raises an error."""
     fsdp_blocks: str | None = None
     """fsdp only. The submodules sharded one by one (dotted names, separated by spaces), each
     gathered whole for its forward and backward; default: a Sequential's children, else the modules
@@ -201,18 +204,17 @@ class Strategy:
                 "push is applied as it arrives, before its worker's backward (and overflow check) has "
                 "ended; use precision='bf16' (no loss scaling), or update_on='worker'"
             )
-        # On the servers a sync round's mean waits for the global norm (train/ps.py); other rounds
-        # have no one mean to clip, and a host's leader would need its host's part of the exchange.
-        if (
-            self.clip_grad_norm is not None
-            and on_servers
-            and (self.consistency != Sync() or self.aggregation != "process")
-        ):
+        # On the servers a sync round's mean waits for the global norm (train/ps.py); async and
+        # bounded workers clip their own gradients. A host's leader pushes its host's sum and
+        # waits for the round's pull in the same synchronous call, before a norm could be agreed.
+        if self.clip_grad_norm is not None and on_servers and self.aggregation != "process":
             raise ValueError(
                 f"Strategy.clip_grad_norm={self.clip_grad_norm!r} with the optimizer on the servers "
-                f"needs consistency='sync' and aggregation='process', not {self.consistency} and "
-                f"{self.aggregation!r}: use update_on='worker' (the aggregated gradient is clipped on "
-                "every worker) or architecture='collective'"
+                f"needs aggregation='process', not {self.aggregation!r}: a host's leader pushes the "
+                "host's summed gradient and waits for the round's new weights in one call, so the "
+                "round cannot wait on the servers for its norm; use aggregation='process', "
+                "update_on='worker' (the aggregated gradient is clipped on every worker) or "
+                "architecture='collective'"
             )
         if self.clip_grad_norm is not None and sends_updates:
             raise ValueError(
