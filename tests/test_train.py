@@ -71,14 +71,6 @@ def test_strategy_names_and_settings(name, fields):
         (lambda: Strategy.parse("dist_fast"), "strategy 'dist_fast' is not one of"),
         (lambda: Strategy.parse("ps:speed=3"), "strategy setting 'speed=3'"),
         (lambda: Strategy.parse("ps:staleness=two"), "staleness='two' is not a number"),
-        (
-            lambda: Strategy.parse("dist_async:precision=fp16"),
-            "Strategy.precision='fp16' with the optimizer on the servers needs consistency='sync'",
-        ),
-        (
-            lambda: Strategy.parse("dist_sync_device:precision=fp16"),
-            "and aggregation='process', not sync and 'host'",
-        ),
     ],
 )
 def test_bad_strategies_name_the_field_and_value(make, message):
