@@ -24,7 +24,12 @@ from paratrain.train.precision import LossScaler, to_fp32
 ALONE = Context("worker", 0, 1, 0)
 CPU = {"ctx": ALONE, "device": "cpu"}  # these tests compare with references on the CPU
 SECRET = {"PARATRAIN_SECRET": "ab" * 16}
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+
+
+def cuda(test):
+    """A test that needs a GPU: marked `cuda` (benchmarks/gpu.py runs them all), skipped without one."""
+    return pytest.mark.cuda(NO_CUDA(test))
 
 
 def _model(seed: int = 0) -> nn.Module:
