@@ -53,16 +53,12 @@ def _batches(count: int, rows: int = 8, poison: int = -1) -> list[tuple[torch.Te
         (lambda: Strategy(clip_grad_norm=0), "Strategy.clip_grad_norm=0 must be a number > 0"),
         (lambda: Strategy(clip_grad_norm="1"), "Strategy.clip_grad_norm='1' must be a number"),
         (
-            lambda: Strategy.parse("dist_sync_device:clip_grad_norm=1"),
-            "Strategy.clip_grad_norm=1.0 with the optimizer on the servers needs aggregation='process'",
-        ),
-        (
             lambda: Strategy.parse("dist_async:precision=fp16"),
             "Strategy.precision='fp16' with the optimizer on the servers needs consistency='sync'",
         ),
         (
-            lambda: Strategy.parse("dist_sync_device:precision=fp16"),
-            "and aggregation='process', not sync and 'host'",
+            lambda: Strategy.parse("dist_async_device:precision=fp16"),
+            "Strategy.precision='fp16' with the optimizer on the servers needs consistency='sync', not async",
         ),
         (
             lambda: Strategy(precision="fp16", compression="fp16"),
@@ -86,6 +82,9 @@ def test_precision_and_clipping_parse_and_a_pipeline_under_ps_steps_on_its_worke
     assert Strategy.parse("ps:pipeline_stages=2,clip_grad_norm=1").clip_grad_norm == 1.0
     assert Strategy.parse("dist_sync:precision=bf16").precision == "bf16"  # no loss scaling to agree on
     assert Strategy.parse("dist_sync:precision=fp16").precision == "fp16"  # the servers agree on skips
+    # The servers clip each sync round (a host's leader asks for the norm); async workers their own.
+    for name in ("dist_sync:", "dist_async:", "ps:consistency=bounded,", "dist_sync_device:"):
+        assert Strategy.parse(f"{name}clip_grad_norm=1").clip_grad_norm == 1
 
 
 # -- loss scaling, clipping and autocast in one process ---------------------------------------------

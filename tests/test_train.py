@@ -103,14 +103,6 @@ def test_server_optimizer_takes_each_groups_hyperparameters():
     assert changed_hyperparameters([first, first], [first, second]) == [(1, {"lr": 0.5, "weight_decay": 0.1})]
 
 
-def test_clipping_with_the_optimizer_on_the_servers_needs_each_worker_to_push_its_own():
-    for name in ("dist_sync:", "dist_async:", "ps:consistency=bounded,"):  # servers, or each worker
-        assert Strategy.parse(f"{name}clip_grad_norm=1").clip_grad_norm == 1.0
-    for name in ("dist_sync_device:", "dist_async_device:"):
-        with pytest.raises(ValueError, match="needs aggregation='process', not 'host': a host's leader"):
-            Strategy.parse(f"{name}clip_grad_norm=1")
-
-
 def test_async_workers_clip_their_own_gradient_before_it_leaves():
     """dist_async has no one mean per round: each worker pushes its gradient clipped to norm c,
     as clip_grad_norm_ clips it in one process, and none leaves during backward."""
@@ -348,12 +340,14 @@ PARITY = [
     (2, 1, "dist_sync", ("compile",)),
     (2, 1, "ps:update_on=worker,compression=fp16", ("tol=1e-3",)),
     (2, 1, "dist_sync_device", ()),
-    (2, 1, "hybrid", ()),
     (4, 0, "collective:pipeline_stages=2,micro_batches=3", ()),  # a 2 x 2 mesh through train_step
     # AdamW with two parameter groups, a warmup LambdaLR and clipping (the clip is reached: the job
     # checks), against one process calling clip_grad_norm_ on the global batch's gradient:
     (2, 0, "collective:clip_grad_norm=0.3", ("recipe", "rel")),
     (2, 0, "collective:pipeline_stages=2,micro_batches=3,clip_grad_norm=0.3", ("recipe", "rel")),
+    # hybrid: the dense parameters by all-reduce, clipped (as one process clips them: the table's
+    # rows are no parameters), and an embedding table's rows on the server, stepped by its own SGD:
+    (2, 1, "hybrid:clip_grad_norm=0.3", ("recipe", "rel", "table")),
     # The same groups and warmup with the optimizer on the servers (each group's weight decay per
     # key, the lr of each step sent ahead of its round), on one server and split over two:
     (2, 1, "dist_sync", ("recipe", "rel")),
@@ -368,6 +362,9 @@ PARITY = [
     # With the optimizer on the servers: each server drops the round on the workers' flags
     # (kvstore/server/overflow.py), and clips the others by the norm of their shares.
     (2, 2, "dist_sync:bucket_mb=0.0001,precision=fp16,clip_grad_norm=0.3", ("recipe", "rel", "inject=2")),
+    # A host's workers reduce first; its leader sends the host's check, asks for the norm and
+    # gives both to the others.
+    (2, 1, "dist_sync_device:precision=fp16,clip_grad_norm=0.3", ("recipe", "rel", "inject=2")),
     (2, 0, "collective:pipeline_stages=2,micro_batches=3,precision=fp16", ("recipe", "inject=2", "tol=1e-3")),
     # bf16 against an fp32 reference: bf16 keeps 8 significant bits (unit roundoff 2^-9 = 2e-3
     # per rounding, several per gradient), and six AdamW steps moved the parameters 0.3% from the

@@ -69,6 +69,7 @@ from torch import nn
 from paratrain import kvstore
 from paratrain.kvstore.consistency import Sync
 from paratrain.kvstore.worker.client import DistKVStore
+from paratrain.kvstore.worker.device import HostKVStore
 from paratrain.metrics.trace import tracer
 from paratrain.train.api import EngineBase
 from paratrain.train.precision import LossScaler
@@ -337,10 +338,10 @@ class PSEngine(EngineBase):
                 p.grad.copy_(mean)
         return local_step()
 
-    def _servers(self) -> DistKVStore:
-        """The store as the job's servers' client: clipping on the servers runs only there
-        (Strategy refuses it for the *_device stores)."""
-        assert isinstance(self.kv, DistKVStore)
+    def _servers(self) -> DistKVStore | HostKVStore:
+        """The store as the job's servers' client (a host's, with aggregation='host'): rounds
+        held on the servers for their norm or overflow checks run only there."""
+        assert isinstance(self.kv, (DistKVStore, HostKVStore))
         return self.kv
 
     def _clip_on_servers(self) -> None:

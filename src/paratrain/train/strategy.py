@@ -189,32 +189,15 @@ class Strategy:
             )
         # A pipeline's stages step their own optimizers (the servers only sum their replicas).
         on_servers = self.distributed_optimizer and not sends_updates and self.pipeline_stages == 1
-        # The servers drop a sync round any worker's gradient overflowed in (train/ps.py). An
-        # async or bounded push is applied before its worker's backward has ended, and a host's
-        # leader pushes the others' gradients without their checks.
-        if (
-            self.precision == "fp16"
-            and on_servers
-            and (self.consistency != Sync() or self.aggregation != "process")
-        ):
+        # The servers drop a sync round any worker's gradient overflowed in (train/ps.py); an
+        # async or bounded push is applied before its worker's backward has ended.
+        if self.precision == "fp16" and on_servers and self.consistency != Sync():
             raise ValueError(
                 f"Strategy.precision='fp16' with the optimizer on the servers needs consistency="
-                f"'sync' and aggregation='process', not {self.consistency} and {self.aggregation!r}: "
-                "a skipped step must be agreed before any server applies it, and an async or bounded "
-                "push is applied as it arrives, before its worker's backward (and overflow check) has "
-                "ended; use precision='bf16' (no loss scaling), or update_on='worker'"
-            )
-        # On the servers a sync round's mean waits for the global norm (train/ps.py); async and
-        # bounded workers clip their own gradients. A host's leader pushes its host's sum and
-        # waits for the round's pull in the same synchronous call, before a norm could be agreed.
-        if self.clip_grad_norm is not None and on_servers and self.aggregation != "process":
-            raise ValueError(
-                f"Strategy.clip_grad_norm={self.clip_grad_norm!r} with the optimizer on the servers "
-                f"needs aggregation='process', not {self.aggregation!r}: a host's leader pushes the "
-                "host's summed gradient and waits for the round's new weights in one call, so the "
-                "round cannot wait on the servers for its norm; use aggregation='process', "
-                "update_on='worker' (the aggregated gradient is clipped on every worker) or "
-                "architecture='collective'"
+                f"'sync', not {self.consistency}: a skipped step must be agreed before any server "
+                "applies it, and an async or bounded push is applied as it arrives, before its "
+                "worker's backward (and overflow check) has ended; use precision='bf16' (no loss "
+                "scaling), or update_on='worker'"
             )
         if self.clip_grad_norm is not None and sends_updates:
             raise ValueError(
