@@ -84,7 +84,8 @@ class Strategy:
     """32, bf16 or fp16: the forward runs under torch.autocast in that dtype (weights, gradients
     and optimizer state stay fp32). fp16 scales the loss dynamically as torch.amp.GradScaler does:
     a step whose aggregated gradient holds inf or NaN is skipped on every worker and the scale
-    halves (train/precision.py)."""
+    halves (train/precision.py); with the optimizer on the servers (sync rounds) every server
+    drops such a round on the workers' flags (kvstore/server/overflow.py)."""
     clip_grad_norm: float | None = None
     """Clip the aggregated gradient to this global L2 norm before each optimizer step: what
     torch.nn.utils.clip_grad_norm_ gives in one process on the global batch (a pipeline's norm
