@@ -52,6 +52,10 @@ GradScaler's own op. After its last push of a round the worker sends every serve
 (kv.overflow); every server holds the round until it has every worker's, drops it everywhere if
 any is set (no value or optimizer state changes), and answers each flag with the verdict, by which
 every worker's loss scale halves (or grows) alike (kvstore/server/overflow.py).
+
+Strategy.clip_grad_norm with the optimizer on the servers: a sync round's mean is clipped there by
+the global norm (_clip_on_servers). Async and bounded rounds have no one mean, so each worker clips
+its own gradient (`clip_`) and pushes it whole at step(), not during backward.
 """
 
 from __future__ import annotations
@@ -435,9 +439,11 @@ class PSEngine(EngineBase):
     def join(self) -> None:
         """Elastic: this worker joined the running job; the others wait at a barrier meanwhile."""
         if self.clip is not None or self.scaler is not None:  # its rounds would count from its
-            raise ValueError(  # start, not the servers'
-                "Strategy.clip_grad_norm and precision='fp16' with the optimizer on the servers "
-                "cannot take a worker that joins a running job yet: use update_on='worker'"
+            field = "clip_grad_norm" if self.clip is not None else "precision='fp16'"  # start
+            raise ValueError(
+                f"Strategy.{field} with the optimizer on the servers cannot take a worker that joins "
+                "a running job yet (the servers hold each round for every member's norm share or "
+                "check, and a joiner's rounds count from its start): use update_on='worker'"
             )
         assert isinstance(self.kv, DistKVStore)  # only a job with servers is elastic
         self.kv.join()
