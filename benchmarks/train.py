@@ -1,6 +1,7 @@
 """Training throughput of paratrain's strategies beside torch DDP and a torch RPC parameter server.
 
     python benchmarks/train.py [--iters 150] [--warmup 10] [--rounds 3] [--plot train.png]
+                               [--precision bf16]
 
 The model: conv 3->32, conv 32->64 (3x3, each followed by ReLU and 2x2 max-pooling), fc 4096->256->10,
 on 3x32x32 inputs, batch 64 per worker, SGD with momentum. Every process uses one thread (2 workers
@@ -16,6 +17,10 @@ elapsed time for `iters` steps after `warmup` untimed ones), the median of `roun
 - paratrain ps sync + dashboard: the same ps sync job with the live dashboard on, its /api/state and
   /metrics read every second while it runs (an open tab and a Prometheus scrape): the dashboard's
   cost is its ratio to "paratrain ps sync" (interleaved in the same rounds).
+
+`--precision bf16` runs every forward under torch.autocast in bfloat16 (the paratrain jobs through
+Strategy.precision, the torch runs with autocast around their forward), weights and optimizer in
+fp32: the ratios against DDP with mixed precision on.
 
 `--runs` picks some of them (comma-separated names) for more rounds of a narrower comparison. The
 table and a plot of it are saved under runs/bench/ (benchmarks/_plot.py).
@@ -85,9 +90,19 @@ def timed(step: Any, warmup: int, iters: int, before_timing: Any = None) -> floa
     return time.perf_counter() - start
 
 
+PRECISION = os.environ.get("TRAINBENCH_PRECISION", "32")
+"""32 or bf16: --precision, which main() also puts in the environment that spawned runs read."""
+
+
+def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's output, under bf16 autocast with --precision bf16 (as the Trainer runs it)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=PRECISION == "bf16"):
+        return model(x).float()
+
+
 def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
     optimizer.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
+    nn.functional.cross_entropy(forward(model, x), y).backward()
     optimizer.step()
 
 
@@ -173,7 +188,7 @@ def rpc_process(rank: int, port: int, warmup: int, iters: int, results: Any) -> 
 
         def step() -> None:
             model.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
+            nn.functional.cross_entropy(forward(model, x), y).backward()
             weights = rpc.rpc_sync("server", _rpc_step, args=([p.grad for p in params],))
             with torch.no_grad():
                 for p, w in zip(params, weights, strict=True):
@@ -198,7 +213,8 @@ def paratrain_role(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     ctx = paratrain.init()  # servers and the scheduler serve here and exit
     model = make_model()
-    trainer = paratrain.Trainer(model, make_optimizer(model), strategy=args.strategy, progress=False)
+    strategy = paratrain.Strategy.parse(args.strategy).replace(precision=PRECISION)
+    trainer = paratrain.Trainer(model, make_optimizer(model), strategy=strategy, progress=False)
     x, y = batch(ctx.rank)
 
     def step() -> None:
@@ -213,7 +229,7 @@ def paratrain_job(
     args: argparse.Namespace, strategy: str, servers: int, dashboard: bool = False
 ) -> float | str:
     role_args = ["--paratrain-role", "--strategy", strategy, "--warmup", str(args.warmup)]
-    role_args += ["--iters", str(args.iters)]
+    role_args += ["--iters", str(args.iters), "--precision", args.precision]
     found = _jobs.run_role_job(
         os.path.abspath(__file__), role_args, WORKERS, servers, args.timeout, RESULT, dashboard=dashboard
     )
@@ -231,11 +247,16 @@ def main() -> None:
     parser.add_argument(
         "--runs", help="only these runs (comma-separated names), e.g. for the dashboard's cost"
     )
+    parser.add_argument(
+        "--precision", choices=("32", "bf16"), default="32", help="bf16: every forward under autocast"
+    )
     parser.add_argument("--paratrain-role", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
+    global PRECISION
+    PRECISION = os.environ["TRAINBENCH_PRECISION"] = args.precision  # spawned runs inherit it
     if args.paratrain_role:
         paratrain_role(args)
         return
@@ -277,7 +298,7 @@ def main() -> None:
     setup = (
         f"small CNN (conv 3->32, conv 32->64, fc 4096->256->10), batch {BATCH} per worker, "
         f"{WORKERS} workers, 1 thread each, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{args.iters} steps after {args.warmup}, median of {args.rounds} rounds"
+        f"{args.iters} steps after {args.warmup}, median of {args.rounds} rounds, precision {PRECISION}"
     )
     print(setup)
     anchor_short = "x DDP" if anchor_name == "torch DDP (gloo)" else f"x {anchor_name}"

@@ -18,7 +18,8 @@ the model's last stage prints the held-out perplexity at the end.
 
 With the optimizer on the servers (dist_sync) the servers run each parameter group's
 hyperparameters, take the schedule's lr with each round and clip each round's mean by its global
-norm (docs/training.md). dist_async cannot clip (there is no one mean per round); the Trainer says so.
+norm (docs/training.md). Under dist_async, which has no one mean per round, each worker clips its own
+gradient before pushing it.
 """
 
 import argparse

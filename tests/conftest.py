@@ -48,6 +48,7 @@ TESTS = Path(__file__).resolve().parent
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "jobs: the test starts processes (a job, a launcher, a subprocess)")
+    config.addinivalue_line("markers", "cuda: the test needs a CUDA device (benchmarks/gpu.py runs them)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

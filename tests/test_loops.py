@@ -24,7 +24,12 @@ from paratrain.train.precision import LossScaler, to_fp32
 ALONE = Context("worker", 0, 1, 0)
 CPU = {"ctx": ALONE, "device": "cpu"}  # these tests compare with references on the CPU
 SECRET = {"PARATRAIN_SECRET": "ab" * 16}
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+
+
+def cuda(test):
+    """A test that needs a GPU: marked `cuda` (benchmarks/gpu.py runs them all), skipped without one."""
+    return pytest.mark.cuda(NO_CUDA(test))
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -48,10 +53,13 @@ def _batches(count: int, rows: int = 8, poison: int = -1) -> list[tuple[torch.Te
         (lambda: Strategy(clip_grad_norm=0), "Strategy.clip_grad_norm=0 must be a number > 0"),
         (lambda: Strategy(clip_grad_norm="1"), "Strategy.clip_grad_norm='1' must be a number"),
         (
-            lambda: Strategy.parse("dist_async:clip_grad_norm=1"),
-            "Strategy.clip_grad_norm=1.0 with the optimizer on the servers needs consistency='sync'",
+            lambda: Strategy.parse("dist_async:precision=fp16"),
+            "Strategy.precision='fp16' with the optimizer on the servers needs consistency='sync'",
         ),
-        (lambda: Strategy.parse("dist_sync:precision=fp16"), "Strategy.precision='fp16' with the optimizer"),
+        (
+            lambda: Strategy.parse("dist_async_device:precision=fp16"),
+            "Strategy.precision='fp16' with the optimizer on the servers needs consistency='sync', not async",
+        ),
         (
             lambda: Strategy(precision="fp16", compression="fp16"),
             "Strategy.precision='fp16' with compression",
@@ -73,6 +81,10 @@ def test_precision_and_clipping_parse_and_a_pipeline_under_ps_steps_on_its_worke
     assert Strategy(precision=32).precision == "32"
     assert Strategy.parse("ps:pipeline_stages=2,clip_grad_norm=1").clip_grad_norm == 1.0
     assert Strategy.parse("dist_sync:precision=bf16").precision == "bf16"  # no loss scaling to agree on
+    assert Strategy.parse("dist_sync:precision=fp16").precision == "fp16"  # the servers agree on skips
+    # The servers clip each sync round (a host's leader asks for the norm); async workers their own.
+    for name in ("dist_sync:", "dist_async:", "ps:consistency=bounded,", "dist_sync_device:"):
+        assert Strategy.parse(f"{name}clip_grad_norm=1").clip_grad_norm == 1
 
 
 # -- loss scaling, clipping and autocast in one process ---------------------------------------------

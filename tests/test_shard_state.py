@@ -141,6 +141,47 @@ def test_a_clipped_round_waits_for_its_scale_and_its_share_outlives_it() -> None
         s.norm_share(0)
 
 
+def test_an_overflowed_round_is_dropped_and_leaves_value_and_optimizer_state_alone() -> None:
+    rules = Rules(Sync(), frozenset({0, 1}), average=True, overflow=True)
+    s = shard(rules, [1.0, 1.0])
+    s.attach_optimizer("torch.optim.Adam", {"lr": 0.1})
+    push(s, 0, 0, [1.0, 1.0])
+    push(s, 1, 0, [1.0, 3.0])
+    assert s.version == 0  # complete, held for the workers' overflow flags
+    s.set_verdict(0, False)
+    state = s.state()[1]  # copies of the value and of Adam's moments
+    assert s.version == 1 and not torch.equal(state[0], torch.ones(2))
+    push(s, 0, 1, [float("inf"), 1.0])
+    push(s, 1, 1, [1.0, float("nan")])
+    s.set_verdict(1, True)
+    assert s.version == 2 and s.rounds == {}
+    assert all(torch.equal(a, b) for a, b in zip(state, s.state()[1], strict=True))  # value, Adam's moments
+    push(s, 0, 2, [0.0, 0.0])
+    push(s, 1, 2, [0.0, 0.0])
+    s.set_verdict(2, False)
+    assert s.version == 3 and torch.isfinite(s.value).all()
+
+
+def test_a_servers_verdict_needs_every_members_flag_and_follows_a_leave() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from paratrain.kvstore.server.overflow import Verdicts
+
+    members = frozenset({0, 1, 2})
+    told: list[tuple[int, bool]] = []
+    verdicts = Verdicts(lambda: members, lambda clock, dropped: told.append((clock, dropped)))
+    with ThreadPoolExecutor(3) as pool:
+        answers = [pool.submit(verdicts.report, 0, rank, rank == 1) for rank in range(3)]
+        assert [a.result(timeout=10) for a in answers] == [True, True, True]  # one overflow drops it
+        assert told == [(0, True)]
+        waiting = pool.submit(verdicts.report, 1, 0, False)
+        with pytest.raises(KVError, match=r"no flag from worker\(s\) \[1, 2\]"):
+            verdicts.report(1, 0, False, timeout_s=0.05)
+        members = frozenset({0})  # the others left: the round is decided on worker 0's flag
+        verdicts.check()
+        assert waiting.result(timeout=10) is False and told[-1] == (1, False)
+
+
 def test_the_policies_answer_for_both_sides() -> None:
     assert [parse(n).name for n in ("sync", "rounds", "async", "bounded")] == [
         "sync",

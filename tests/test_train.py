@@ -103,11 +103,31 @@ def test_server_optimizer_takes_each_groups_hyperparameters():
     assert changed_hyperparameters([first, first], [first, second]) == [(1, {"lr": 0.5, "weight_decay": 0.1})]
 
 
-def test_clipping_with_the_optimizer_on_the_servers_needs_sync_rounds_of_every_worker():
-    assert Strategy.parse("dist_sync:clip_grad_norm=1").clip_grad_norm == 1.0  # the servers clip
-    for name in ("dist_async:", "ps:consistency=bounded,", "dist_sync_device:"):
-        with pytest.raises(ValueError, match="needs consistency='sync' and aggregation='process'"):
-            Strategy.parse(f"{name}clip_grad_norm=1")
+def test_async_workers_clip_their_own_gradient_before_it_leaves():
+    """dist_async has no one mean per round: each worker pushes its gradient clipped to norm c,
+    as clip_grad_norm_ clips it in one process, and none leaves during backward."""
+    from paratrain.train.ps import PSEngine
+
+    model, data = _model_and_data()
+    twin = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = PSEngine(model, optimizer, Strategy.parse("dist_async:clip_grad_norm=0.05"), ALONE)
+    sent = []
+    pushpull = engine.kv.pushpull_async
+    engine.kv.pushpull_async = lambda keys, values, out: (
+        sent.append([v.clone() for v in values]) or pushpull(keys, values, out)
+    )
+    x, y = data.tensors
+    nn.functional.mse_loss(model(x), y).backward()
+    assert sent == []  # held until step(): the norm needs the whole gradient
+    engine.step(optimizer, lambda: None)
+    nn.functional.mse_loss(twin(x), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.05)
+    assert len(sent) == 1 and norm > 0.05 and engine.last_norm == pytest.approx(float(norm))
+    assert float(torch.nn.utils.get_total_norm(sent[0])) <= 0.05 * (1 + 1e-6)
+    for value, p in zip(sent[0], twin.parameters(), strict=True):
+        torch.testing.assert_close(value, p.grad, rtol=0, atol=0)
+    engine.close()
 
 
 def test_an_lr_change_is_found_by_group_whatever_made_it():
@@ -320,12 +340,14 @@ PARITY = [
     (2, 1, "dist_sync", ("compile",)),
     (2, 1, "ps:update_on=worker,compression=fp16", ("tol=1e-3",)),
     (2, 1, "dist_sync_device", ()),
-    (2, 1, "hybrid", ()),
     (4, 0, "collective:pipeline_stages=2,micro_batches=3", ()),  # a 2 x 2 mesh through train_step
     # AdamW with two parameter groups, a warmup LambdaLR and clipping (the clip is reached: the job
     # checks), against one process calling clip_grad_norm_ on the global batch's gradient:
     (2, 0, "collective:clip_grad_norm=0.3", ("recipe", "rel")),
     (2, 0, "collective:pipeline_stages=2,micro_batches=3,clip_grad_norm=0.3", ("recipe", "rel")),
+    # hybrid: the dense parameters by all-reduce, clipped (as one process clips them: the table's
+    # rows are no parameters), and an embedding table's rows on the server, stepped by its own SGD:
+    (2, 1, "hybrid:clip_grad_norm=0.3", ("recipe", "rel", "table")),
     # The same groups and warmup with the optimizer on the servers (each group's weight decay per
     # key, the lr of each step sent ahead of its round), on one server and split over two:
     (2, 1, "dist_sync", ("recipe", "rel")),
@@ -337,6 +359,12 @@ PARITY = [
     # gradient, so 1e-3 after six steps.
     (2, 0, "collective:precision=fp16,clip_grad_norm=0.3", ("recipe", "rel", "inject=2")),
     (2, 1, "ps:update_on=worker,precision=fp16,clip_grad_norm=0.3", ("recipe", "rel", "inject=2")),
+    # With the optimizer on the servers: each server drops the round on the workers' flags
+    # (kvstore/server/overflow.py), and clips the others by the norm of their shares.
+    (2, 2, "dist_sync:bucket_mb=0.0001,precision=fp16,clip_grad_norm=0.3", ("recipe", "rel", "inject=2")),
+    # A host's workers reduce first; its leader sends the host's check, asks for the norm and
+    # gives both to the others.
+    (2, 1, "dist_sync_device:precision=fp16,clip_grad_norm=0.3", ("recipe", "rel", "inject=2")),
     (2, 0, "collective:pipeline_stages=2,micro_batches=3,precision=fp16", ("recipe", "inject=2", "tol=1e-3")),
     # bf16 against an fp32 reference: bf16 keeps 8 significant bits (unit roundoff 2^-9 = 2e-3
     # per rounding, several per gradient), and six AdamW steps moved the parameters 0.3% from the

@@ -12,7 +12,11 @@ checkpoints hold no scheduler; recipe's warmup goes on from the restored step), 
 with ckpt: each background write of a checkpoint waits until the next step has begun, which
 checks that the checkpoint is still in flight and not yet the latest), dieat=N (with heldsave:
 worker 0 exits at the start of step N, while step N-1's checkpoint is being written), norm (a
-LayerNorm ends the model: parameters that tensor parallelism leaves whole)
+LayerNorm ends the model: parameters that tensor parallelism leaves whole), table (the model
+adds rows of an embedding table on the servers, a DistributedEmbedding stepped by its own SGD, to
+its output: in the reference an nn.Embedding that SGD steps on the sum of the replicas' gradients,
+as a sync round of the table sums the workers' pushes; the optimizer and clipping take the dense
+parameters only, as they do in one process, where the table's rows are no parameters)
 
 The reference simulates the workers in one process: W replicas of the same model, each computing the
 gradient of its own ShardedLoader batches (split into the strategy's micro-batches), then: averaged
@@ -51,17 +55,49 @@ g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(150, 8, generator=g), torch.randn(150, 3, generator=g))
 
 
-def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+TABLE_LR = 0.5
+
+
+class WithTable(nn.Module):
+    """The dense model plus one of 4 table rows per sample, picked by the signs of x[:, :2]."""
+
+    def __init__(self, dense: nn.Module, table: nn.Module) -> None:
+        super().__init__()
+        self.dense, self.table = dense, table
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+        return self.dense(x) + self.table(ids)
+
+
+def with_table(model: nn.Module, reference: bool) -> nn.Module:
+    if reference:
+        table = nn.Embedding(4, 3)
+        nn.init.zeros_(table.weight)
+    else:
+        from paratrain.kvstore import DistributedEmbedding, TableConfig
+
+        config = TableConfig("zeros")
+        table = DistributedEmbedding(
+            "rows", 3, config=config, optimizer=torch.optim.SGD, optimizer_args={"lr": TABLE_LR}
+        )
+    return WithTable(model, table)
+
+
+def build(seed: int = 0, reference: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     if "norm" in opts:
         model.append(nn.LayerNorm(3))
+    if "table" in opts:
+        model = with_table(model, reference)
+    dense = [(name, p) for name, p in model.named_parameters() if not name.startswith("table.")]
     if "adamw" in opts:
-        return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=1e-2)
+        return model, torch.optim.AdamW([p for _, p in dense], lr=0.01, weight_decay=1e-2)
     if "recipe" not in opts:
-        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
-    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
-    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+        return model, torch.optim.SGD([p for _, p in dense], lr=0.1, momentum=0.9, weight_decay=1e-3)
+    weights = [p for name, p in dense if name.endswith("weight")]
+    biases = [p for name, p in dense if name.endswith("bias")]
     groups = [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
     return model, torch.optim.AdamW(groups, lr=0.02)
 
@@ -91,7 +127,7 @@ def train_micro(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: callab
 # Each worker builds its own initial model: data parallel strategies start all from worker 0's. (Not
 # "local"; and a pipeline's stage replicas start from their first replica's: stages may differ.)
 same_start = strategy.architecture == "local" or strategy.pipeline_stages > 1
-model, optimizer = build(seed=0 if same_start else ctx.rank)
+model, optimizer = build(seed=0 if same_start else ctx.rank, reference=False)
 if "compile" in opts:
     model = torch.compile(model, backend=opts["compile"] or "aot_eager")
 ckpt = opts.get("ckpt")
@@ -170,6 +206,11 @@ released.release()  # the last checkpoint, which close() commits
 print(f"trained steps {resumed_at}..{trainer.steps}")
 x_eval = torch.randn(7, 8, generator=torch.Generator().manual_seed(5))
 outputs = trainer.eval_step(x_eval)  # forward only; pipelined: through the stages, on the last one
+table_rows = None
+if "table" in opts:  # the rows as the servers hold them after the last round
+    table_rows = torch.empty(4, 3)
+    table = unwrap(trainer.model).table
+    table.kv.row_sparse_pull("rows", out=table_rows, row_ids=torch.arange(4), train=False)
 trainer.close()
 if stop < steps:
     sys.exit(0)
@@ -196,23 +237,31 @@ while taken < steps:
         if taken == steps:
             break
         grads = []
-        for r, ((m, opt), (x, y), scaler) in enumerate(zip(replica_models, batches, scalers, strict=True)):
-            opt.zero_grad()
+        for r, ((m, _), (x, y), scaler) in enumerate(zip(replica_models, batches, scalers, strict=True)):
+            m.zero_grad()
             x = poisoned(x, taken, r)
             for xm, ym in zip(x.chunk(k), y.chunk(k), strict=True):
                 scaler.scale(nn.functional.mse_loss(forward(m, xm), ym) / k).backward()
             grads.append([p.grad.clone() for p in m.parameters()])
         taken += 1
         if strategy.architecture != "local" and not strategy.local_sgd_period:
-            mean = [sum(gs) / replicas for gs in zip(*grads, strict=True)]
+            # A table's sync round sums the workers' pushes; the dense parameters are averaged.
+            names = [name for name, _ in replica_models[0][0].named_parameters()]
+            mean = [
+                sum(gs) / (1 if name.startswith("table.") else replicas)
+                for name, gs in zip(names, zip(*grads, strict=True), strict=True)
+            ]
             for m, _ in replica_models:
                 for p, gm in zip(m.parameters(), mean, strict=True):
                     p.grad.copy_(gm)
         for (m, opt), scaler, sched in zip(replica_models, scalers, schedules, strict=True):
             scaler.unscale_(opt)
             if strategy.clip_grad_norm is not None:
-                norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), strategy.clip_grad_norm)))
+                stepped = [p for group in opt.param_groups for p in group["params"]]
+                norms.append(float(torch.nn.utils.clip_grad_norm_(stepped, strategy.clip_grad_norm)))
             scaler.step(opt)
+            if "table" in opts:
+                torch.optim.SGD(m.table.parameters(), lr=TABLE_LR).step()
             scaler.update()
             if sched is not None:
                 sched.step()
@@ -230,6 +279,8 @@ got = (
     full_state_dict(trainer.model) if strategy.architecture == "fsdp" else unwrap(trainer.model).state_dict()
 )
 got = {name: value.cpu() for name, value in got.items()}  # on any device
+if table_rows is not None:
+    got["table.weight"] = table_rows
 if pipelined:  # this worker trained its stage's parameters only
     mine = {id(p) for p in trainer.pipe.module.parameters()}
     names = {name for name, p in unwrap(trainer.model).named_parameters() if id(p) in mine}

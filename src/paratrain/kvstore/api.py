@@ -194,6 +194,8 @@ class Handle:
     """Given the indices of the futures not yet answered: what they wait for and on whom."""
     warn_after_s: float | None = None
     """Log what the wait is for after this long, and again every warn_after_s (None: never)."""
+    replies: list[dict] = field(default_factory=list)
+    """After wait(): each server's reply (its meta), in the order of `futures`."""
 
     def wait(self, timeout_s: float | None = None) -> None:
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -205,6 +207,7 @@ class Handle:
             raise
         except TimeoutError as exc:  # never the builtin: every kvstore wait fails as a KVStoreError
             raise KVStoreTimeoutError(f"{self.what}: {exc}") from None
+        self.replies = [r.meta for r in replies]
         versions = [v for r in replies for v in r.meta.get("versions", ())]
         versions += [region.read(dest) for region, dest in self.reads]
         self.version = min(versions) if versions else self.version

@@ -83,6 +83,22 @@ class ClipScale(Message, op="clip_scale"):
 
 
 @dataclass(frozen=True, slots=True)
+class CheckOverflow(Message, op="check_overflow"):
+    """From worker 0, before any round: each sync round waits on the servers, unapplied, until
+    every worker's overflow check of it has arrived (`overflow`; server/overflow.py)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Overflow(Message, op="overflow"):
+    """Whether worker `rank`'s pushes of round `clock` held inf or NaN (fp16); answered
+    {overflowed} once every worker's flag is in: the round is dropped everywhere if any is set."""
+
+    clock: int
+    rank: int
+    found: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Join(Message, op="join"):
     rank: int
 

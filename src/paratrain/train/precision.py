@@ -102,9 +102,13 @@ class LossScaler:
         """`loss_fn` whose loss is scaled (for a pipeline, which runs backward on it itself)."""
         return lambda *args: self.scale_loss(loss_fn(*args))
 
+    def inverse(self) -> torch.Tensor:
+        """1 / scale, a 1-element fp32 tensor, as GradScaler computes it."""
+        return self._scale.double().reciprocal().float()
+
     def unscale_(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Divide `grads` by the scale in place; returns found_inf, a 1-element CPU tensor."""
-        inv_scale = self._scale.double().reciprocal().float()  # as GradScaler computes it
+        inv_scale = self.inverse()
         found = torch.zeros(1)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in grads:

@@ -44,6 +44,18 @@ other in-place change, a new .grad) would be silently lost: the servers have the
 with update_on="worker" the pulled mean overwrites it. step() finds such a change by the tensor's
 version counter (bumped by every in-place op, at no cost to read) and raises an error that names
 Strategy.clip_grad_norm, which clips the aggregated gradient where that is possible.
+
+fp16 with the optimizer on the servers (sync rounds): the loss is scaled before backward as in one
+process; each bucket is unscaled as it leaves (by the scale's inverse, a power of two: exact, so
+unscaling each worker's gradient equals unscaling their sum) and checked for inf/NaN with
+GradScaler's own op. After its last push of a round the worker sends every server its flag
+(kv.overflow); every server holds the round until it has every worker's, drops it everywhere if
+any is set (no value or optimizer state changes), and answers each flag with the verdict, by which
+every worker's loss scale halves (or grows) alike (kvstore/server/overflow.py).
+
+Strategy.clip_grad_norm with the optimizer on the servers: a sync round's mean is clipped there by
+the global norm (_clip_on_servers). Async and bounded rounds have no one mean, so each worker clips
+its own gradient (`clip_`) and pushes it whole at step(), not during backward.
 """
 
 from __future__ import annotations
@@ -59,9 +71,12 @@ import torch
 from torch import nn
 
 from paratrain import kvstore
+from paratrain.kvstore.consistency import Sync
 from paratrain.kvstore.worker.client import DistKVStore
+from paratrain.kvstore.worker.device import HostKVStore
 from paratrain.metrics.trace import tracer
 from paratrain.train.api import EngineBase
+from paratrain.train.precision import LossScaler
 from paratrain.train.strategy import Strategy, kvstore_config
 
 logger = logging.getLogger(__name__)
@@ -105,6 +120,15 @@ def changed_hyperparameters(sent: list[dict], now: list[dict]) -> list[tuple[int
     return [(i, change) for i, change in enumerate(changes) if change]
 
 
+def clip_(values: list[torch.Tensor], max_norm: float) -> float:
+    """Scale `values` in place to global L2 norm at most `max_norm`, with clip_grad_norm_'s
+    arithmetic (its two halves, on tensors rather than parameters); returns the norm before."""
+    norm = torch.nn.utils.get_total_norm(values)
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(values, coefficient.to(values[0].device))
+    return float(norm)
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):  # a tensor lr (capturable schedules)
         return float(value)
@@ -115,8 +139,15 @@ class PSEngine(EngineBase):
     scales_gradients = True  # pushes grad / accumulation_steps; the servers average over workers
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy, ctx: Any
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        strategy: Strategy,
+        ctx: Any,
+        scaler: LossScaler | None = None,
     ) -> None:
+        """`scaler`: fp16's loss scale, which the engine keeps with the optimizer on the servers
+        (elsewhere the Trainer's GradientGate does, on the pulled mean)."""
         self.model = model
         self.strategy = strategy
         self.on_server = strategy.update_on == "server"
@@ -148,11 +179,22 @@ class PSEngine(EngineBase):
             self.kv.set_optimizer(torch.optim.SGD, lr=1.0)  # the value moves by the pushed mean update
         elif self.on_server:
             self._send_groups(optimizer)
-        self.clip = strategy.clip_grad_norm if self.syncs_hyperparameters else None
+        # Sync rounds are clipped on the servers by the norm of their mean; async and bounded ones
+        # have no one mean, so each worker clips its own gradient before it leaves, as async
+        # parameter-server systems do (its pushes then wait for the end of backward).
+        sync = strategy.consistency == Sync()
+        clip = strategy.clip_grad_norm if self.syncs_hyperparameters else None
+        self.clip = clip if sync else None
+        self.local_clip = None if sync else clip
         self.round = 0  # the servers' rounds (versions), counted from init or a restored state
         self.last_norm: float | None = None  # the last round's norm, before clipping
         if self.clip is not None:
             self._servers().clip_by_norm()
+        self.scaler = scaler if self.syncs_hyperparameters else None
+        self._found = torch.zeros(1)  # this round's pushes held inf or NaN (fp16)
+        self.skipped = 0
+        if self.scaler is not None:
+            self._servers().check_overflow()
         self.pull_parameters()
         self.bucket_bytes = int(strategy.bucket_mb * 2**20)
         # As DDP does: the first bucket of a step is small, so the wire starts early in backward.
@@ -214,8 +256,8 @@ class PSEngine(EngineBase):
         self.sync_now = sync
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if not self.sync_now or self.sends_updates:
-            return  # an accumulation micro-step (or top-k's updates): the gradient stays in .grad
+        if not self.sync_now or self.sends_updates or self.local_clip is not None:
+            return  # an accumulation micro-step (or top-k's updates, or clipped whole): it stays in .grad
         i = self.index[id(param)]
         grad = param.grad
         assert grad is not None  # a post-accumulate-grad hook runs once the gradient exists
@@ -236,6 +278,10 @@ class PSEngine(EngineBase):
         start = time.perf_counter()
         with torch.no_grad(), tracer().range("push", keys=len(self._bucket), bytes=self._bucket_size):
             values = [self._wire_value(i) for i in self._bucket]
+            if self.local_clip is not None:  # the whole gradient is in this one bucket
+                self.last_norm = clip_(values, self.local_clip)
+            if self.scaler is not None:  # unscaled as they leave, and checked (see the docstring)
+                torch._amp_foreach_non_finite_check_and_unscale_(values, self._found, self.scaler.inverse())
             handle = self.kv.pushpull_async(
                 [self.keys[i] for i in self._bucket], values, out=[self.staging[i] for i in self._bucket]
             )
@@ -270,6 +316,10 @@ class PSEngine(EngineBase):
             i for i in range(len(self.params)) if i not in self._sent and i not in self._bucket
         )
         self._send_bucket()
+        verdict = None
+        if self.scaler is not None:  # after the round's last push on every connection
+            verdict = self._servers().overflow(self.round, bool(self._found.item()))
+            self._in_flight.append(verdict)
         if self.clip is not None:
             self._clip_on_servers()
         self.round += 1
@@ -279,6 +329,8 @@ class PSEngine(EngineBase):
                 handle.wait()
         self.waiting_s += time.perf_counter() - start
         self._in_flight, self._sent, self._hyper_sent = [], set(), []
+        if verdict is not None:
+            self._follow_verdict(any(reply["overflowed"] for reply in verdict.replies))
         with torch.no_grad():
             if self.on_server:
                 for p, value in zip(self.params, self.staging, strict=True):
@@ -290,10 +342,10 @@ class PSEngine(EngineBase):
                 p.grad.copy_(mean)
         return local_step()
 
-    def _servers(self) -> DistKVStore:
-        """The store as the job's servers' client: clipping on the servers runs only there
-        (Strategy refuses it for the *_device stores)."""
-        assert isinstance(self.kv, DistKVStore)
+    def _servers(self) -> DistKVStore | HostKVStore:
+        """The store as the job's servers' client (a host's, with aggregation='host'): rounds
+        held on the servers for their norm or overflow checks run only there."""
+        assert isinstance(self.kv, (DistKVStore, HostKVStore))
         return self.kv
 
     def _clip_on_servers(self) -> None:
@@ -308,9 +360,22 @@ class PSEngine(EngineBase):
         self.last_norm = norm
         self._in_flight.append(self._servers().clip_scale(self.round, min(1.0, self.clip / (norm + 1e-6))))
 
+    def _follow_verdict(self, overflowed: bool) -> None:
+        """The loss scale follows the servers' verdict on the round, the same on every worker."""
+        assert self.scaler is not None
+        self.scaler.update(torch.tensor([float(overflowed)]))
+        self._found.zero_()
+        if overflowed:
+            self.skipped += 1
+            logger.info(
+                "step skipped: a worker's gradient held inf or NaN (loss scale now %g)", self.scaler.scale
+            )
+
     def after_step(self, trainer: Any) -> None:
         if self.last_norm is not None:  # logged as grad_norm, as the workers' own clipping is
             trainer.gate.last_norm = self.last_norm
+        if self.scaler is not None:
+            trainer.gate.skipped = self.skipped
 
     def _step_update(self, local_step: Any) -> Any:
         """Top-k: this worker's optimizer steps on its gradient; the update (before - after) is
@@ -373,10 +438,12 @@ class PSEngine(EngineBase):
 
     def join(self) -> None:
         """Elastic: this worker joined the running job; the others wait at a barrier meanwhile."""
-        if self.clip is not None:  # its rounds would count from its start, not the servers'
+        if self.clip is not None or self.scaler is not None:  # its rounds would count from its
+            field = "clip_grad_norm" if self.clip is not None else "precision='fp16'"  # start
             raise ValueError(
-                "Strategy.clip_grad_norm with the optimizer on the servers cannot take a worker "
-                "that joins a running job yet: use update_on='worker'"
+                f"Strategy.{field} with the optimizer on the servers cannot take a worker that joins "
+                "a running job yet (the servers hold each round for every member's norm share or "
+                "check, and a joiner's rounds count from its start): use update_on='worker'"
             )
         assert isinstance(self.kv, DistKVStore)  # only a job with servers is elastic
         self.kv.join()

@@ -86,15 +86,19 @@ class Strategy:
     """32, bf16 or fp16: the forward runs under torch.autocast in that dtype (weights, gradients
     and optimizer state stay fp32). fp16 scales the loss dynamically as torch.amp.GradScaler does:
     a step whose aggregated gradient holds inf or NaN is skipped on every worker and the scale
-    halves (train/precision.py). Under fsdp it is FSDP's MixedPrecisionPolicy instead: parameters
-    are gathered and computed in that dtype, the sharded ones and the optimizer stay fp32
-    (collective/fsdp.py; reduce_precision)."""
+    halves (train/precision.py); with the optimizer on the servers (sync rounds) every server
+    drops such a round on the workers' flags (kvstore/server/overflow.py). Under fsdp it is FSDP's
+    MixedPrecisionPolicy instead: parameters are gathered and computed in that dtype, the sharded
+    ones and the optimizer stay fp32 (collective/fsdp.py; reduce_precision)."""
     clip_grad_norm: float | None = None
     """Clip the aggregated gradient to this global L2 norm before each optimizer step: what
     torch.nn.utils.clip_grad_norm_ gives in one process on the global batch (a pipeline's norm
     spans every stage; under ps with update_on='server', in sync mode, the servers clip each
-    round's mean by the norm their shares add up to). Under ps a clip_grad_norm_ of the user's own
-    between backward and step cannot reach the servers, and raises an error."""
+    round's mean by the norm their shares add up to; in async and bounded modes, which have no
+    one mean per round, each worker clips its own gradient before pushing it). The optimizer's
+    parameters are clipped: an embedding table's rows (hybrid) are not parameters, and are
+    stepped unclipped as in one process. Under ps a clip_grad_norm_ of the user's own between
+    backward and step cannot reach the servers, and raises an error."""
     fsdp_blocks: str | None = None
     """fsdp only. The submodules sharded one by one (dotted names, separated by spaces), each
     gathered whole for its forward and backward; default: a Sequential's children, else the modules
@@ -244,24 +248,15 @@ class Strategy:
             )
         # A pipeline's stages step their own optimizers (the servers only sum their replicas).
         on_servers = self.distributed_optimizer and not sends_updates and self.pipeline_stages == 1
-        if self.precision == "fp16" and on_servers:
+        # The servers drop a sync round any worker's gradient overflowed in (train/ps.py); an
+        # async or bounded push is applied before its worker's backward has ended.
+        if self.precision == "fp16" and on_servers and self.consistency != Sync():
             raise ValueError(
-                "Strategy.precision='fp16' with the optimizer on the servers (architecture='ps', "
-                "update_on='server') is not supported yet: the servers cannot skip an overflowing "
-                "round; use precision='bf16', or update_on='worker'"
-            )
-        # On the servers a sync round's mean waits for the global norm (train/ps.py); other rounds
-        # have no one mean to clip, and a host's leader would need its host's part of the exchange.
-        if (
-            self.clip_grad_norm is not None
-            and on_servers
-            and (self.consistency != Sync() or self.aggregation != "process")
-        ):
-            raise ValueError(
-                f"Strategy.clip_grad_norm={self.clip_grad_norm!r} with the optimizer on the servers "
-                f"needs consistency='sync' and aggregation='process', not {self.consistency} and "
-                f"{self.aggregation!r}: use update_on='worker' (the aggregated gradient is clipped on "
-                "every worker) or architecture='collective'"
+                f"Strategy.precision='fp16' with the optimizer on the servers needs consistency="
+                f"'sync', not {self.consistency}: a skipped step must be agreed before any server "
+                "applies it, and an async or bounded push is applied as it arrives, before its "
+                "worker's backward (and overflow check) has ended; use precision='bf16' (no loss "
+                "scaling), or update_on='worker'"
             )
         if self.clip_grad_norm is not None and sends_updates:
             raise ValueError(

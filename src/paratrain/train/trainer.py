@@ -305,11 +305,14 @@ class Trainer:
         self._bind_model()
         _make_distributed(optimizer, self)
         self.sparse = sparse_modules(model)
-        if self.sparse and self.gate.active:
+        # Clipping takes the optimizer's parameters, as clip_grad_norm_(model.parameters()) does in
+        # one process: a table's rows are no parameters (kvstore/worker/embedding.py), and its own
+        # optimizer steps them unclipped, here as there.
+        if self.sparse and self.gate.scaler is not None:
             raise ValueError(
-                f"Strategy.clip_grad_norm={self.strategy.clip_grad_norm!r} and precision="
-                f"{self.strategy.precision!r}: the model's embedding tables push their gradients to "
-                "the servers during backward, where they can be neither clipped nor unscaled yet"
+                "Strategy.precision='fp16' with embedding tables on the servers: their rows' "
+                "gradients are pushed and applied during backward, before the step's overflow check "
+                "could skip them; use precision='bf16' (no loss scaling)"
             )
         if self.strategy.architecture == "hybrid":
             self._bind_tables()
@@ -349,7 +352,7 @@ class Trainer:
         if arch == "ps":
             from paratrain.train.ps import PSEngine
 
-            return PSEngine(model, optimizer, self.strategy, self.ctx)
+            return PSEngine(model, optimizer, self.strategy, self.ctx, scaler=self.gate.scaler)
         from paratrain.train.elastic import ElasticCollectiveEngine, elastic_enabled
 
         if elastic_enabled(self.ctx):

@@ -28,6 +28,10 @@ class Rules:
     clip: bool = False
     """Sync rounds wait, complete but unapplied, for the scale that clips them by the global norm
     (ShardState.norm_share and set_scale): every server's share of the norm is needed first."""
+    overflow: bool = False
+    """Sync rounds wait, complete but unapplied, until every member's overflow check of its pushed
+    gradient has arrived (fp16's loss scaling, server/overflow.py); a round any of them found
+    inf or NaN in is dropped (ShardState.set_verdict)."""
 
 
 @dataclass

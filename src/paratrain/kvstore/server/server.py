@@ -22,6 +22,10 @@ are parallel; every tensor is one flat slice of one key):
     norm_share    {clock}                                           reply {share}: round clock's
                   mean's squared norm over this server's slices, once it is complete on each
     clip_scale    {clock, scale}                                    round clock is applied scaled
+    check_overflow {}                                               from worker 0: sync rounds wait,
+                  complete, for every worker's overflow flag (fp16; overflow.py, Rules.overflow)
+    overflow      {clock, rank, found}                              reply {overflowed} once every
+                  worker's flag of round clock is in: the round is dropped if any is set
     leave         {rank}                                            that worker pushes no more
     join          {rank}                                            a worker that joined the running
                   job (elastic) takes part in every round from the next one (shard.py's offsets)
@@ -81,6 +85,7 @@ from paratrain.kvstore.compressed import ServerCompression
 from paratrain.kvstore.consistency import Sync, from_wire
 from paratrain.kvstore.server import mirror, outbox, rejoin, replica, report
 from paratrain.kvstore.server.fence import Fence
+from paratrain.kvstore.server.overflow import Verdicts
 from paratrain.kvstore.server.pulls import PendingPull, Pulls
 from paratrain.kvstore.server.rules import Push, Rules
 from paratrain.kvstore.server.shard import ShardState
@@ -132,6 +137,7 @@ class KVServer(Handler):
         self._live: frozenset[int] | None = None  # elastic: the scheduler's live workers
         self.fence = Fence(rank)  # dropped workers' pushes and lost servers' copies (fence.py)
         self.arrivals = outbox.Arrivals()  # who is part way through a round's push (outbox.py)
+        self.verdicts = Verdicts(lambda: self.rules.members, self._overflow_verdict)  # overflow.py
         self._routes = Routes(self.tables.handlers() | self._handlers())
         self._receivers: dict[str, Callable[[Header], list[torch.Tensor] | None]] = {
             p.Push.op: self._push_destinations,  # where a frame's payload goes, by op
@@ -157,6 +163,10 @@ class KVServer(Handler):
             p.ClipByNorm: _replying(lambda _: self._clip_by_norm()),
             p.NormShare: lambda request, msg: request.reply({"share": self.norm_share(msg.clock)}),
             p.ClipScale: _replying(lambda msg: self.clip_scale(msg.clock, msg.scale)),
+            p.CheckOverflow: _replying(lambda _: self._check_overflow()),
+            p.Overflow: lambda request, msg: request.reply(
+                {"overflowed": self.verdicts.report(msg.clock, msg.rank, msg.found)}
+            ),
             p.Join: _replying(lambda msg: self._join(msg.rank)),
             p.Leave: _replying(lambda msg: self._leave(msg.rank)),
             p.GetState: self._get_state,
@@ -290,6 +300,7 @@ class KVServer(Handler):
             for rank in gone:
                 shard.forget(rank)
             shard.apply_complete_rounds()
+        self.verdicts.check()
         self.pulls.serve_ready()
         self.tables.members_changed()
 
@@ -465,6 +476,7 @@ class KVServer(Handler):
         for shard in shards:
             shard.forget(rank)
             shard.apply_complete_rounds()
+        self.verdicts.check()
         self.pulls.serve_ready()
         self.tables.members_changed()
 
@@ -552,6 +564,17 @@ class KVServer(Handler):
             shard.set_scale(clock, float(scale))
         self.pulls.serve_ready()
 
+    # -- fp16: every worker's overflow check of a round (overflow.py) -------------------------------
+    def _check_overflow(self) -> None:
+        if self.rules.policy != Sync() or self.replicator.replication > 1:
+            raise KVError("overflow checks on the servers need sync rounds and no replication")
+        self.rules.overflow = True
+
+    def _overflow_verdict(self, clock: int, overflowed: bool) -> None:
+        for shard in self.shard_list():
+            shard.set_verdict(clock, overflowed)
+        self.pulls.serve_ready()
+
     def optimizer_of(self, key: Any) -> tuple[str, dict]:
         """The optimizer a new slice of `key` gets: set_optimizer's, with the key's set_hyper."""
         assert self.optimizer_spec is not None
@@ -583,6 +606,7 @@ class KVServer(Handler):
             i += 1 + len(entry["state"])
             state = self.compression.load_state(shard, state)  # its pull residual (compressed.py)
             shard.load(value, state)
+        self.verdicts.reset()
         request.reply({})
 
 

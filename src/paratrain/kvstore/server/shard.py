@@ -107,6 +107,9 @@ class ShardState:
     scales: dict[int, float] = field(default_factory=dict)
     """Rules.clip: per complete round held back, the squared norm of its mean (`norm_share`), and
     the scale that releases it (`set_scale`)."""
+    verdicts: dict[int, bool] = field(default_factory=dict)
+    """Rules.overflow: per round, whether some worker's gradient held inf or NaN (`set_verdict`):
+    then the round is dropped, not applied."""
     offsets: dict[int, int] = field(default_factory=dict)
     """Per joiner that pushed this shard: the round its clock 0 stands for (it pushes and pulls
     in its own clocks, counted from its start; the shard shifts them)."""
@@ -372,37 +375,52 @@ class ShardState:
                 if self.version not in self.opened and self.lendable():
                     self.stall()  # until a backup gives a buffer back (mirror.py, release)
                     continue
-                scale = self._clip_scale(entry)
-                if scale is None:
-                    return  # held until the global norm is known
+                released = self._release(entry)
+                if released is None:
+                    return  # held until the global norm, or every worker's overflow check, is known
+                scale, overflowed = released
                 del self.rounds[self.version]
                 b = self.opened.pop(self.version, None)
                 if b is not None:
                     assert self.region is not None
                     self.region.close_round(b)
-                if scale != 1.0:
-                    entry.acc.mul_(scale)
-                self._apply(entry.acc, entry.weight, buffer=b)
+                if overflowed:
+                    self._skip()
+                else:
+                    if scale != 1.0:
+                        entry.acc.mul_(scale)
+                    self._apply(entry.acc, entry.weight, buffer=b)
                 if b is None and entry.acc is not self.value:  # spent: an optimizer's or a copy's input
                     self.recycle(entry.acc)
                 self.open_free_buffers()
 
-    def _clip_scale(self, entry: Round) -> float | None:
-        """A complete round's clipping scale (1.0 without Rules.clip); None while it is not known
-        (its share of the squared norm is noted for norm_share). Holds cond."""
-        if not self.rules.clip:
-            return 1.0
-        if self.version in self.scales:
-            # This round's share stays until the next one applies: a worker may still ask for it
-            # (another's scale applied the round first), and none asks for an older one (its pushes
-            # of the next round follow its question).
-            self.shares.pop(self.version - 1, None)
-            return self.scales.pop(self.version)
-        if self.version not in self.shares:
+    def _release(self, entry: Round) -> tuple[float, bool] | None:
+        """A complete round's (clipping scale, overflowed): (1.0, False) without Rules.clip and
+        Rules.overflow; None while what they wait for is not known (with Rules.clip its share
+        of the squared norm is noted for norm_share). Holds cond."""
+        clip, overflow = self.rules.clip, self.rules.overflow
+        if clip and self.version not in self.shares and self.version not in self.scales:
             divisor = entry.weight if self.rules.average else 1
             self.shares[self.version] = float(entry.acc.double().square().sum()) / divisor**2
             self.cond.notify_all()
-        return None
+        if (clip and self.version not in self.scales) or (overflow and self.version not in self.verdicts):
+            return None
+        # This round's share stays until the next one applies: a worker may still ask for it
+        # (another's scale applied the round first), and none asks for an older one (its pushes
+        # of the next round follow its question).
+        self.shares.pop(self.version - 1, None)
+        return self.scales.pop(self.version, 1.0), self.verdicts.pop(self.version, False)
+
+    def _skip(self) -> None:
+        """A round some worker's gradient overflowed in: the version moves on, the value and the
+        optimizer's state stay as they were (fp16's skipped step; holds cond)."""
+        self.settle()
+        with self.writing():
+            self.version += 1
+            if self.region is not None:
+                self.region.stamp(self.version)
+        if self.on_applied is not None:
+            self.on_applied(self)
 
     def norm_share(self, round_: int) -> float:
         """The squared norm of round `round_`'s mean on this slice, once the round is complete."""
@@ -418,6 +436,13 @@ class ShardState:
         with self.cond:
             if round_ >= self.version:
                 self.scales[round_] = scale
+                self.apply_complete_rounds()
+
+    def set_verdict(self, round_: int, overflowed: bool) -> None:
+        """Whether round `round_` is dropped (some worker's gradient held inf or NaN) or applied."""
+        with self.cond:
+            if round_ >= self.version:
+                self.verdicts[round_] = overflowed
                 self.apply_complete_rounds()
 
     def _apply(self, grad: torch.Tensor, weight: int = 1, buffer: int | None = None) -> None:
@@ -612,7 +637,7 @@ class ShardState:
                 self.value.copy_(value.reshape(-1))
                 self.version, self.rounds, self.durable, self.applied = 0, {}, 0, {}
                 self.read, self.caught_up = {}, {}
-                self.shares, self.scales = {}, {}
+                self.shares, self.scales, self.verdicts = {}, {}, {}
                 if self.region is not None:
                     self.region.stamp(0)
             if self.region is not None:

@@ -635,6 +635,28 @@ class DistKVStore(SparseAPI):
         futures: list = [self._servers.submit(i, *message.wire()) for i in self._servers.live()]
         return Handle(futures, timeout_s=self._timeout_s, what=f"clip_scale of round {clock}")
 
+    def check_overflow(self) -> None:
+        """From now on each sync round waits on the servers, unapplied, until every worker has
+        sent `overflow` for it (fp16's loss scaling: a round any worker's gradient overflowed in is
+        dropped everywhere). Call it on every worker, before any push."""
+        if self._servers.replication > 1:
+            raise KVStoreError(
+                "overflow checks on the servers are not replicated yet: use JobConfig(replication=1)"
+            )
+        if self._joined:
+            return  # the servers have it
+        if self.rank == 0:
+            self._all_servers(*protocol.CheckOverflow().wire())
+        self._barrier("kvstore-overflow")
+
+    def overflow(self, clock: int, found: bool) -> Handle:
+        """Whether this worker's pushes of round `clock` held inf or NaN, to every server, after
+        its last push of the round. After wait(), each server's `overflowed` is in the handle's
+        replies: the same on all of them (every server has every worker's flag)."""
+        message = protocol.Overflow(clock, self.rank, bool(found))
+        futures = [self._clients[i].submit(*message.wire(), ()) for i in self._servers.live()]
+        return Handle(futures, timeout_s=self._timeout_s, what=f"overflow check of round {clock}")
+
     def join(self) -> None:
         """A worker that joined a running elastic job: every round from the next one on waits for
         it. Call it while the other workers wait (at a barrier), so that none is in flight."""

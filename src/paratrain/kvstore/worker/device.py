@@ -5,6 +5,13 @@ The host-local reduce and broadcast run on torch.distributed: Gloo for CPU tenso
 available NCCL for CUDA tensors (the reduction then runs on the GPU and only the leader copies the sum
 to the host; that path has not yet run on a GPU machine). The servers count one member per host in
 their rounds.
+
+Rounds held on the servers (clipping by the global norm, fp16's overflow checks: train/ps.py) would
+deadlock a pushpull that waits for its round inside the call, so once they are on, `pushpull_async`
+reduces and pushes at once and pulls (then broadcasts) in its handle's wait(), after the round's
+norm and checks were sent. The leader asks for the norm and sends the host's check (any worker's
+overflow, reduced) and the scale; the others get the norm and the verdict from it. Every worker of
+a host makes the same calls in the same order, so the host's collectives match.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class HostKVStore:
         self.is_leader = self.rank == self.leader
         self.config = config
         self._specs: dict[Any, tuple[list[int], torch.dtype]] = {}  # every worker checks its own calls
+        self._held = False  # rounds wait on the servers for a norm or checks (see the docstring)
         self._inner = (
             DistKVStore(
                 ctx,
@@ -135,8 +143,62 @@ class HostKVStore:
         self._broadcast(outs)
 
     def pushpull_async(self, keys: Keys, values: Any, out: Any) -> Handle:
-        self.pushpull(keys, values, out)
-        return Handle([])
+        if not self._held:
+            self.pushpull(keys, values, out)
+            return Handle([])
+        outs = as_lists(keys, out)[1]
+        keys, values = as_lists(keys, values)
+        self._check(keys, values, outs)
+        sums = self._reduce(values)
+        pushed = self._inner.push(keys, sums) if self._inner is not None else None
+
+        def pull() -> None:
+            if pushed is not None and self._inner is not None:
+                pushed.wait()
+                self._inner.pull(keys, outs)
+            self._broadcast(outs)
+
+        return Handle([], after=[pull])
+
+    # -- rounds held on the servers (train/ps.py) ---------------------------------------------------
+    def clip_by_norm(self) -> None:
+        self._leader_then_all(lambda kv: kv.clip_by_norm())
+        self._held = True
+
+    def norm_shares(self, clock: int) -> list[float]:
+        """The squared norm of round `clock`'s mean, summed by the leader over the servers' shares
+        (one value: every host's leader sums the same shares in the same order)."""
+        total = torch.zeros(1, dtype=torch.float64)
+        if self._inner is not None:
+            total += sum(self._inner.norm_shares(clock))
+        self._broadcast([total])
+        return [float(total)]
+
+    def clip_scale(self, clock: int, scale: float) -> Handle:
+        return self._inner.clip_scale(clock, scale) if self._inner is not None else Handle([])
+
+    def check_overflow(self) -> None:
+        self._leader_then_all(lambda kv: kv.check_overflow())
+        self._held = True
+
+    def overflow(self, clock: int, found: bool) -> Handle:
+        """The host's check (whether any of its workers found inf or NaN), sent by the leader; after
+        wait(), the servers' verdict in the handle's replies on every worker of the host."""
+        flag = torch.tensor([float(found)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        sent = self._inner.overflow(clock, bool(flag.item())) if self._inner is not None else None
+        handle = Handle([])
+
+        def verdict() -> None:
+            overflowed = torch.zeros(1)
+            if sent is not None:
+                sent.wait()
+                overflowed.fill_(float(any(reply["overflowed"] for reply in sent.replies)))
+            self._broadcast([overflowed])
+            handle.replies = [{"overflowed": bool(overflowed.item())}]
+
+        handle.after.append(verdict)
+        return handle
 
     def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
         self._leader_then_all(lambda kv: kv.set_optimizer(optimizer, **hyperparameters))
