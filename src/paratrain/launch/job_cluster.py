@@ -10,6 +10,7 @@ stopped with the cluster's own commands: sacct/squeue and scancel, kubectl get/l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -58,19 +59,12 @@ def run_command(cmd: list[str], stdin: str | None = None) -> str:
 
 
 def slurm_options(spec: JobSpec, job_id: str, folder: Path, dry_run: bool) -> Any:
-    from paratrain.launch.engines.slurm.sbatch import SlurmOptions
+    """The options `paratrain launch` would make of the spec, with the job's name and output file."""
+    from paratrain.launch import engines
+    from paratrain.launch.jobspec import launch_args
 
-    return SlurmOptions(
-        partition=spec.slurm.partition,
-        time=spec.slurm.time,
-        nodes=spec.slurm.nodes,
-        dry_run=dry_run,
-        cpus_per_worker=spec.resources.worker.cpus,
-        cpus_per_server=spec.resources.server.cpus,
-        gpus_per_worker=spec.resources.worker.gpus,
-        job_name=job_id,
-        output=str(folder / "logs" / "slurm-%j.out"),
-    )
+    options = engines.get(spec.backend).options(launch_args(spec, dry_run))
+    return dataclasses.replace(options, job_name=job_id, output=str(folder / "logs" / "slurm-%j.out"))
 
 
 def slurm_script(spec: JobSpec, config: LaunchConfig, options: Any) -> str:
@@ -136,18 +130,13 @@ def slurm_lines(text: str, role: str | None, rank: int) -> str:
 
 
 def k8s_options(spec: JobSpec, job_id: str, dry_run: bool) -> Any:
-    from paratrain.launch.engines.k8s.manifests import K8sOptions
+    """The options `paratrain launch` would make of the spec, with the job's name and interpreter."""
+    from paratrain.launch import engines
+    from paratrain.launch.jobspec import launch_args
 
-    return K8sOptions(
-        image=spec.k8s.image or "IMAGE",
-        namespace=spec.k8s.namespace,
-        dry_run=dry_run,
-        cpus_per_worker=spec.resources.worker.cpus,
-        cpus_per_server=spec.resources.server.cpus,
-        gpus_per_worker=spec.resources.worker.gpus,
-        name=job_id,
-        python=spec.entry.python or "python",
-    )
+    # A dry run of a spec without an image shows IMAGE where it goes (submit_problems refuses it).
+    options = engines.get(spec.backend).options(launch_args(spec, dry_run=True))
+    return dataclasses.replace(options, dry_run=dry_run, name=job_id, python=spec.entry.python or "python")
 
 
 def k8s_manifests(spec: JobSpec, config: LaunchConfig, options: Any) -> list[dict]:

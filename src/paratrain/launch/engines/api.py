@@ -123,13 +123,17 @@ class Engine(ABC):
 
     def spec_problems(self, spec: JobSpec) -> list[SpecProblem]:
         """What a spec needs for this engine that the spec's models alone cannot say."""
-        if spec.evaluator and not self.evaluator:
-            from paratrain.launch import engines
+        from paratrain.launch import engines
 
-            *others, last = engines.names(lambda engine: engine.evaluator)
-            where = f"{', '.join(others)} and {last}" if others else last
-            return [(("evaluator",), f"an evaluator runs on the {where} backends, not {self.name}")]
-        return []
+        problems: list[SpecProblem] = []
+        asked = [("evaluator", "an evaluator runs", "evaluator")]
+        asked += [(name, f"{name} works", "elastic") for name in ("elastic", "max_restarts")]
+        for name, what, able in asked:
+            if getattr(spec, name) and not getattr(self, able):
+                *others, last = engines.names(lambda engine, able=able: getattr(engine, able))
+                where = f"{', '.join(others)} and {last}" if others else last
+                problems.append(((name,), f"{what} on the {where} backends, not {self.name}"))
+        return problems
 
     def submit_problems(self, spec: JobSpec, dry_run: bool) -> list[str]:
         """What `submit` can check on this machine before anything starts."""
@@ -139,7 +143,7 @@ class Engine(ABC):
 
         problems = []
         script = script_path(spec)
-        if not os.path.isfile(script):
+        if spec.entry.script is not None and not os.path.isfile(script):
             problems.append(f"entry.script: {script} is not a file")
         if spec.data_dir is not None and not os.path.isdir(spec.data_dir):
             problems.append(f"data_dir: {spec.data_dir} is not a folder")

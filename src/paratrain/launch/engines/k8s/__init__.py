@@ -37,7 +37,7 @@ class K8sEngine(ClusterEngine):
 
     def spec_problems(self, spec: JobSpec) -> list[SpecProblem]:
         problems = super().spec_problems(spec)
-        for name in ("output_dir", "data_dir", "work_dir"):
+        for name in ("output_dir", "data_dir", "work_dir", "trace_dir"):
             value = getattr(spec, name)
             if value is not None and not value.startswith("/"):
                 problems.append(
