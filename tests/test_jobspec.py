@@ -105,6 +105,11 @@ MISTAKES = [
     ("k8s without a claim", BASE + "backend: k8s\n", "job.yaml:1: k8s.output_pvc:", "is required with backend k8s"),
     ("k8s relative path", _replace(11, "output_dir: out") + "backend: k8s\nk8s: {output_pvc: o, data_pvc: d}\n", "job.yaml:11: output_dir:", "absolute path"),
     ("bad slurm time", BASE + "slurm: {time: 1h}\n", "job.yaml:13: slurm.time:", "h:mm:ss"),
+    ("sbatch option paratrain writes", BASE + "backend: slurm\nslurm:\n  extra_sbatch: [--time=5]\n", "job.yaml:15: slurm.extra_sbatch.0:", "--time is written by paratrain: give time instead"),
+    ("setup of two lines", BASE + "backend: slurm\nslurm:\n  setup: [\"a\\nb\"]\n", "job.yaml:15: slurm.setup.0:", "must be one shell command on one line"),
+    ("k8s override of what paratrain sets", BASE + "backend: k8s\nk8s:\n  output_pvc: o\n  data_pvc: d\n  pod_overrides:\n    all:\n      spec: {restartPolicy: Always}\n", "job.yaml:19: k8s.pod_overrides.all.spec.restartPolicy:", "set by paratrain"),
+    ("unknown k8s form", BASE + "k8s: {form: pytorchjob}\n", "job.yaml:13: k8s.form:", "Input should be 'jobs' or 'jobset'"),
+    ("bad constraint", BASE + "slurm: {constraint: a b}\n", "job.yaml:13: slurm.constraint:", "'a b' is not allowed: sbatch --constraint"),
     ("zero timeout", BASE + "timeout_s: 0\n", "job.yaml:13: timeout_s:", "greater than 0"),
 ]  # fmt: skip
 

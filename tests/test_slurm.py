@@ -308,7 +308,62 @@ def test_an_elastic_jobs_killed_worker_task_starts_it_again_and_it_joins(slurm, 
     assert said in text
 
 
+def test_setup_commands_run_before_the_tasks_and_extra_options_reach_sbatch(slurm, tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint('setup gave', os.environ['FROM_SETUP'])\n")
+    args = ("--setup", "FROM_SETUP=$(echo ok)", "--setup", "export FROM_SETUP", "--sbatch=--comment=ptest")
+    job_id, output = _submit(slurm, tmp_path, "-w", "1", "-s", "0", "--time", "5", *args, str(script))
+    state = slurm.wait_for_job(job_id)
+    text = output.read_text()
+    assert state == "COMPLETED", f"job {job_id} ended {state}:\n{text}"
+    assert f"[worker 0 @{slurm.node}] setup gave ok\n" in text
+    assert "Comment=ptest" in slurm.run("scontrol", "show", "job", job_id)
+
+
 # ---- the script, without Slurm --------------------------------------------------------------------
+
+
+def test_cluster_options_become_directives_and_setup_runs_first():
+    options = SlurmOptions(
+        account="ml",
+        qos="high",
+        constraint="v100&ib",
+        extra_sbatch=("--mail-type=END", "--exclusive", "--comment=it's $(x)"),
+        setup=("module load cuda/12.4", "source /shared/venv/bin/activate"),
+    )
+    script = sbatch_script(LaunchConfig(script="train.py", num_workers=2, num_servers=1), options)
+    lines = script.splitlines()
+    directives = [line for line in lines if line.startswith("#SBATCH")]
+    assert directives[-6:] == [
+        "#SBATCH --account=ml",
+        "#SBATCH --qos=high",
+        "#SBATCH --constraint='v100&ib'",
+        "#SBATCH --mail-type=END",
+        "#SBATCH --exclusive",
+        "#SBATCH --comment='it'\"'\"'s $(x)'",
+    ]
+    setup = lines.index("module load cuda/12.4")
+    assert lines[setup - 1] == "set +u" and lines[setup + 2] == "set -u"
+    assert setup < min(i for i, line in enumerate(lines) if "python" in line.split("#")[0])
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("extra_sbatch", ("--partition=gpu",), "extra_sbatch[0]: --partition is written by paratrain"),
+        ("extra_sbatch", ("mail-type=END",), "must be one sbatch option, --name=value or --flag"),
+        ("extra_sbatch", ("--comment=a\nb",), "extra_sbatch[0] holds a line break"),
+        ("setup", ("module load a\nrm -rf x",), "setup[0] must be one shell command on one line, got"),
+        ("constraint", "v100 ib", "constraint must be node features joined by & | , * and [ ] ( )"),
+        ("account", "a b", "account must be a word of letters, digits and _.,:@%+=/-, got 'a b'"),
+        ("qos", "x\n#SBATCH --uid=0", "qos must be a word"),
+    ],
+)  # fmt: skip
+def test_cluster_options_refuse_what_sbatch_cannot_carry_naming_field_and_value(field, value, message):
+    with pytest.raises(ValueError) as refused:
+        SlurmOptions(**{field: value})
+    assert message in str(refused.value)
 
 
 def test_dry_run_prints_a_script_whose_single_srun_starts_every_role(tmp_path):

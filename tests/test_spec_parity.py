@@ -77,6 +77,8 @@ def test_every_launch_parameter_has_its_spec_field_and_every_field_its_parameter
 # value). The base job is 2 workers and 2 servers (so that one server may be lost).
 def _examples(tmp: Path) -> dict[str, tuple[list[str], dict[str, Any]]]:
     other, train = str(tmp / "other.py"), str(tmp / "train.py")
+    pods = tmp / "pods.yaml"
+    pods.write_text(yaml.safe_dump(POD_OVERRIDES))
     return {
         "workers": (["-w", "4"], {"workers": 4}),
         "servers": (["-s", "3"], {"servers": 3}),
@@ -93,8 +95,15 @@ def _examples(tmp: Path) -> dict[str, tuple[list[str], dict[str, Any]]]:
         "partition": (["--partition", "gpu"], {"slurm": {"partition": "gpu"}}),
         "time_limit": (["--time", "1:00:00"], {"slurm": {"time": "1:00:00"}}),
         "nodes": (["--nodes", "2"], {"slurm": {"nodes": 2}}),
+        "account": (["--account", "ml-team"], {"slurm": {"account": "ml-team"}}),
+        "qos": (["--qos", "high"], {"slurm": {"qos": "high"}}),
+        "constraint": (["--constraint", "v100&ib"], {"slurm": {"constraint": "v100&ib"}}),
+        "extra_sbatch": (["--sbatch=--mail-type=END", "--sbatch", "--exclusive"], {"slurm": {"extra_sbatch": ["--mail-type=END", "--exclusive"]}}),
+        "setup": (["--setup", "module load cuda", "--setup", "source /v/bin/activate"], {"slurm": {"setup": ["module load cuda", "source /v/bin/activate"]}}),
         "image": (["--image", "reg/other:2"], {"k8s": {"image": "reg/other:2"}}),
         "namespace": (["--namespace", "ml"], {"k8s": {"namespace": "ml"}}),
+        "pod_overrides": (["--pod-overrides", str(pods)], {"k8s": {"pod_overrides": POD_OVERRIDES}}),
+        "k8s_form": (["--k8s-form", "jobset"], {"k8s": {"form": "jobset"}}),
         "cpus_per_worker": (["--cpus-per-worker", "2.5"], {"resources": {"worker": {"cpus": 2.5}}}),
         "cpus_per_server": (["--cpus-per-server", "3"], {"resources": {"server": {"cpus": 3.0}}}),
         "gpus_per_worker": (["--gpus-per-worker", "1"], {"resources": {"worker": {"gpus": 1}}}),
@@ -107,6 +116,7 @@ def _examples(tmp: Path) -> dict[str, tuple[list[str], dict[str, Any]]]:
 
 
 SCRIPT_PARAMS = ("module", "script", "script_args")
+POD_OVERRIDES = {"worker": {"spec": {"nodeSelector": {"gpu": "a100"}}}}
 
 
 def _merged(into: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:

@@ -141,16 +141,15 @@ def k8s_options(spec: JobSpec, job_id: str, dry_run: bool) -> Any:
 
 def k8s_manifests(spec: JobSpec, config: LaunchConfig, options: Any) -> list[dict]:
     """The engine's manifests, with the job's volumes, memory and working directory in every pod."""
-    from paratrain.launch.engines.k8s.manifests import build_manifests
+    from paratrain.launch.engines.k8s.manifests import build_manifests, pod_templates
 
     manifests = build_manifests(config, options, options.name, secrets.token_bytes(32))
-    for manifest in manifests:
-        if manifest["kind"] == "Job":
-            _add_to_pod(spec, manifest["spec"]["template"]["spec"], manifest["metadata"]["name"])
+    for template in pod_templates(manifests):
+        _add_to_pod(spec, template["spec"])
     return manifests
 
 
-def _add_to_pod(spec: JobSpec, pod: dict, job_name: str) -> None:
+def _add_to_pod(spec: JobSpec, pod: dict) -> None:
     volumes, mounts = [], []
     claims = [("output", spec.k8s.output_pvc, spec.output_dir, False)]
     if spec.data_dir is not None:
@@ -163,11 +162,11 @@ def _add_to_pod(spec: JobSpec, pod: dict, job_name: str) -> None:
             source["readOnly"] = True
         volumes.append({"name": name, "persistentVolumeClaim": source})
         mounts.append({"name": name, "mountPath": path, "readOnly": read_only})
-    if volumes:
-        pod["volumes"] = volumes
+    if volumes:  # beside any the pod overrides added
+        pod["volumes"] = [*pod.get("volumes", []), *volumes]
     container = pod["containers"][0]
     if mounts:
-        container["volumeMounts"] = mounts
+        container["volumeMounts"] = [*container.get("volumeMounts", []), *mounts]
     if spec.work_dir is not None:
         container["workingDir"] = spec.work_dir
     role = container["name"]
@@ -186,7 +185,7 @@ def k8s_apply(options: Any, text: str) -> None:
 
 
 def _selector(cluster_id: str) -> list[str]:
-    name, namespace = cluster_id.split("/")
+    name, namespace, *_ = cluster_id.split("/")
     return ["-n", namespace, "-l", f"paratrain.io/job={name}"]
 
 
@@ -210,7 +209,7 @@ def k8s_state(cluster_id: str) -> str | None:
 
 
 def k8s_logs_command(cluster_id: str, role: str | None, rank: int, follow: bool) -> list[str]:
-    name, namespace = cluster_id.split("/")
+    name, namespace, *_ = cluster_id.split("/")
     selector = f"paratrain.io/job={name}"
     if role is not None:
         selector += f",paratrain.io/role={role},batch.kubernetes.io/job-completion-index={rank}"
@@ -219,7 +218,9 @@ def k8s_logs_command(cluster_id: str, role: str | None, rank: int, follow: bool)
 
 
 def k8s_delete(cluster_id: str) -> None:
-    run_command(["kubectl", "delete", "job,service,secret", "--wait=false", *_selector(cluster_id)])
+    """Deletes the job's objects (`<name>/<namespace>[/jobset]`: the form its Jobs were made in)."""
+    kinds = "jobset,service,secret" if cluster_id.endswith("/jobset") else "job,service,secret"
+    run_command(["kubectl", "delete", kinds, "--wait=false", *_selector(cluster_id)])
 
 
 def write_text(out: IO[str], text: str) -> None:

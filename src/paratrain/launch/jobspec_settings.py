@@ -5,7 +5,7 @@ reserves, and each engine's own settings. Each field here is one `paratrain laun
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
@@ -99,10 +99,13 @@ class RaySettings(StrictModel):
     """The Ray cluster: "auto" (the one `ray start` started on this machine) or host:port."""
 
 
+_SBATCH_WORD = r"^[A-Za-z0-9_.,:@%+=/-]+$"
+
+
 class SlurmSettings(StrictModel):
     """backend: slurm."""
 
-    partition: str | None = Field(None, pattern=r"^[A-Za-z0-9_.,:@%+=/-]+$", max_length=TEXT_MAX)
+    partition: str | None = Field(None, pattern=_SBATCH_WORD, max_length=TEXT_MAX)
     """sbatch --partition; default: the cluster's default partition."""
     time: str | None = Field(
         None, pattern=r"^(\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", max_length=64
@@ -110,6 +113,17 @@ class SlurmSettings(StrictModel):
     """sbatch --time: minutes, h:mm:ss, days-hours, ...; default: from timeout_s, else the partition's."""
     nodes: Annotated[int, Field(ge=1)] | None = None
     """sbatch --nodes; default: Slurm chooses."""
+    account: str | None = Field(None, pattern=_SBATCH_WORD, max_length=TEXT_MAX)
+    """sbatch --account: the account the job is charged to; default: the user's."""
+    qos: str | None = Field(None, pattern=_SBATCH_WORD, max_length=TEXT_MAX)
+    """sbatch --qos: the quality of service; default: the account's."""
+    constraint: str | None = Field(None, pattern=r"^[A-Za-z0-9_.,:@%+=/&|*!\[\]()-]+$", max_length=TEXT_MAX)
+    """sbatch --constraint: node features the job needs, e.g. `v100` or `intel&ib`."""
+    extra_sbatch: list[Text] = Field([], max_length=100)
+    """More sbatch options, one `--name=value` or `--flag` each (e.g. `--mail-type=END`)."""
+    setup: list[Text] = Field([], max_length=100)
+    """Shell commands run before the tasks start, whose exports every task gets (e.g. `module load
+    cuda/12.4`, `source /shared/venv/bin/activate`); one command each."""
 
 
 class K8sSettings(StrictModel):
@@ -123,3 +137,9 @@ class K8sSettings(StrictModel):
     """The PersistentVolumeClaim mounted read-write at output_dir in every pod (needed to submit)."""
     data_pvc: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
     """The PersistentVolumeClaim mounted read-only at data_dir in every pod (needed with data_dir)."""
+    pod_overrides: dict[Literal["all", "scheduler", "server", "worker"], dict[str, Any]] = {}
+    """Pod template fragments ({metadata: {labels, annotations}, spec: {...}}) merged into every
+    role's pods (all) or one role's: nodeSelector, tolerations, serviceAccountName,
+    imagePullSecrets, volumes; a container without a name is the role's own (resources, env)."""
+    form: Literal["jobs", "jobset"] = "jobs"
+    """jobs: one indexed Job per role; jobset: the same Jobs as one JobSet (jobset.x-k8s.io)."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
@@ -46,8 +46,15 @@ class LaunchArgs:
     partition: str | None = None
     time_limit: str | None = None
     nodes: int | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    extra_sbatch: tuple[str, ...] = ()
+    setup: tuple[str, ...] = ()
     image: str | None = None
     namespace: str = "default"
+    pod_overrides: Mapping[str, Any] = field(default_factory=dict)
+    k8s_form: str = "jobs"
     cpus_per_worker: float = 1.0
     cpus_per_server: float = 1.0
     gpus_per_worker: int = 0

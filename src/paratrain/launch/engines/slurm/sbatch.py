@@ -74,6 +74,23 @@ _SET_BY_SCRIPT = frozenset(
 # sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]].
 _TIME = re.compile(r"(\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)")
 _SBATCH_WORD = re.compile(r"[A-Za-z0-9_.,:@%+=/-]+")
+_CONSTRAINT = re.compile(r"[A-Za-z0-9_.,:@%+=/&|*!\[\]()-]+")
+_EXTRA = re.compile(r"--([a-z][a-z0-9-]*)(=(.*))?", re.S)
+# The sbatch options the script writes itself, and where the user says each instead.
+_OWN_OPTIONS = {
+    "job-name": "the job's name",
+    "output": "the job's output file",
+    "ntasks": "-w and -s",
+    "cpus-per-task": "--cpus-per-worker/--cpus-per-server",
+    "gpus-per-task": "--gpus-per-worker",
+    "nodes": "nodes",
+    "partition": "partition",
+    "time": "time",
+    "account": "account",
+    "qos": "qos",
+    "constraint": "constraint",
+    "mem-per-cpu": "resources.*.memory",
+}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 # Run on the first node by the batch script: a port that is free there together with the next one
@@ -118,12 +135,36 @@ class SlurmOptions:
     """sbatch --job-name; None: paratrain-<script name>."""
     output: str | None = None
     """sbatch --output (%j is the job id); None: <job name>-%j.out in the current directory."""
+    account: str | None = None
+    """sbatch --account: whose allocation the job is charged to; None: the user's default."""
+    qos: str | None = None
+    """sbatch --qos; None: the account's default."""
+    constraint: str | None = None
+    """sbatch --constraint: node features the job needs (e.g. `v100`, `intel&ib`, `[rack1|rack2]`)."""
+    extra_sbatch: tuple[str, ...] = ()
+    """More sbatch options, one `--name=value` or `--flag` each (e.g. `--mail-type=END`,
+    `--exclusive`), written as #SBATCH lines after paratrain's own."""
+    setup: tuple[str, ...] = ()
+    """Shell commands the batch script runs before starting the tasks, which inherit what they
+    export (e.g. `module load cuda/12.4`, `source /shared/venv/bin/activate`); one command each."""
 
     def __post_init__(self) -> None:
-        for name in ("partition", "job_name"):
+        object.__setattr__(self, "extra_sbatch", tuple(self.extra_sbatch))
+        object.__setattr__(self, "setup", tuple(self.setup))
+        for name in ("partition", "job_name", "account", "qos"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and _SBATCH_WORD.fullmatch(value)):
                 raise ValueError(f"{name} must be a word of letters, digits and _.,:@%+=/-, got {value!r}")
+        if self.constraint is not None and not (
+            isinstance(self.constraint, str) and _CONSTRAINT.fullmatch(self.constraint)
+        ):
+            raise ValueError(
+                f"constraint must be node features joined by & | , * and [ ] ( ), got {self.constraint!r}"
+            )
+        for i, line in enumerate(self.extra_sbatch):
+            extra_option(line, f"extra_sbatch[{i}]")
+        for i, line in enumerate(self.setup):
+            setup_command(line, f"setup[{i}]")
         if self.output is not None:
             quote(self.output, "sbatch", "output")  # raises about a path no #SBATCH line can carry
         if self.time is not None and not (isinstance(self.time, str) and _TIME.fullmatch(self.time)):
@@ -142,6 +183,27 @@ class SlurmOptions:
     @property
     def cpus_per_task(self) -> int:
         return math.ceil(max(self.cpus_per_worker, self.cpus_per_server))
+
+
+def extra_option(line: object, field: str) -> tuple[str, str | None]:
+    """(name, value or None) of one extra sbatch option `--name=value` or `--flag`; ValueError
+    naming `field` for anything else, or for an option the script writes itself."""
+    match = _EXTRA.fullmatch(line) if isinstance(line, str) else None
+    if match is None:
+        raise ValueError(f"{field} must be one sbatch option, --name=value or --flag, got {line!r}")
+    name, value = match[1], match[3]
+    if name in _OWN_OPTIONS:
+        raise ValueError(f"{field}: --{name} is written by paratrain: give {_OWN_OPTIONS[name]} instead")
+    if value is not None:
+        quote(value, "sbatch", field)  # raises about a value no #SBATCH line can carry
+    return name, value
+
+
+def setup_command(line: object, field: str) -> str:
+    """One setup command, checked: a non-empty line (several commands are several items)."""
+    if not isinstance(line, str) or not line.strip() or any(c in line for c in "\n\r\0"):
+        raise ValueError(f"{field} must be one shell command on one line, got {line!r}")
+    return line
 
 
 def _is_int(value: object) -> bool:
@@ -185,6 +247,7 @@ def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str
         f"of {tasks} tasks",
         *_directives(config, options),
         "set -eu",
+        *_setup(options.setup),
         "",
         "# Identity comes from srun (SLURM_PROCID, SLURM_NTASKS) and PARATRAIN_NUM_SERVERS; values",
         "# inherited from the submitting shell would describe another process.",
@@ -217,8 +280,24 @@ def _directives(config: LaunchConfig, options: SlurmOptions) -> list[str]:
         "partition": options.partition,
         "time": options.time or _minutes(config.timeout_s),
         "gpus-per-task": str(options.gpus_per_worker) if options.gpus_per_worker else None,
+        "account": options.account,
+        "qos": options.qos,
+        "constraint": options.constraint,
     }
-    return [sbatch_directive(name, value) for name, value in values.items() if value is not None]
+    lines = [sbatch_directive(name, value) for name, value in values.items() if value is not None]
+    for i, line in enumerate(options.extra_sbatch):
+        name, value = extra_option(line, f"extra_sbatch[{i}]")
+        lines.append(f"#SBATCH --{name}" if value is None else sbatch_directive(name, value))
+    return lines
+
+
+def _setup(commands: tuple[str, ...]) -> list[str]:
+    """The user's setup commands, as written (they are the user's code): before anything that runs
+    Python, so that a `module load` or a venv they activate gives the tasks their interpreter.
+    `set -u` is off while they run: module systems and venv scripts read unset variables."""
+    if not commands:
+        return []
+    return ["# Setup (slurm.setup / --setup): its exports reach every task.", "set +u", *commands, "set -u"]
 
 
 def sbatch_directive(name: str, value: str) -> str:
