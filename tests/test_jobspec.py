@@ -259,9 +259,9 @@ def test_the_slurm_form_holds_the_jobs_memory_folders_and_output(tmp_path):
     done = CliRunner().invoke(main, ["submit", "--dry-run", "--backend", "slurm", str(spec_file)])
     assert done.exit_code == 0, done.output
     script = done.stdout
-    directives = dict(
-        line[len("#SBATCH --") :].split("=", 1) for line in script.splitlines() if line.startswith("#SBATCH")
-    )
+    lines = [line[len("#SBATCH ") :] for line in script.splitlines() if line.startswith("#SBATCH ")]
+    assert "hetjob" in lines  # a worker's GPU: the servers are a component without one
+    directives = dict(line[2:].split("=", 1) for line in lines[: lines.index("hetjob")])
     assert directives["job-name"].startswith("demo-") and directives["partition"] == "gpu"
     assert directives["mem-per-cpu"] == "2048M"  # 4Gi over the task's 2 CPUs
     assert directives["output"] == f"/shared/out/jobs/{directives['job-name']}/logs/slurm-%j.out"

@@ -377,22 +377,24 @@ def test_dry_run_prints_a_script_whose_single_srun_starts_every_role(tmp_path):
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     script = done.stdout
-    directives = dict(re.findall(r"^#SBATCH --([\w-]+)=(.*)$", script, re.M))
-    assert directives == {
-        "job-name": "paratrain-kv_exact",
-        "output": f"{tmp_path}/paratrain-kv_exact-%j.out",
-        "ntasks": "5",
-        "cpus-per-task": "2",
-        "nodes": "2",
-        "partition": "gpu",
-        "time": "1:30:00",
-        "gpus-per-task": "1",
-    }
+    directives = [line[len("#SBATCH ") :] for line in script.splitlines() if line.startswith("#SBATCH ")]
+    shared = ["--partition=gpu", "--time=1:30:00"]
+    assert directives == [
+        "--job-name=paratrain-kv_exact",
+        f"--output={tmp_path}/paratrain-kv_exact-%j.out",
+        "--ntasks=3", "--cpus-per-task=2", "--gpus-per-task=1", "--nodes=2", *shared,
+        "hetjob",  # servers in a component of their own: their CPUs, no GPU
+        "--ntasks=2", "--cpus-per-task=1", *shared,
+    ]  # fmt: skip
     sruns = [line for line in script.splitlines() if line.startswith("srun ")]
     assert len(sruns) == 1
-    assert "--kill-on-bad-exit=1 --ntasks=5 --cpus-per-task=2 --gpus-per-task=1 " in sruns[0]
-    assert 'labels=("worker 0" "server 0" "worker 1" "worker 2" "server 1"); ' in script
-    assert f"-u {JOBS / 'kv_exact.py'} dist_async --flag" in sruns[0]
+    workers, servers = sruns[0].split(" : ")
+    assert workers.startswith(
+        "srun --kill-on-bad-exit=1 --het-group=0 --ntasks=3 --cpus-per-task=2 --gpus-per-task=1 "
+    )
+    assert servers.startswith("--het-group=1 --ntasks=2 --cpus-per-task=1 bash -c ")
+    assert 'labels=("worker 0" "worker 1" "worker 2" "server 0" "server 1"); ' in script
+    assert f"-u {JOBS / 'kv_exact.py'} dist_async --flag" in workers and servers.endswith("&& exit 0")
     for export in (
         "PARATRAIN_NUM_SERVERS=2",
         "OMP_NUM_THREADS=2",
@@ -401,8 +403,45 @@ def test_dry_run_prints_a_script_whose_single_srun_starts_every_role(tmp_path):
     ):
         assert re.search(rf"^export {export}$", script, re.M), export
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in script
-    assert "cpus-per-task=2, the larger of" in done.stderr and "servers are allotted 1 each" in done.stderr
+    assert "2 server(s) with none, as a heterogeneous job" in done.stderr
     assert "OMP_NUM_THREADS=2" in done.stderr
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+@pytest.mark.parametrize("workers, servers", [(3, 2), (2, 2), (4, 1)])
+def test_each_task_of_a_heterogeneous_job_is_the_role_and_rank_of_one_srun(workers, servers):
+    """The command every task of a heterogeneous job runs, without Slurm: task numbers go workers
+    first, and each task's cluster spec is the role and rank it would have in one plain srun."""
+    config = LaunchConfig(script="train.py", num_workers=workers, num_servers=servers)
+    script = sbatch_script(config, SlurmOptions(gpus_per_worker=1))
+    (line,) = [line for line in script.splitlines() if line.startswith("PREFIX_OUTPUT=")]
+    report = (
+        "from paratrain.cluster.spec import spec_from_env; s = spec_from_env(); "
+        "import os; print(s.role, s.rank, s.num_workers, s.num_servers, "
+        "repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+    )
+    seen = []
+    for task in range(workers + servers):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PARATRAIN_", "SLURM_"))}
+        env.update(SLURM_PROCID=str(task), SLURMD_NODENAME="n1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+        env.update(PARATRAIN_NUM_SERVERS=str(servers), PARATRAIN_SECRET="ab" * 32, CUDA_VISIBLE_DEVICES="0")
+        done = subprocess.run(
+            ["bash", "-c", f'{line}\nbash -c "$PREFIX_OUTPUT" "$@"', "bash", sys.executable, "-c", report],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        seen.append(done.stdout.strip())
+    one_srun = [
+        f"[{role} {rank} @n1] {role} {rank} {workers} {servers} {'' if role == 'server' else '0'!r}"
+        for role, rank in task_roles(workers, servers, het=True)
+    ]
+    assert seen == one_srun
+    assert task_roles(workers, servers, het=True)[0] == ("worker", 0)  # task 0 runs the scheduler
+
+
+def test_more_servers_than_workers_stay_one_srun():
+    config = LaunchConfig(script="train.py", num_workers=1, num_servers=2)
+    assert "hetjob" not in sbatch_script(config, SlurmOptions(gpus_per_worker=1))
 
 
 @pytest.mark.parametrize(

@@ -69,15 +69,14 @@ def slurm_options(spec: JobSpec, job_id: str, folder: Path, dry_run: bool) -> An
 
 def slurm_script(spec: JobSpec, config: LaunchConfig, options: Any) -> str:
     """The engine's sbatch script, with the job's memory and its folders checked before srun."""
-    from paratrain.launch.engines.slurm.sbatch import sbatch_directive, sbatch_script
+    from paratrain.launch.engines.slurm.sbatch import sbatch_script
     from paratrain.launch.jobspec import memory_bytes
 
-    lines = sbatch_script(config, options).splitlines()
-    last_directive = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH "))
     memory = [r.memory for r in (spec.resources.worker, spec.resources.server) if r.memory]
     if memory:
         per_cpu = max(memory_bytes(m) for m in memory) / options.cpus_per_task
-        lines.insert(last_directive + 1, sbatch_directive("mem-per-cpu", f"{math.ceil(per_cpu / 2**20)}M"))
+        options = dataclasses.replace(options, mem_per_cpu=f"{math.ceil(per_cpu / 2**20)}M")
+    lines = sbatch_script(config, options).splitlines()
     dirs = {"work_dir": spec.work_dir, "data_dir": spec.data_dir, "output_dir": spec.output_dir}
     folders = " ".join(quote(d, "bash", name) for name, d in dirs.items() if d)
     check = [
