@@ -460,7 +460,7 @@ def launch_args(spec: JobSpec, dry_run: bool) -> LaunchArgs:
         setup=tuple(spec.slurm.setup),
         image=spec.k8s.image,
         namespace=spec.k8s.namespace,
-        pod_overrides=spec.k8s.pod_overrides,
+        pod_overrides={str(role): part for role, part in spec.k8s.pod_overrides.items()},
         k8s_form=spec.k8s.form,
         cpus_per_worker=spec.resources.worker.cpus,
         cpus_per_server=spec.resources.server.cpus,

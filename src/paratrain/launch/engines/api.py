@@ -20,6 +20,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
@@ -137,7 +138,7 @@ class Engine(ABC):
         asked += [(name, f"{name} works", "elastic") for name in ("elastic", "max_restarts")]
         for name, what, able in asked:
             if getattr(spec, name) and not getattr(self, able):
-                *others, last = engines.names(lambda engine, able=able: getattr(engine, able))
+                *others, last = engines.names(partial(_can, able))
                 where = f"{', '.join(others)} and {last}" if others else last
                 problems.append(((name,), f"{what} on the {where} backends, not {self.name}"))
         return problems
@@ -185,6 +186,11 @@ class Engine(ABC):
     def describe_state_command(self, spec: JobSpec) -> str:
         """The `paratrain jobs` line `submit` prints."""
         return f"paratrain jobs {spec.output_dir}" if self.paths_here else "paratrain jobs"
+
+
+def _can(ability: str, engine: Engine) -> bool:
+    """Whether `engine` has the ability (a class attribute such as `elastic`)."""
+    return bool(getattr(engine, ability))
 
 
 class ClusterEngine(Engine):

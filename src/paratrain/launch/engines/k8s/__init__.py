@@ -52,7 +52,8 @@ class K8sEngine(ClusterEngine):
                     ((name,), f"must be an absolute path in the pods with backend k8s, got {value!r}")
                 )
         try:
-            check_overrides(spec.k8s.pod_overrides, IDENTITY_VARS, "pod_overrides")
+            overrides = {str(role): part for role, part in spec.k8s.pod_overrides.items()}
+            check_overrides(overrides, IDENTITY_VARS, "pod_overrides")
         except ValueError as exc:
             where, _, message = str(exc).partition(": ")
             problems.append((tuple(["k8s", *where.split(" ")[0].split(".")]), message or str(exc)))
