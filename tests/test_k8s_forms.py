@@ -107,6 +107,8 @@ def test_pod_overrides_reach_every_role_and_one_role_and_validate():
         names = [e["name"] for e in main["env"]]
         assert ("NCCL_DEBUG" in names) == (role == "worker")
         assert ("nodeSelector" in pod) == (role == "worker")
+    for job in [m for m in manifests if m["kind"] == "Job"]:  # where Kueue reads the queue
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     limits = pods["worker"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits == {"cpu": "1", "memory": "8Gi", "ephemeral-storage": "20Gi"}
 
@@ -156,6 +158,7 @@ def test_the_jobset_form_holds_the_same_pods_as_the_jobs_form():
     assert [m["kind"] for m in jobset] == ["Secret", "Service", "JobSet"]
     (whole,) = [m for m in jobset if m["kind"] == "JobSet"]
     assert whole["spec"]["failurePolicy"] == {"maxRestarts": 0}
+    assert whole["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
     assert [job["name"] for job in whole["spec"]["replicatedJobs"]] == ["scheduler", "server", "worker"]
     assert pod_templates(jobset) == pod_templates(jobs)
     with pytest.raises(ValueError, match="form must be one of jobs, jobset, got 'pytorchjob'"):

@@ -7,7 +7,8 @@ role's pod in that order, as `kubectl patch` merges a strategic patch: mappings 
 of named items (containers, volumes, env, imagePullSecrets) item by name, other lists (tolerations)
 appended. A container without a name is the role's own container (its resources, volumeMounts,
 env). What paratrain sets for a job to run (the command, the restart policy, identity variables,
-its labels) cannot be overridden: such a fragment is refused, naming the field.
+its labels) cannot be overridden: such a fragment is refused, naming the field. The fragments'
+labels also go on the role's Job (and `all`'s on a JobSet), where queues such as Kueue read them.
 
 The dashboard, when asked for, is served by the scheduler pod on its own IP (a Service cannot
 reach a loopback address), at the port given (8265 when 0: a Service needs a fixed one), behind
@@ -94,6 +95,15 @@ def apply_overrides(pod_template: dict[str, Any], overrides: Mapping[str, Any], 
             {**container, "name": container.get("name", main)} for container in spec.get("containers", [])
         ]
         _merge(pod_template, fragment)
+
+
+def override_labels(overrides: Mapping[str, Any], *keys: str) -> dict[str, str]:
+    """The labels the fragments of `keys` give pods, which their Jobs (and a JobSet) carry too: a
+    queue such as Kueue's (`kueue.x-k8s.io/queue-name`) reads them from the workload, not its pods."""
+    labels: dict[str, str] = {}
+    for key in keys:
+        labels.update(overrides.get(key, {}).get("metadata", {}).get("labels", {}))
+    return labels
 
 
 def _merge(into: dict[str, Any], patch: Mapping[str, Any]) -> None:

@@ -52,6 +52,7 @@ from paratrain.launch.engines.k8s.extras import (
     dashboard_port,
     dashboard_service,
     jobset,
+    override_labels,
     scrape_annotations,
 )
 from paratrain.launch.quoting import quote
@@ -193,10 +194,14 @@ def build_manifests(config: LaunchConfig, options: K8sOptions, name: str, secret
         manifests.append(dashboard_service(metadata, selector, options.dashboard.port))
     counts = {"scheduler": 1, "server": config.num_servers, "worker": config.num_workers}
     jobs = [_job(config, options, name, role, count) for role, count in counts.items() if count]
+    overrides = options.pod_overrides
     for job in jobs:
-        apply_overrides(job["spec"]["template"], options.pod_overrides, job["metadata"]["labels"][ROLE_LABEL])
+        role = job["metadata"]["labels"][ROLE_LABEL]
+        apply_overrides(job["spec"]["template"], overrides, role)
+        job["metadata"]["labels"] = {**override_labels(overrides, "all", role), **job["metadata"]["labels"]}
     if options.form == "jobset":
-        return [*manifests, jobset(name, options.namespace, _labels(name), jobs)]
+        labels = {**override_labels(overrides, "all"), **_labels(name)}
+        return [*manifests, jobset(name, options.namespace, labels, jobs)]
     return manifests + jobs
 
 
