@@ -413,18 +413,21 @@ def test_each_task_of_a_heterogeneous_job_is_the_role_and_rank_of_one_srun(worke
     """The command every task of a heterogeneous job runs, without Slurm: task numbers go workers
     first, and each task's cluster spec is the role and rank it would have in one plain srun."""
     config = LaunchConfig(script="train.py", num_workers=workers, num_servers=servers)
-    script = sbatch_script(config, SlurmOptions(gpus_per_worker=1))
+    options = SlurmOptions(gpus_per_worker=1, cpus_per_worker=4, cpus_per_server=2)
+    script = sbatch_script(config, options, environ={})
+    assert "\nexport OMP_NUM_THREADS=4\n" in script  # the workers'; a server task exports its own
     (line,) = [line for line in script.splitlines() if line.startswith("PREFIX_OUTPUT=")]
     report = (
         "from paratrain.cluster.spec import spec_from_env; s = spec_from_env(); "
         "import os; print(s.role, s.rank, s.num_workers, s.num_servers, "
-        "repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+        "repr(os.environ.get('CUDA_VISIBLE_DEVICES')), os.environ['OMP_NUM_THREADS'])"
     )
     seen = []
     for task in range(workers + servers):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PARATRAIN_", "SLURM_"))}
         env.update(SLURM_PROCID=str(task), SLURMD_NODENAME="n1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
         env.update(PARATRAIN_NUM_SERVERS=str(servers), PARATRAIN_SECRET="ab" * 32, CUDA_VISIBLE_DEVICES="0")
+        env["OMP_NUM_THREADS"] = "4"
         done = subprocess.run(
             ["bash", "-c", f'{line}\nbash -c "$PREFIX_OUTPUT" "$@"', "bash", sys.executable, "-c", report],
             env=env, capture_output=True, text=True, timeout=60,
@@ -432,7 +435,8 @@ def test_each_task_of_a_heterogeneous_job_is_the_role_and_rank_of_one_srun(worke
         assert done.returncode == 0, done.stderr
         seen.append(done.stdout.strip())
     one_srun = [
-        f"[{role} {rank} @n1] {role} {rank} {workers} {servers} {'' if role == 'server' else '0'!r}"
+        f"[{role} {rank} @n1] {role} {rank} {workers} {servers} {'' if role == 'server' else '0'!r} "
+        + ("2" if role == "server" else "4")
         for role, rank in task_roles(workers, servers, het=True)
     ]
     assert seen == one_srun

@@ -52,10 +52,15 @@ def global_ranks(num_workers: int, num_servers: int) -> list[int]:
     return workers + servers
 
 
-def identity(num_workers: int, num_servers: int) -> str:
-    """The start of each task's command: its RANK and WORLD_SIZE (torchrun's convention)."""
+def identity(num_workers: int, num_servers: int, server_threads: dict[str, str]) -> str:
+    """The start of each task's command: its RANK and WORLD_SIZE (torchrun's convention), and on a
+    server its own share of threads (the script exports the workers')."""
     ranks = " ".join(str(rank) for rank in global_ranks(num_workers, num_servers))
-    return f"ranks=({ranks}); export RANK=${{ranks[$SLURM_PROCID]}} WORLD_SIZE={num_workers + num_servers}; "
+    text = f"ranks=({ranks}); export RANK=${{ranks[$SLURM_PROCID]}} WORLD_SIZE={num_workers + num_servers}; "
+    if server_threads:
+        exports = " ".join(f"{name}={value}" for name, value in server_threads.items())
+        text += f'if [ "$SLURM_PROCID" -ge {num_workers} ]; then export {exports}; fi; '
+    return text
 
 
 def components(shared: dict[str, str | None], config: LaunchConfig, options: SlurmOptions) -> list[dict]:

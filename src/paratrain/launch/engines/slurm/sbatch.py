@@ -234,8 +234,11 @@ def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str
     for key in config.env:
         if not _ENV_NAME.fullmatch(key):
             raise ValueError(f"env key {key!r} is not a shell variable name")
-    cpus = options.cpus_per_task
+    het = hetjob.heterogeneous(config, options)
+    # A heterogeneous job's workers and servers each have their own CPUs (and threads: hetjob.py).
+    cpus = math.ceil(options.cpus_per_worker) if het else options.cpus_per_task
     threads = thread_env(cpus, 1, {**environ, **config.env})
+    server_threads = thread_env(math.ceil(options.cpus_per_server), 1, {**environ, **config.env})
     # The job's identity wins over the user's env, as under the local launcher.
     job_env = {k: v for k, v in config.job_env().items() if k not in _SET_BY_SCRIPT}
     exports = {**job_env, "PARATRAIN_NUM_SERVERS": str(config.num_servers), **threads}
@@ -243,7 +246,6 @@ def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str
     words = [quote(word, "bash", "script") for word in config.entry(absolute=True)]
     words += [quote(arg, "bash", f"args[{i}]") for i, arg in enumerate(config.args)]
     command = " ".join(words)
-    het = hetjob.heterogeneous(config, options)
     lines = [
         "#!/bin/bash",
         f"# paratrain job: {config.num_workers} worker(s) and {config.num_servers} server(s) as one srun "
@@ -261,7 +263,7 @@ def sbatch_script(config: LaunchConfig, options: SlurmOptions, environ: dict[str
         "echo "
         + quote(f"paratrain: {describe_tasks(config.num_workers, config.num_servers, het)}", "bash", "tasks"),
         "# Every line a task writes (stdout and stderr alike) starts with its role, rank and node.",
-        *_task_command(config, options.gpus_per_worker, het),
+        *_task_command(config, options.gpus_per_worker, server_threads if het else None),
         _srun(config, options, het, f'bash -c "$PREFIX_OUTPUT" {python} -u {command}') + " && exit 0",
         "status=$?",
         'echo "paratrain: job failed: srun exited with code $status; its error line above names the'
@@ -385,12 +387,16 @@ def _prefix_output(num_workers: int, num_servers: int, het: bool = False) -> str
     )
 
 
-def _task_command(config: LaunchConfig, gpus_per_worker: int = 0, het: bool = False) -> list[str]:
-    """The lines that set PREFIX_OUTPUT, the command every srun task runs around the script."""
+def _task_command(
+    config: LaunchConfig, gpus_per_worker: int = 0, het_threads: dict[str, str] | None = None
+) -> list[str]:
+    """The lines that set PREFIX_OUTPUT, the command every srun task runs around the script; with
+    `het_threads` (a heterogeneous job's servers' thread variables), each task's identity first."""
     workers, servers = config.num_workers, config.num_servers
+    het = het_threads is not None
     binding = gpu_binding(workers, servers, gpus_per_worker, het)
-    if het:
-        binding = hetjob.identity(workers, servers) + binding
+    if het_threads is not None:
+        binding = hetjob.identity(workers, servers, het_threads) + binding
     if not (config.elastic or config.max_restarts):
         prefix = binding + _prefix_output(workers, servers, het)
         return [f"PREFIX_OUTPUT={quote(prefix, 'bash', 'PREFIX_OUTPUT')}"]
@@ -518,7 +524,11 @@ def _describe(config: LaunchConfig, options: SlurmOptions, err: IO[str]) -> None
             f"elastic: a worker task starts its dead process again up to {config.max_restarts} time(s); "
             "not task 0, which runs the scheduler, nor servers"
         )
-    if thread_env(cpus, 1, {**os.environ, **config.env}):
+    if thread_env(cpus, 1, {**os.environ, **config.env}) and hetjob.heterogeneous(config, options):
+        worker, server = math.ceil(options.cpus_per_worker), math.ceil(options.cpus_per_server)
+        each = f"{worker} on workers, {server} on servers"
+        lines.append(f"threads per process: OMP_NUM_THREADS={each} (their CPUs; set it to choose)")
+    elif thread_env(cpus, 1, {**os.environ, **config.env}):
         lines.append(f"threads per process: OMP_NUM_THREADS={cpus} (--cpus-per-task; set it to choose)")
     else:
         lines.append("threads per process: as set by the user (OMP_NUM_THREADS/MKL_NUM_THREADS)")
