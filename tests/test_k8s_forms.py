@@ -7,6 +7,7 @@ JobSet against the JobSet API's published models and each of its Jobs against th
 from __future__ import annotations
 
 import base64
+import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -178,3 +179,66 @@ def test_the_command_line_reads_the_overrides_file_and_prints_a_jobset(tmp_path:
     overrides.write_text("- not a mapping\n")
     done = CliRunner().invoke(main, args)
     assert done.exit_code == 2 and "must hold a mapping of role to pod template" in done.output
+
+
+DASHBOARD_PROBE = """\
+import sys, urllib.error, urllib.request
+import paratrain
+ctx = paratrain.init()
+if ctx.role == "worker" and ctx.rank == 0:
+    url, token = sys.argv[1], sys.argv[2]
+    try:
+        urllib.request.urlopen(url, timeout=30)
+    except urllib.error.HTTPError as exc:
+        print("without the token:", exc.code)
+    request = urllib.request.Request(url, headers={"Authorization": "Bearer " + token})
+    text = urllib.request.urlopen(request, timeout=30).read().decode()
+    print("with the token:", "paratrain_" in text)
+ctx.barrier(name="probed")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_jobsets_pods_run_and_the_scheduler_pod_serves_the_dashboard(tmp_path):
+    """Every pod of the JobSet form, started as Kubernetes would start it (tests/test_k8s.py's
+    kubelet), runs the job; worker 0 reads /metrics from the scheduler pod's address at the
+    dashboard's port with the Secret's token, and is refused without it."""
+    from test_k8s import ROLE_LABEL, expand, job_pods, mount_namespace_unavailable, run_pods
+
+    from paratrain.testing import free_port
+
+    if mount_namespace_unavailable():
+        pytest.skip(mount_namespace_unavailable())
+    script = tmp_path / "probe.py"
+    script.write_text(DASHBOARD_PROBE)
+    port = free_port()
+    url = f"http://127.77.0.1:{port}/metrics"  # the scheduler pod's address (job_pods numbers them)
+    config = LaunchConfig(script=str(script), args=(url, "TOKEN"), num_workers=2, num_servers=1)
+    options = K8sOptions(
+        image="i", python=sys.executable, scheduler_port=free_port(), form="jobset",
+        dashboard=DashboardConfig(port=port),
+    )  # fmt: skip
+    manifests = build_manifests(config, options, NAME, SECRET)
+    validate_all(manifests)
+    (secret,) = [m for m in manifests if m["kind"] == "Secret"]
+    token = base64.b64decode(secret["data"]["dashboard-token"]).decode()
+    (jobset,) = [m for m in manifests if m["kind"] == "JobSet"]
+    as_jobs = [  # what the JobSet controller makes of it: one Job per replicated job
+        {"kind": "Job", "metadata": {"name": f"{NAME}-{job['name']}-0", **job["template"]["metadata"]},
+         "spec": job["template"]["spec"]}
+        for job in jobset["spec"]["replicatedJobs"]
+    ]  # fmt: skip
+    services = [m for m in manifests if m["kind"] == "Service"]
+    manifests = [m for m in manifests if m["kind"] != "JobSet"] + as_jobs
+    pods, names = [], {}
+    for job, container, env, ip in job_pods(manifests, net="127.77"):
+        if job["metadata"]["labels"][ROLE_LABEL] == "scheduler":
+            assert env["PARATRAIN_DASHBOARD"] == f"{ip}:{port}"  # its own address, not loopback
+            for service in services:
+                names[f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"] = ip
+        inits = job["spec"]["template"]["spec"].get("initContainers", [])
+        init_commands = [[expand(part, env) for part in init["command"]] for init in inits]
+        command = [expand(part, env).replace("TOKEN", token) for part in container["command"]]
+        pods.append((f"{container['name']}-{env['PARATRAIN_RANK']}", init_commands, command, env))
+    logs = run_pods(tmp_path, names, pods)
+    assert "without the token: 401" in logs["worker-0"] and "with the token: True" in logs["worker-0"]
