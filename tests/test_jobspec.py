@@ -87,7 +87,14 @@ MISTAKES = [
     ("tensor groups that do not fit", _replace(7, "strategy: fsdp:tensor_parallel=4"), "job.yaml:7: strategy:", "does not divide the job's 2 worker"),
     ("bad name", _replace(1, "name: My_Job"), "job.yaml:1: name:", "lower-case letters, digits and '-'"),
     ("missing field", BASE.replace("output_dir: /shared/out\n", ""), "job.yaml:1: output_dir:", "is required"),
-    ("missing script", _replace(3, "  file: train.py"), "job.yaml:2: entry.script:", "is required"),
+    ("missing script", _replace(3, "  python: python3"), "job.yaml:2: entry:", "give one of entry.script and entry.module, not neither"),
+    ("script and module", _replace(3, "  script: train.py\n  module: pkg.train"), "job.yaml:2: entry:", "not both"),
+    ("bad module", _replace(3, "  module: pkg/train"), "job.yaml:3: entry.module:", "'pkg/train' is not allowed"),
+    ("unknown apiVersion", "apiVersion: paratrain.io/v2\n" + BASE, "job.yaml:1: apiVersion:", "'paratrain.io/v2' is not one this paratrain reads: should be 'paratrain.io/v1'"),
+    ("unknown kind", "kind: Job\n" + BASE, "job.yaml:1: kind:", "'Job' is not one this paratrain reads: should be 'TrainingJob'"),
+    ("losing every server", BASE + "server_losses: 1\n", "job.yaml:13: server_losses:", "1 must be below servers (1)"),
+    ("restarts on k8s", BASE + "max_restarts: 2\nbackend: k8s\nk8s: {output_pvc: o, data_pvc: d}\n", "job.yaml:13: max_restarts:", "max_restarts works on the local, ray and slurm backends, not k8s"),
+    ("bad dashboard port", BASE + "dashboard: {enabled: true, port: 70000}\n", "job.yaml:13: dashboard.port:", "less than or equal to 65535"),
     ("identity in env", BASE + "env:\n  A: x\n  PARATRAIN_RANK: '3'\n", "job.yaml:15: env.PARATRAIN_RANK:", "set by paratrain"),
     ("bad env name", BASE + "env:\n  1X: y\n", "job.yaml:14: env.1X:", "is not a variable name"),
     ("number for an env value", BASE + "env:\n  SEED: 3\n", "job.yaml:14: env.SEED:", "valid string"),
@@ -99,6 +106,11 @@ MISTAKES = [
     ("k8s without a claim", BASE + "backend: k8s\n", "job.yaml:1: k8s.output_pvc:", "is required with backend k8s"),
     ("k8s relative path", _replace(11, "output_dir: out") + "backend: k8s\nk8s: {output_pvc: o, data_pvc: d}\n", "job.yaml:11: output_dir:", "absolute path"),
     ("bad slurm time", BASE + "slurm: {time: 1h}\n", "job.yaml:13: slurm.time:", "h:mm:ss"),
+    ("sbatch option paratrain writes", BASE + "backend: slurm\nslurm:\n  extra_sbatch: [--time=5]\n", "job.yaml:15: slurm.extra_sbatch.0:", "--time is written by paratrain: give time instead"),
+    ("setup of two lines", BASE + "backend: slurm\nslurm:\n  setup: [\"a\\nb\"]\n", "job.yaml:15: slurm.setup.0:", "must be one shell command on one line"),
+    ("k8s override of what paratrain sets", BASE + "backend: k8s\nk8s:\n  output_pvc: o\n  data_pvc: d\n  pod_overrides:\n    all:\n      spec: {restartPolicy: Always}\n", "job.yaml:19: k8s.pod_overrides.all.spec.restartPolicy:", "set by paratrain"),
+    ("unknown k8s form", BASE + "k8s: {form: pytorchjob}\n", "job.yaml:13: k8s.form:", "Input should be 'jobs' or 'jobset'"),
+    ("bad constraint", BASE + "slurm: {constraint: a b}\n", "job.yaml:13: slurm.constraint:", "'a b' is not allowed: sbatch --constraint"),
     ("zero timeout", BASE + "timeout_s: 0\n", "job.yaml:13: timeout_s:", "greater than 0"),
 ]  # fmt: skip
 
@@ -252,9 +264,9 @@ def test_the_slurm_form_holds_the_jobs_memory_folders_and_output(tmp_path):
     done = CliRunner().invoke(main, ["submit", "--dry-run", "--backend", "slurm", str(spec_file)])
     assert done.exit_code == 0, done.output
     script = done.stdout
-    directives = dict(
-        line[len("#SBATCH --") :].split("=", 1) for line in script.splitlines() if line.startswith("#SBATCH")
-    )
+    lines = [line[len("#SBATCH ") :] for line in script.splitlines() if line.startswith("#SBATCH ")]
+    assert "hetjob" in lines  # a worker's GPU: the servers are a component without one
+    directives = dict(line[2:].split("=", 1) for line in lines[: lines.index("hetjob")])
     assert directives["job-name"].startswith("demo-") and directives["partition"] == "gpu"
     assert directives["mem-per-cpu"] == "2048M"  # 4Gi over the task's 2 CPUs
     assert directives["output"] == f"/shared/out/jobs/{directives['job-name']}/logs/slurm-%j.out"

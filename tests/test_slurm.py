@@ -308,7 +308,62 @@ def test_an_elastic_jobs_killed_worker_task_starts_it_again_and_it_joins(slurm, 
     assert said in text
 
 
+def test_setup_commands_run_before_the_tasks_and_extra_options_reach_sbatch(slurm, tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint('setup gave', os.environ['FROM_SETUP'])\n")
+    args = ("--setup", "FROM_SETUP=$(echo ok)", "--setup", "export FROM_SETUP", "--sbatch=--comment=ptest")
+    job_id, output = _submit(slurm, tmp_path, "-w", "1", "-s", "0", "--time", "5", *args, str(script))
+    state = slurm.wait_for_job(job_id)
+    text = output.read_text()
+    assert state == "COMPLETED", f"job {job_id} ended {state}:\n{text}"
+    assert f"[worker 0 @{slurm.node}] setup gave ok\n" in text
+    assert "Comment=ptest" in slurm.run("scontrol", "show", "job", job_id)
+
+
 # ---- the script, without Slurm --------------------------------------------------------------------
+
+
+def test_cluster_options_become_directives_and_setup_runs_first():
+    options = SlurmOptions(
+        account="ml",
+        qos="high",
+        constraint="v100&ib",
+        extra_sbatch=("--mail-type=END", "--exclusive", "--comment=it's $(x)"),
+        setup=("module load cuda/12.4", "source /shared/venv/bin/activate"),
+    )
+    script = sbatch_script(LaunchConfig(script="train.py", num_workers=2, num_servers=1), options)
+    lines = script.splitlines()
+    directives = [line for line in lines if line.startswith("#SBATCH")]
+    assert directives[-6:] == [
+        "#SBATCH --account=ml",
+        "#SBATCH --qos=high",
+        "#SBATCH --constraint='v100&ib'",
+        "#SBATCH --mail-type=END",
+        "#SBATCH --exclusive",
+        "#SBATCH --comment='it'\"'\"'s $(x)'",
+    ]
+    setup = lines.index("module load cuda/12.4")
+    assert lines[setup - 1] == "set +u" and lines[setup + 2] == "set -u"
+    assert setup < min(i for i, line in enumerate(lines) if "python" in line.split("#")[0])
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("extra_sbatch", ("--partition=gpu",), "extra_sbatch[0]: --partition is written by paratrain"),
+        ("extra_sbatch", ("mail-type=END",), "must be one sbatch option, --name=value or --flag"),
+        ("extra_sbatch", ("--comment=a\nb",), "extra_sbatch[0] holds a line break"),
+        ("setup", ("module load a\nrm -rf x",), "setup[0] must be one shell command on one line, got"),
+        ("constraint", "v100 ib", "constraint must be node features joined by & | , * and [ ] ( )"),
+        ("account", "a b", "account must be a word of letters, digits and _.,:@%+=/-, got 'a b'"),
+        ("qos", "x\n#SBATCH --uid=0", "qos must be a word"),
+    ],
+)  # fmt: skip
+def test_cluster_options_refuse_what_sbatch_cannot_carry_naming_field_and_value(field, value, message):
+    with pytest.raises(ValueError) as refused:
+        SlurmOptions(**{field: value})
+    assert message in str(refused.value)
 
 
 def test_dry_run_prints_a_script_whose_single_srun_starts_every_role(tmp_path):
@@ -322,22 +377,24 @@ def test_dry_run_prints_a_script_whose_single_srun_starts_every_role(tmp_path):
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     script = done.stdout
-    directives = dict(re.findall(r"^#SBATCH --([\w-]+)=(.*)$", script, re.M))
-    assert directives == {
-        "job-name": "paratrain-kv_exact",
-        "output": f"{tmp_path}/paratrain-kv_exact-%j.out",
-        "ntasks": "5",
-        "cpus-per-task": "2",
-        "nodes": "2",
-        "partition": "gpu",
-        "time": "1:30:00",
-        "gpus-per-task": "1",
-    }
+    directives = [line[len("#SBATCH ") :] for line in script.splitlines() if line.startswith("#SBATCH ")]
+    shared = ["--partition=gpu", "--time=1:30:00"]
+    assert directives == [
+        "--job-name=paratrain-kv_exact",
+        f"--output={tmp_path}/paratrain-kv_exact-%j.out",
+        "--ntasks=3", "--cpus-per-task=2", "--gpus-per-task=1", "--nodes=2", *shared,
+        "hetjob",  # servers in a component of their own: their CPUs, no GPU
+        "--ntasks=2", "--cpus-per-task=1", *shared,
+    ]  # fmt: skip
     sruns = [line for line in script.splitlines() if line.startswith("srun ")]
     assert len(sruns) == 1
-    assert "--kill-on-bad-exit=1 --ntasks=5 --cpus-per-task=2 --gpus-per-task=1 " in sruns[0]
-    assert 'labels=("worker 0" "server 0" "worker 1" "worker 2" "server 1"); ' in script
-    assert f"-u {JOBS / 'kv_exact.py'} dist_async --flag" in sruns[0]
+    workers, servers = sruns[0].split(" : ")
+    assert workers.startswith(
+        "srun --kill-on-bad-exit=1 --het-group=0 --ntasks=3 --cpus-per-task=2 --gpus-per-task=1 "
+    )
+    assert servers.startswith("--het-group=1 --ntasks=2 --cpus-per-task=1 bash -c ")
+    assert 'labels=("worker 0" "worker 1" "worker 2" "server 0" "server 1"); ' in script
+    assert f"-u {JOBS / 'kv_exact.py'} dist_async --flag" in workers and servers.endswith("&& exit 0")
     for export in (
         "PARATRAIN_NUM_SERVERS=2",
         "OMP_NUM_THREADS=2",
@@ -346,8 +403,49 @@ def test_dry_run_prints_a_script_whose_single_srun_starts_every_role(tmp_path):
     ):
         assert re.search(rf"^export {export}$", script, re.M), export
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in script
-    assert "cpus-per-task=2, the larger of" in done.stderr and "servers are allotted 1 each" in done.stderr
+    assert "2 server(s) with none, as a heterogeneous job" in done.stderr
     assert "OMP_NUM_THREADS=2" in done.stderr
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+@pytest.mark.parametrize("workers, servers", [(3, 2), (2, 2), (4, 1)])
+def test_each_task_of_a_heterogeneous_job_is_the_role_and_rank_of_one_srun(workers, servers):
+    """The command every task of a heterogeneous job runs, without Slurm: task numbers go workers
+    first, and each task's cluster spec is the role and rank it would have in one plain srun."""
+    config = LaunchConfig(script="train.py", num_workers=workers, num_servers=servers)
+    options = SlurmOptions(gpus_per_worker=1, cpus_per_worker=4, cpus_per_server=2)
+    script = sbatch_script(config, options, environ={})
+    assert "\nexport OMP_NUM_THREADS=4\n" in script  # the workers'; a server task exports its own
+    (line,) = [line for line in script.splitlines() if line.startswith("PREFIX_OUTPUT=")]
+    report = (
+        "from paratrain.cluster.spec import spec_from_env; s = spec_from_env(); "
+        "import os; print(s.role, s.rank, s.num_workers, s.num_servers, "
+        "repr(os.environ.get('CUDA_VISIBLE_DEVICES')), os.environ['OMP_NUM_THREADS'])"
+    )
+    seen = []
+    for task in range(workers + servers):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PARATRAIN_", "SLURM_"))}
+        env.update(SLURM_PROCID=str(task), SLURMD_NODENAME="n1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+        env.update(PARATRAIN_NUM_SERVERS=str(servers), PARATRAIN_SECRET="ab" * 32, CUDA_VISIBLE_DEVICES="0")
+        env["OMP_NUM_THREADS"] = "4"
+        done = subprocess.run(
+            ["bash", "-c", f'{line}\nbash -c "$PREFIX_OUTPUT" "$@"', "bash", sys.executable, "-c", report],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        seen.append(done.stdout.strip())
+    one_srun = [
+        f"[{role} {rank} @n1] {role} {rank} {workers} {servers} {'' if role == 'server' else '0'!r} "
+        + ("2" if role == "server" else "4")
+        for role, rank in task_roles(workers, servers, het=True)
+    ]
+    assert seen == one_srun
+    assert task_roles(workers, servers, het=True)[0] == ("worker", 0)  # task 0 runs the scheduler
+
+
+def test_more_servers_than_workers_stay_one_srun():
+    config = LaunchConfig(script="train.py", num_workers=1, num_servers=2)
+    assert "hetjob" not in sbatch_script(config, SlurmOptions(gpus_per_worker=1))
 
 
 @pytest.mark.parametrize(

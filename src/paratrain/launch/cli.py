@@ -165,8 +165,38 @@ class _LaunchCommand(click.Command):
 @click.option("--partition", default=None, help="slurm: the partition to submit to.")
 @click.option("--time", "time_limit", default=None, help="slurm: the job's time limit (sbatch --time).")
 @click.option("--nodes", type=click.IntRange(min=1), default=None, help="slurm: number of nodes.")
+@click.option("--account", default=None, help="slurm: the account charged (sbatch --account).")
+@click.option("--qos", default=None, help="slurm: the quality of service (sbatch --qos).")
+@click.option("--constraint", default=None, help="slurm: node features needed (sbatch --constraint).")
+@click.option(
+    "--sbatch",
+    "extra_sbatch",
+    multiple=True,
+    metavar="--NAME[=VALUE]",
+    help="slurm: one more sbatch option, e.g. --sbatch=--mail-type=END (repeatable).",
+)
+@click.option(
+    "--setup",
+    multiple=True,
+    metavar="COMMAND",
+    help="slurm: a shell command run before the tasks start, e.g. 'module load cuda' (repeatable).",
+)
 @click.option("--image", default=None, help="k8s: the container image every pod runs.")
 @click.option("--namespace", default="default", show_default=True, help="k8s: the namespace.")
+@click.option(
+    "--pod-overrides",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="k8s: a YAML file of pod template fragments merged into the pods: {all|scheduler|server|worker: "
+    "{metadata: {labels, annotations}, spec: {nodeSelector, tolerations, ...}}}.",
+)
+@click.option(
+    "--k8s-form",
+    type=click.Choice(["jobs", "jobset"]),
+    default="jobs",
+    show_default=True,
+    help="k8s: one indexed Job per role, or the same as one JobSet (jobset.x-k8s.io).",
+)
 @click.option(
     "--cpus-per-worker",
     type=click.FloatRange(min=0, min_open=True),
@@ -220,8 +250,15 @@ def launch(
     partition: str | None,
     time_limit: str | None,
     nodes: int | None,
+    account: str | None,
+    qos: str | None,
+    constraint: str | None,
+    extra_sbatch: tuple[str, ...],
+    setup: tuple[str, ...],
     image: str | None,
     namespace: str,
+    pod_overrides: str | None,
+    k8s_form: str,
     cpus_per_worker: float,
     cpus_per_server: float,
     gpus_per_worker: int,
@@ -279,8 +316,15 @@ def launch(
         partition=partition,
         time_limit=time_limit,
         nodes=nodes,
+        account=account,
+        qos=qos,
+        constraint=constraint,
+        extra_sbatch=extra_sbatch,
+        setup=setup,
         image=image,
         namespace=namespace,
+        pod_overrides=_read_overrides(pod_overrides),
+        k8s_form=k8s_form,
         cpus_per_worker=cpus_per_worker,
         cpus_per_server=cpus_per_server,
         gpus_per_worker=gpus_per_worker,
@@ -295,6 +339,23 @@ def launch(
     except PortUnavailable as exc:  # --dashboard-port taken: one line, no traceback
         raise click.ClickException(str(exc)) from None
     ctx.exit(exit_code)
+
+
+def _read_overrides(path: str | None) -> dict[str, Any]:
+    """The --pod-overrides file's mapping ({} without one)."""
+    if path is None:
+        return {}
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as file:
+            data = yaml.safe_load(file)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise click.BadParameter(f"{path}: {exc}", param_hint="'--pod-overrides'") from None
+    if not isinstance(data, dict):
+        what = f"{path} must hold a mapping of role to pod template"
+        raise click.BadParameter(what, param_hint="'--pod-overrides'")
+    return data
 
 
 def _default_servers(strategy: str | None) -> int:

@@ -10,6 +10,7 @@ stopped with the cluster's own commands: sacct/squeue and scancel, kubectl get/l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -58,32 +59,24 @@ def run_command(cmd: list[str], stdin: str | None = None) -> str:
 
 
 def slurm_options(spec: JobSpec, job_id: str, folder: Path, dry_run: bool) -> Any:
-    from paratrain.launch.engines.slurm.sbatch import SlurmOptions
+    """The options `paratrain launch` would make of the spec, with the job's name and output file."""
+    from paratrain.launch import engines
+    from paratrain.launch.jobspec import launch_args
 
-    return SlurmOptions(
-        partition=spec.slurm.partition,
-        time=spec.slurm.time,
-        nodes=spec.slurm.nodes,
-        dry_run=dry_run,
-        cpus_per_worker=spec.resources.worker.cpus,
-        cpus_per_server=spec.resources.server.cpus,
-        gpus_per_worker=spec.resources.worker.gpus,
-        job_name=job_id,
-        output=str(folder / "logs" / "slurm-%j.out"),
-    )
+    options = engines.get(spec.backend).options(launch_args(spec, dry_run))
+    return dataclasses.replace(options, job_name=job_id, output=str(folder / "logs" / "slurm-%j.out"))
 
 
 def slurm_script(spec: JobSpec, config: LaunchConfig, options: Any) -> str:
     """The engine's sbatch script, with the job's memory and its folders checked before srun."""
-    from paratrain.launch.engines.slurm.sbatch import sbatch_directive, sbatch_script
+    from paratrain.launch.engines.slurm.sbatch import sbatch_script
     from paratrain.launch.jobspec import memory_bytes
 
-    lines = sbatch_script(config, options).splitlines()
-    last_directive = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH "))
     memory = [r.memory for r in (spec.resources.worker, spec.resources.server) if r.memory]
     if memory:
         per_cpu = max(memory_bytes(m) for m in memory) / options.cpus_per_task
-        lines.insert(last_directive + 1, sbatch_directive("mem-per-cpu", f"{math.ceil(per_cpu / 2**20)}M"))
+        options = dataclasses.replace(options, mem_per_cpu=f"{math.ceil(per_cpu / 2**20)}M")
+    lines = sbatch_script(config, options).splitlines()
     dirs = {"work_dir": spec.work_dir, "data_dir": spec.data_dir, "output_dir": spec.output_dir}
     folders = " ".join(quote(d, "bash", name) for name, d in dirs.items() if d)
     check = [
@@ -136,32 +129,26 @@ def slurm_lines(text: str, role: str | None, rank: int) -> str:
 
 
 def k8s_options(spec: JobSpec, job_id: str, dry_run: bool) -> Any:
-    from paratrain.launch.engines.k8s.manifests import K8sOptions
+    """The options `paratrain launch` would make of the spec, with the job's name and interpreter."""
+    from paratrain.launch import engines
+    from paratrain.launch.jobspec import launch_args
 
-    return K8sOptions(
-        image=spec.k8s.image or "IMAGE",
-        namespace=spec.k8s.namespace,
-        dry_run=dry_run,
-        cpus_per_worker=spec.resources.worker.cpus,
-        cpus_per_server=spec.resources.server.cpus,
-        gpus_per_worker=spec.resources.worker.gpus,
-        name=job_id,
-        python=spec.entry.python or "python",
-    )
+    # A dry run of a spec without an image shows IMAGE where it goes (submit_problems refuses it).
+    options = engines.get(spec.backend).options(launch_args(spec, dry_run=True))
+    return dataclasses.replace(options, dry_run=dry_run, name=job_id, python=spec.entry.python or "python")
 
 
 def k8s_manifests(spec: JobSpec, config: LaunchConfig, options: Any) -> list[dict]:
     """The engine's manifests, with the job's volumes, memory and working directory in every pod."""
-    from paratrain.launch.engines.k8s.manifests import build_manifests
+    from paratrain.launch.engines.k8s.manifests import build_manifests, pod_templates
 
     manifests = build_manifests(config, options, options.name, secrets.token_bytes(32))
-    for manifest in manifests:
-        if manifest["kind"] == "Job":
-            _add_to_pod(spec, manifest["spec"]["template"]["spec"], manifest["metadata"]["name"])
+    for template in pod_templates(manifests):
+        _add_to_pod(spec, template["spec"])
     return manifests
 
 
-def _add_to_pod(spec: JobSpec, pod: dict, job_name: str) -> None:
+def _add_to_pod(spec: JobSpec, pod: dict) -> None:
     volumes, mounts = [], []
     claims = [("output", spec.k8s.output_pvc, spec.output_dir, False)]
     if spec.data_dir is not None:
@@ -174,11 +161,11 @@ def _add_to_pod(spec: JobSpec, pod: dict, job_name: str) -> None:
             source["readOnly"] = True
         volumes.append({"name": name, "persistentVolumeClaim": source})
         mounts.append({"name": name, "mountPath": path, "readOnly": read_only})
-    if volumes:
-        pod["volumes"] = volumes
+    if volumes:  # beside any the pod overrides added
+        pod["volumes"] = [*pod.get("volumes", []), *volumes]
     container = pod["containers"][0]
     if mounts:
-        container["volumeMounts"] = mounts
+        container["volumeMounts"] = [*container.get("volumeMounts", []), *mounts]
     if spec.work_dir is not None:
         container["workingDir"] = spec.work_dir
     role = container["name"]
@@ -197,7 +184,7 @@ def k8s_apply(options: Any, text: str) -> None:
 
 
 def _selector(cluster_id: str) -> list[str]:
-    name, namespace = cluster_id.split("/")
+    name, namespace, *_ = cluster_id.split("/")
     return ["-n", namespace, "-l", f"paratrain.io/job={name}"]
 
 
@@ -221,7 +208,7 @@ def k8s_state(cluster_id: str) -> str | None:
 
 
 def k8s_logs_command(cluster_id: str, role: str | None, rank: int, follow: bool) -> list[str]:
-    name, namespace = cluster_id.split("/")
+    name, namespace, *_ = cluster_id.split("/")
     selector = f"paratrain.io/job={name}"
     if role is not None:
         selector += f",paratrain.io/role={role},batch.kubernetes.io/job-completion-index={rank}"
@@ -230,7 +217,9 @@ def k8s_logs_command(cluster_id: str, role: str | None, rank: int, follow: bool)
 
 
 def k8s_delete(cluster_id: str) -> None:
-    run_command(["kubectl", "delete", "job,service,secret", "--wait=false", *_selector(cluster_id)])
+    """Deletes the job's objects (`<name>/<namespace>[/jobset]`: the form its Jobs were made in)."""
+    kinds = "jobset,service,secret" if cluster_id.endswith("/jobset") else "job,service,secret"
+    run_command(["kubectl", "delete", kinds, "--wait=false", *_selector(cluster_id)])
 
 
 def write_text(out: IO[str], text: str) -> None:

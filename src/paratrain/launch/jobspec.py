@@ -29,32 +29,32 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    WithJsonSchema,
-    field_validator,
-)
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, ValidationInfo, field_validator
 
 from paratrain.launch import engines
 from paratrain.launch.api import IDENTITY_VARS, LaunchConfig, check_strategy
+from paratrain.launch.engines.api import LaunchArgs
+from paratrain.launch.jobspec_settings import (
+    ITEMS_MAX,
+    MEMORY,
+    TEXT_MAX,
+    Dashboard,
+    Entry,
+    K8sSettings,
+    LocalSettings,
+    RaySettings,
+    Resources,
+    SlurmSettings,
+    StrictModel,
+    Text,
+)
+from paratrain.launch.observe_cli import observing_env
+from paratrain.metrics.dashboard import DashboardConfig
 
 MAX_SPEC_BYTES = 256 << 10
 """Largest job spec file read (a spec is a page of settings; its values all go on command lines)."""
-TEXT_MAX = 4096
-"""Longest string field: a path, a name, an argument (Linux's PATH_MAX)."""
 ENV_VALUE_MAX = 32 << 10
 """Longest environment variable value."""
-ITEMS_MAX = 1000
-"""Most arguments in entry.args, and most variables in env."""
-Text = Annotated[str, Field(max_length=TEXT_MAX)]
-
-MEMORY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 _MEMORY_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 _MEMORY_UNITS.update({"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40})
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -63,6 +63,11 @@ DIRECTORY_VARS = ("PARATRAIN_DATA_DIR", "PARATRAIN_OUTPUT_DIR", "PARATRAIN_WORK_
 PLATFORM_VARS = frozenset(
     {*DIRECTORY_VARS, "PARATRAIN_CHECKPOINT_EVERY", "PARATRAIN_JOB_ID", "PARATRAIN_TASK"}
 )
+
+
+API_VERSION = "paratrain.io/v1"
+"""The job spec's version, written `apiVersion: paratrain.io/v1`."""
+KIND = "TrainingJob"
 
 
 def _engine_names(schema: dict[str, Any]) -> None:
@@ -86,87 +91,13 @@ def _check_env_name(key: str) -> str:
     return key
 
 
-def _number_as_text(value: Any) -> Any:
-    """A script argument written as a YAML number (`--epochs, 3`), as the text the script gets."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    return value
-
-
-ScriptArg = Annotated[Text, BeforeValidator(_number_as_text), WithJsonSchema({"type": ["string", "number"]})]
-
-
-class _Strict(BaseModel):
-    """Unknown fields are errors; values are not coerced across types (no "2" for 2)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
-
-
-class Entry(_Strict):
-    """What every process runs."""
-
-    script: str = Field(min_length=1, max_length=TEXT_MAX)
-    """The Python script, relative to work_dir (or absolute)."""
-    args: list[ScriptArg] = Field([], max_length=ITEMS_MAX)
-    """Its own arguments, passed unparsed, before any directory arguments (numbers as written)."""
-    python: Text | None = None
-    """The interpreter (on every host); default: the one running paratrain (on k8s: `python`)."""
-
-
-class RoleResources(_Strict):
-    """What one process of a role reserves (ray, slurm, k8s; the local backend shares this machine)."""
-
-    cpus: Annotated[float, Field(gt=0)] = 1.0
-    """CPU cores (may be fractional on ray and k8s); also the process's OMP_NUM_THREADS."""
-    gpus: Annotated[int, Field(ge=0)] = 0
-    """GPUs."""
-    memory: Annotated[str, Field(pattern=MEMORY.pattern, max_length=64)] | None = None
-    """Memory, a Kubernetes quantity: bytes, or with a unit K, M, G, T, Ki, Mi, Gi, Ti (e.g. 4Gi)."""
-
-
-class Resources(_Strict):
-    """Per role. The evaluator runs beside the job's driver and reserves nothing."""
-
-    worker: RoleResources = RoleResources()
-    server: RoleResources = RoleResources()
-
-
-class RaySettings(_Strict):
-    """backend: ray."""
-
-    address: str = Field("auto", min_length=1, max_length=TEXT_MAX)
-    """The Ray cluster: "auto" (the one `ray start` started on this machine) or host:port."""
-
-
-class SlurmSettings(_Strict):
-    """backend: slurm."""
-
-    partition: str | None = Field(None, pattern=r"^[A-Za-z0-9_.,:@%+=/-]+$", max_length=TEXT_MAX)
-    """sbatch --partition; default: the cluster's default partition."""
-    time: str | None = Field(
-        None, pattern=r"^(\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)$", max_length=64
-    )
-    """sbatch --time: minutes, h:mm:ss, days-hours, ...; default: from timeout_s, else the partition's."""
-    nodes: Annotated[int, Field(ge=1)] | None = None
-    """sbatch --nodes; default: Slurm chooses."""
-
-
-class K8sSettings(_Strict):
-    """backend: k8s."""
-
-    image: str | None = Field(None, min_length=1, max_length=TEXT_MAX)
-    """The container image every pod runs (holds the script and paratrain); needed to submit."""
-    namespace: str = Field("default", pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", max_length=63)
-    """The namespace every object is created in."""
-    output_pvc: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
-    """The PersistentVolumeClaim mounted read-write at output_dir in every pod (needed to submit)."""
-    data_pvc: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
-    """The PersistentVolumeClaim mounted read-only at data_dir in every pod (needed with data_dir)."""
-
-
-class JobSpec(_Strict):
+class JobSpec(StrictModel):
     """One training job. Paths are relative to the spec file's folder unless absolute."""
 
+    apiVersion: str = API_VERSION
+    """The spec's version; a file without it is read as paratrain.io/v1."""
+    kind: str = KIND
+    """What the file describes; a file without it is a TrainingJob."""
     name: str = Field(pattern=r"^[a-z][a-z0-9-]*$", max_length=20)
     """The job's name: lower-case letters, digits and '-', starting with a letter, at most 20."""
     entry: Entry
@@ -175,6 +106,9 @@ class JobSpec(_Strict):
     """Worker processes."""
     servers: Annotated[int, Field(ge=0)] = 1
     """Server processes (0: a collective job)."""
+    server_losses: Annotated[int, Field(ge=0)] = 0
+    """Servers that may die without failing the job, for replicated servers (JobConfig.replication - 1
+    in the script; local backend)."""
     evaluator: Annotated[int, Field(ge=0, le=1)] = 0
     """1: an evaluator process that scores each new checkpoint (local and ray backends)."""
     strategy: Text | None = None
@@ -206,6 +140,33 @@ class JobSpec(_Strict):
     """Extra environment variables for every process."""
     timeout_s: Annotated[float, Field(gt=0)] | None = None
     """Stop the whole job after this many seconds; default: no limit."""
+    elastic: bool = False
+    """A worker that dies does not stop the job (the script sets JobConfig.elastic; the scheduler drops
+    it and stops the job below min_workers). local, ray and slurm backends."""
+    max_restarts: Annotated[int, Field(ge=0)] = 0
+    """Start a dead worker process again, up to this many times (per worker task on slurm; implies
+    elastic); the new process joins the running job."""
+    dashboard: Dashboard = Dashboard()
+    """The live dashboard and Prometheus /metrics."""
+    trace_dir: str | None = Field(None, min_length=1, max_length=TEXT_MAX)
+    """Every process writes a Chrome-trace timeline into this folder (`paratrain trace merge`)."""
+    local: LocalSettings = LocalSettings()
+
+    @field_validator("apiVersion", "kind")
+    @classmethod
+    def _version(cls, value: str, info: ValidationInfo) -> str:
+        known = {"apiVersion": API_VERSION, "kind": KIND}[info.field_name or ""]
+        if value != known:
+            raise ValueError(f"{value!r} is not one this paratrain reads: should be {known!r}")
+        return value
+
+    @field_validator("server_losses")
+    @classmethod
+    def _server_losses(cls, value: int, info: ValidationInfo) -> int:
+        servers = info.data.get("servers", 1)
+        if value and value >= servers:
+            raise ValueError(f"{value} must be below servers ({servers}): one server must be left")
+        return value
 
     @field_validator("backend")
     @classmethod
@@ -398,8 +359,9 @@ def _resolved(spec: JobSpec, base: Path) -> JobSpec:
         "work_dir": _absolute(spec.work_dir, base) if spec.work_dir else str(base),
         "output_dir": _absolute(spec.output_dir, base),
     }
-    if spec.data_dir is not None:
-        changes["data_dir"] = _absolute(spec.data_dir, base)
+    for name in ("data_dir", "trace_dir"):
+        if getattr(spec, name) is not None:
+            changes[name] = _absolute(getattr(spec, name), base)
     return spec.model_copy(update=changes)
 
 
@@ -411,10 +373,15 @@ def _absolute(path: str, base: Path) -> str:
 
 
 def script_path(spec: JobSpec) -> str:
-    """The entry script, absolute against work_dir (on k8s: against its working directory)."""
-    if spec.work_dir is None or os.path.isabs(spec.entry.script):
-        return spec.entry.script
-    return os.path.join(spec.work_dir, spec.entry.script)
+    """The entry script, absolute against work_dir (on k8s: against its working directory); or the
+    entry module's name."""
+    script = spec.entry.script
+    if script is None:
+        assert spec.entry.module is not None  # Entry holds one of the two
+        return spec.entry.module
+    if spec.work_dir is None or os.path.isabs(script):
+        return script
+    return os.path.join(spec.work_dir, script)
 
 
 def directories(spec: JobSpec, log_dir: str) -> dict[str, str]:
@@ -448,20 +415,97 @@ def script_args(spec: JobSpec, log_dir: str) -> tuple[str, ...]:
 
 
 def launch_config(spec: JobSpec, job_id: str, log_dir: str) -> LaunchConfig:
-    """The LaunchConfig every engine takes."""
+    """The LaunchConfig every engine takes: what `paratrain launch` makes of the same settings."""
     kwargs: dict[str, Any] = {}
     if spec.entry.python is not None:
         kwargs["python"] = spec.entry.python
+    local = engines.get(spec.backend).binds_dashboard
+    observing = observing_env(spec.trace_dir, dashboard_config(spec), local)
     return LaunchConfig(
         script=script_path(spec),
         args=script_args(spec, log_dir),
         num_workers=spec.workers,
         num_servers=spec.servers,
         strategy=spec.strategy,
-        env={**spec.env, **directory_env(spec, job_id, log_dir)},
+        env={**spec.env, **observing, **directory_env(spec, job_id, log_dir)},
         timeout_s=spec.timeout_s,
+        server_losses=spec.server_losses,
+        elastic=spec.elastic,
+        max_restarts=spec.max_restarts,
+        module=spec.entry.module is not None,
         **kwargs,
     )
+
+
+def dashboard_config(spec: JobSpec) -> DashboardConfig | None:
+    board = spec.dashboard
+    if not board.enabled:
+        return None
+    return DashboardConfig(host=board.host, port=board.port, linger_s=board.linger_s)
+
+
+def launch_args(spec: JobSpec, dry_run: bool) -> LaunchArgs:
+    """The engine options `paratrain launch` would be given for this spec (LAUNCH_FIELDS)."""
+    return LaunchArgs(
+        host=spec.local.host,
+        dashboard=dashboard_config(spec),
+        address=spec.ray.address,
+        partition=spec.slurm.partition,
+        time_limit=spec.slurm.time,
+        nodes=spec.slurm.nodes,
+        account=spec.slurm.account,
+        qos=spec.slurm.qos,
+        constraint=spec.slurm.constraint,
+        extra_sbatch=tuple(spec.slurm.extra_sbatch),
+        setup=tuple(spec.slurm.setup),
+        image=spec.k8s.image,
+        namespace=spec.k8s.namespace,
+        pod_overrides={str(role): part for role, part in spec.k8s.pod_overrides.items()},
+        k8s_form=spec.k8s.form,
+        cpus_per_worker=spec.resources.worker.cpus,
+        cpus_per_server=spec.resources.server.cpus,
+        gpus_per_worker=spec.resources.worker.gpus,
+        dry_run=dry_run,
+    )
+
+
+LAUNCH_FIELDS = {
+    "backend": "backend",
+    "workers": "workers",
+    "servers": "servers",
+    "strategy": "strategy",
+    "timeout_s": "timeout_s",
+    "server_losses": "server_losses",
+    "elastic": "elastic",
+    "max_restarts": "max_restarts",
+    "module": "entry.module",
+    "script": "entry.script",
+    "script_args": "entry.args",
+    "host": "local.host",
+    "address": "ray.address",
+    "partition": "slurm.partition",
+    "time_limit": "slurm.time",
+    "nodes": "slurm.nodes",
+    "account": "slurm.account",
+    "qos": "slurm.qos",
+    "constraint": "slurm.constraint",
+    "extra_sbatch": "slurm.extra_sbatch",
+    "setup": "slurm.setup",
+    "image": "k8s.image",
+    "namespace": "k8s.namespace",
+    "pod_overrides": "k8s.pod_overrides",
+    "k8s_form": "k8s.form",
+    "cpus_per_worker": "resources.worker.cpus",
+    "cpus_per_server": "resources.server.cpus",
+    "gpus_per_worker": "resources.worker.gpus",
+    "dashboard_on": "dashboard.enabled",
+    "dashboard_host": "dashboard.host",
+    "dashboard_port": "dashboard.port",
+    "dashboard_linger": "dashboard.linger_s",
+    "trace_dir": "trace_dir",
+}
+"""Each `paratrain launch` parameter and the spec field that says the same (tests/test_jobspec.py
+walks both and fails on one without the other)."""
 
 
 def memory_bytes(quantity: str) -> int:

@@ -76,12 +76,16 @@ def dashboard_config(options: dict[str, Any]) -> DashboardConfig | None:
 
 
 def observe_env(options: dict[str, Any], local: bool) -> dict[str, str]:
+    """Variables for every process from the options above (see `observing_env`)."""
+    return observing_env(options["trace_dir"], dashboard_config(options), local)
+
+
+def observing_env(trace_dir: str | None, board: DashboardConfig | None, local: bool) -> dict[str, str]:
     """Variables for every process: the trace folder (absolute: processes may start elsewhere),
     and, where the launcher does not bind the dashboard itself (not local), its address."""
     env = {}
-    if options["trace_dir"]:
-        env[TRACE_VAR] = os.path.abspath(options["trace_dir"])
-    board = dashboard_config(options)
+    if trace_dir:
+        env[TRACE_VAR] = os.path.abspath(trace_dir)
     if board is not None and not local:
         env[DASHBOARD_VAR] = f"{board.host}:{board.port}"
         env[LINGER_VAR] = str(board.linger_s)

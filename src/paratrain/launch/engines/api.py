@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
@@ -46,8 +47,15 @@ class LaunchArgs:
     partition: str | None = None
     time_limit: str | None = None
     nodes: int | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    extra_sbatch: tuple[str, ...] = ()
+    setup: tuple[str, ...] = ()
     image: str | None = None
     namespace: str = "default"
+    pod_overrides: Mapping[str, Any] = field(default_factory=dict)
+    k8s_form: str = "jobs"
     cpus_per_worker: float = 1.0
     cpus_per_server: float = 1.0
     gpus_per_worker: int = 0
@@ -123,13 +131,17 @@ class Engine(ABC):
 
     def spec_problems(self, spec: JobSpec) -> list[SpecProblem]:
         """What a spec needs for this engine that the spec's models alone cannot say."""
-        if spec.evaluator and not self.evaluator:
-            from paratrain.launch import engines
+        from paratrain.launch import engines
 
-            *others, last = engines.names(lambda engine: engine.evaluator)
-            where = f"{', '.join(others)} and {last}" if others else last
-            return [(("evaluator",), f"an evaluator runs on the {where} backends, not {self.name}")]
-        return []
+        problems: list[SpecProblem] = []
+        asked = [("evaluator", "an evaluator runs", "evaluator")]
+        asked += [(name, f"{name} works", "elastic") for name in ("elastic", "max_restarts")]
+        for name, what, able in asked:
+            if getattr(spec, name) and not getattr(self, able):
+                *others, last = engines.names(partial(_can, able))
+                where = f"{', '.join(others)} and {last}" if others else last
+                problems.append(((name,), f"{what} on the {where} backends, not {self.name}"))
+        return problems
 
     def submit_problems(self, spec: JobSpec, dry_run: bool) -> list[str]:
         """What `submit` can check on this machine before anything starts."""
@@ -139,7 +151,7 @@ class Engine(ABC):
 
         problems = []
         script = script_path(spec)
-        if not os.path.isfile(script):
+        if spec.entry.script is not None and not os.path.isfile(script):
             problems.append(f"entry.script: {script} is not a file")
         if spec.data_dir is not None and not os.path.isdir(spec.data_dir):
             problems.append(f"data_dir: {spec.data_dir} is not a folder")
@@ -174,6 +186,11 @@ class Engine(ABC):
     def describe_state_command(self, spec: JobSpec) -> str:
         """The `paratrain jobs` line `submit` prints."""
         return f"paratrain jobs {spec.output_dir}" if self.paths_here else "paratrain jobs"
+
+
+def _can(ability: str, engine: Engine) -> bool:
+    """Whether `engine` has the ability (a class attribute such as `elastic`)."""
+    return bool(getattr(engine, ability))
 
 
 class ClusterEngine(Engine):

@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from paratrain.launch import job_cluster, jobs
+from paratrain.launch.api import IDENTITY_VARS
 from paratrain.launch.engines.api import ClusterEngine, LaunchArgs, SpecProblem
+from paratrain.launch.engines.k8s.extras import check_overrides
 from paratrain.launch.engines.k8s.manifests import K8sOptions
 
 if TYPE_CHECKING:
@@ -24,7 +26,13 @@ class K8sEngine(ClusterEngine):
         if args.image is None and not args.dry_run:
             raise ValueError(f"--backend {self.name} needs --image (the container image every pod runs)")
         return K8sOptions(
-            image=args.image or "IMAGE", namespace=args.namespace, dry_run=args.dry_run, **args.resources
+            image=args.image or "IMAGE",
+            namespace=args.namespace,
+            dry_run=args.dry_run,
+            pod_overrides=args.pod_overrides,
+            form=args.k8s_form,
+            dashboard=args.dashboard,
+            **args.resources,
         )
 
     def launch(self, config: LaunchConfig, options: K8sOptions) -> int:
@@ -37,12 +45,18 @@ class K8sEngine(ClusterEngine):
 
     def spec_problems(self, spec: JobSpec) -> list[SpecProblem]:
         problems = super().spec_problems(spec)
-        for name in ("output_dir", "data_dir", "work_dir"):
+        for name in ("output_dir", "data_dir", "work_dir", "trace_dir"):
             value = getattr(spec, name)
             if value is not None and not value.startswith("/"):
                 problems.append(
                     ((name,), f"must be an absolute path in the pods with backend k8s, got {value!r}")
                 )
+        try:
+            overrides = {str(role): part for role, part in spec.k8s.pod_overrides.items()}
+            check_overrides(overrides, IDENTITY_VARS, "pod_overrides")
+        except ValueError as exc:
+            where, _, message = str(exc).partition(": ")
+            problems.append((tuple(["k8s", *where.split(" ")[0].split(".")]), message or str(exc)))
         if spec.k8s.output_pvc is None:
             problems.append(
                 (("k8s", "output_pvc"), "is required with backend k8s: the claim mounted at output_dir")
@@ -69,7 +83,7 @@ class K8sEngine(ClusterEngine):
 
         options = self.job_options(spec, record.id, folder, dry_run=False)
         job_cluster.k8s_apply(options, manifests_yaml(job_cluster.k8s_manifests(spec, config, options)))
-        return f"{record.id}/{spec.k8s.namespace}"
+        return "/".join([record.id, spec.k8s.namespace, *(["jobset"] if spec.k8s.form == "jobset" else [])])
 
     def cluster_state(self, cluster_id: str) -> str | None:
         return job_cluster.k8s_state(cluster_id)

@@ -36,14 +36,28 @@ import re
 import secrets
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import IO, Any
 
 import yaml
 
 from paratrain.launch.api import IDENTITY_VARS, THREAD_VARS, LaunchConfig, describe_threads, thread_env
+from paratrain.launch.engines.k8s.extras import (
+    TOKEN_KEY,
+    apply_overrides,
+    check_overrides,
+    dashboard_env,
+    dashboard_port,
+    dashboard_service,
+    jobset,
+    override_labels,
+    scrape_annotations,
+)
 from paratrain.launch.quoting import quote
+from paratrain.metrics.dashboard import DashboardConfig, dashboard_token
+from paratrain.metrics.observe import DASHBOARD_VAR
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +66,7 @@ ROLE_LABEL = "paratrain.io/role"
 SECRET_KEY = "PARATRAIN_SECRET"
 INDEX_FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 GPU_RESOURCE = "nvidia.com/gpu"
+FORMS = ("jobs", "jobset")
 
 # What the scheduler pod reserves: it answers registrations, heartbeats and barriers, no tensors.
 _SCHEDULER_CPU_REQUEST = "100m"
@@ -110,8 +125,20 @@ class K8sOptions:
     """The interpreter that runs the script inside the image."""
     kubectl: str = "kubectl"
     """The kubectl command that applies the manifests."""
+    pod_overrides: Mapping[str, Any] = field(default_factory=dict)
+    """Pod template fragments merged into every role's pods (`all`) and one role's (`scheduler`,
+    `server`, `worker`): node selectors, tolerations, service account, image pull secrets, labels,
+    annotations, volumes, resources (extras.py says how they merge)."""
+    form: str = "jobs"
+    """"jobs": one indexed Job per role; "jobset": the same Jobs as one JobSet (jobset.x-k8s.io)."""
+    dashboard: DashboardConfig | None = None
+    """Serve the dashboard from the scheduler pod, behind the Service <name>-dashboard."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "pod_overrides", dict(self.pod_overrides))
+        check_overrides(self.pod_overrides, IDENTITY_VARS, "pod_overrides")
+        if self.form not in FORMS:
+            raise ValueError(f"form must be one of {', '.join(FORMS)}, got {self.form!r}")
         if not isinstance(self.image, str) or not self.image.strip():
             raise ValueError(f"image must name a container image, got {self.image!r}")
         _check_label("namespace", self.namespace, 63)
@@ -158,13 +185,35 @@ def scheduler_address(name: str, options: K8sOptions) -> str:
 
 def build_manifests(config: LaunchConfig, options: K8sOptions, name: str, secret: bytes) -> list[dict]:
     """Every object of the job, as plain dicts in the order they are applied."""
-    _check_label("name", name, MAX_NAME_LENGTH)
+    # A JobSet's Jobs are named <name>-<role>-0: two more characters in every pod's name.
+    _check_label("name", name, MAX_NAME_LENGTH - (2 if options.form == "jobset" else 0))
     manifests = [_secret(name, options, secret), _service(name, options)]
+    if options.dashboard is not None:
+        selector = {JOB_LABEL: name, ROLE_LABEL: "scheduler"}
+        metadata = _metadata(f"{name}-dashboard", options, _labels(name, "scheduler"))
+        manifests.append(dashboard_service(metadata, selector, options.dashboard.port))
     counts = {"scheduler": 1, "server": config.num_servers, "worker": config.num_workers}
-    for role, count in counts.items():
-        if count:
-            manifests.append(_job(config, options, name, role, count))
-    return manifests
+    jobs = [_job(config, options, name, role, count) for role, count in counts.items() if count]
+    overrides = options.pod_overrides
+    for job in jobs:
+        role = job["metadata"]["labels"][ROLE_LABEL]
+        apply_overrides(job["spec"]["template"], overrides, role)
+        job["metadata"]["labels"] = {**override_labels(overrides, "all", role), **job["metadata"]["labels"]}
+    if options.form == "jobset":
+        labels = {**override_labels(overrides, "all"), **_labels(name)}
+        return [*manifests, jobset(name, options.namespace, labels, jobs)]
+    return manifests + jobs
+
+
+def pod_templates(manifests: list[dict]) -> list[dict]:
+    """Every role's pod template among the job's objects, whichever form they take."""
+    templates = []
+    for manifest in manifests:
+        if manifest["kind"] == "Job":
+            templates.append(manifest["spec"]["template"])
+        elif manifest["kind"] == "JobSet":
+            templates += [job["template"]["spec"]["template"] for job in manifest["spec"]["replicatedJobs"]]
+    return templates
 
 
 def manifests_yaml(manifests: list[dict]) -> str:
@@ -204,7 +253,8 @@ def _user_env(config: LaunchConfig) -> dict[str, str]:
     choice made there is carried over rather than silently overridden)."""
     chosen = {name: os.environ[name] for name in THREAD_VARS if os.environ.get(name)}
     env = {**chosen, **config.job_env()}
-    return {key: value for key, value in env.items() if key not in IDENTITY_VARS}
+    # The scheduler pod alone serves the dashboard, on its own address (`_container`).
+    return {key: value for key, value in env.items() if key not in IDENTITY_VARS | {DASHBOARD_VAR}}
 
 
 def _labels(name: str, role: str | None = None) -> dict[str, str]:
@@ -221,14 +271,20 @@ def _metadata(name: str, options: K8sOptions, labels: dict[str, str]) -> dict[st
 
 def _secret(name: str, options: K8sOptions, secret: bytes) -> dict[str, Any]:
     # `data` (base64) rather than `stringData`, so that the hex itself appears nowhere in the text.
-    encoded = base64.b64encode(secret.hex().encode("ascii")).decode("ascii")
+    data = {SECRET_KEY: _base64(secret.hex())}
+    if options.dashboard is not None:  # for `kubectl port-forward` users and a scrape config
+        data[TOKEN_KEY] = _base64(dashboard_token(secret))
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _metadata(f"{name}-secret", options, _labels(name)),
         "type": "Opaque",
-        "data": {SECRET_KEY: encoded},
+        "data": data,
     }
+
+
+def _base64(text: str) -> str:
+    return base64.b64encode(text.encode("ascii")).decode("ascii")
 
 
 def _service(name: str, options: K8sOptions) -> dict[str, Any]:
@@ -273,6 +329,8 @@ def _job(config: LaunchConfig, options: K8sOptions, name: str, role: str, count:
     if config.timeout_s is not None:
         spec["activeDeadlineSeconds"] = math.ceil(config.timeout_s)
     spec["template"] = {"metadata": {"labels": _labels(name, role)}, "spec": pod}
+    if role == "scheduler" and options.dashboard is not None:
+        spec["template"]["metadata"]["annotations"] = scrape_annotations(options.dashboard.port)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -296,6 +354,10 @@ def _container(config: LaunchConfig, options: K8sOptions, name: str, role: str) 
     }
     if role == "scheduler":
         container["ports"] = [{"name": "scheduler", "containerPort": options.scheduler_port}]
+        if options.dashboard is not None:
+            env.append(dashboard_env(options.dashboard.port))
+            port = dashboard_port(options.dashboard.port)
+            container["ports"].append({"name": "dashboard", "containerPort": port})
     return container
 
 
@@ -470,7 +532,8 @@ def _cleanup_hint(options: K8sOptions, name: str) -> str:
 
 
 def _delete_command(options: K8sOptions, name: str) -> str:
-    return f"kubectl delete job,service,secret -n {options.namespace} -l {JOB_LABEL}={name}"
+    kinds = "jobset,service,secret" if options.form == "jobset" else "job,service,secret"
+    return f"kubectl delete {kinds} -n {options.namespace} -l {JOB_LABEL}={name}"
 
 
 def _follow_hint(options: K8sOptions, name: str) -> str:

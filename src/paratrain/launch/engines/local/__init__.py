@@ -51,19 +51,13 @@ class LocalEngine(DrivenEngine):
         )
 
     def job_options(self, spec: JobSpec, job_id: str, folder: Path, dry_run: bool) -> LocalOptions:
-        return LocalOptions(gpus_per_worker=spec.resources.worker.gpus)
+        from paratrain.launch.jobspec import launch_args
+
+        return self.options(launch_args(spec, dry_run))
 
     def drive(self, spec: JobSpec, config: LaunchConfig, out: IO[str]) -> JobResult:
-        from paratrain.launch.engines.local.job import LocalJobConfig, run_local_job
+        from paratrain.launch.engines.local.job import local_job, run_local_job
 
-        local = LocalJobConfig(
-            script=config.script,
-            args=config.args,
-            num_workers=config.num_workers,
-            num_servers=config.num_servers,
-            env=config.job_env(),
-            timeout_s=config.timeout_s,
-            python=config.python,
-            gpus_per_worker=spec.resources.worker.gpus,
-        )
+        options = self.job_options(spec, "", Path(), dry_run=False)
+        local = local_job(config, options.host, options.dashboard, options.gpus_per_worker)
         return run_local_job(local, out=out, err=out)

@@ -618,7 +618,19 @@ def run_launch(
 ) -> int:
     """`paratrain launch --backend local`: the job as processes of this machine; its exit status.
     The children's output is folded: their abort notices and repeated tracebacks are left out."""
-    local = LocalJobConfig(
+    local = local_job(config, host, dashboard, gpus_per_worker)
+    shortfall = gpu_shortfall(local, os.environ, nvidia_gpu_count())
+    if shortfall:
+        print(f"paratrain: {shortfall}", file=sys.stderr)
+        return 2
+    return run_local_job(local, fold=True).exit_code
+
+
+def local_job(
+    config: LaunchConfig, host: str, dashboard: DashboardConfig | None, gpus_per_worker: int
+) -> LocalJobConfig:
+    """The job of `config` as this engine runs it (a launch's and a submitted job's alike)."""
+    return LocalJobConfig(
         script=config.script,
         args=config.args,
         num_workers=config.num_workers,
@@ -634,11 +646,6 @@ def run_launch(
         module=config.module,
         gpus_per_worker=gpus_per_worker,
     )
-    shortfall = gpu_shortfall(local, os.environ, nvidia_gpu_count())
-    if shortfall:
-        print(f"paratrain: {shortfall}", file=sys.stderr)
-        return 2
-    return run_local_job(local, fold=True).exit_code
 
 
 def run_local_job(

@@ -29,12 +29,9 @@ class RayEngine(DrivenEngine):
         return run_ray_job(config, options)
 
     def job_options(self, spec: JobSpec, job_id: str, folder: Path, dry_run: bool) -> RayOptions:
-        return RayOptions(
-            address=spec.ray.address,
-            cpus_per_worker=spec.resources.worker.cpus,
-            cpus_per_server=spec.resources.server.cpus,
-            gpus_per_worker=spec.resources.worker.gpus,
-        )
+        from paratrain.launch.jobspec import launch_args
+
+        return self.options(launch_args(spec, dry_run))
 
     def where(self, spec: JobSpec) -> str:
         return f"the Ray cluster at {spec.ray.address}"

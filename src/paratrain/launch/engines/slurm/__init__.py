@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from paratrain.launch import job_cluster, jobs
 from paratrain.launch.engines.api import ClusterEngine, LaunchArgs, LogSource, SpecProblem
-from paratrain.launch.engines.slurm.sbatch import SlurmOptions
+from paratrain.launch.engines.slurm.sbatch import SlurmOptions, extra_option, setup_command
 
 if TYPE_CHECKING:
     from paratrain.launch.api import LaunchConfig
@@ -23,6 +23,11 @@ class SlurmEngine(ClusterEngine):
             partition=args.partition,
             time=args.time_limit,
             nodes=args.nodes,
+            account=args.account,
+            qos=args.qos,
+            constraint=args.constraint,
+            extra_sbatch=args.extra_sbatch,
+            setup=args.setup,
             dry_run=args.dry_run,
             **args.resources,
         )
@@ -38,9 +43,14 @@ class SlurmEngine(ClusterEngine):
     def spec_problems(self, spec: JobSpec) -> list[SpecProblem]:
         problems = super().spec_problems(spec)
         if spec.resources.server.gpus:
-            problems.append(
-                (("resources", "server", "gpus"), "slurm gives every task of one srun the workers' GPUs")
-            )
+            problems.append((("resources", "server", "gpus"), "servers take no GPUs"))
+        checks = (("extra_sbatch", extra_option), ("setup", setup_command))
+        for name, check in checks:
+            for i, line in enumerate(getattr(spec.slurm, name)):
+                try:
+                    check(line, f"{name}[{i}]")
+                except ValueError as exc:
+                    problems.append((("slurm", name, str(i)), str(exc).split(": ", 1)[-1]))
         return problems
 
     def dry_run(self, spec: JobSpec, config: LaunchConfig, job_id: str, folder: Path) -> str:
