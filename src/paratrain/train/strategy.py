@@ -258,6 +258,12 @@ class Strategy:
                 "worker's backward (and overflow check) has ended; use precision='bf16' (no loss "
                 "scaling), or update_on='worker'"
             )
+        if self.clip_grad_norm is not None and on_servers and isinstance(self.consistency, Backup):
+            raise ValueError(
+                f"Strategy.clip_grad_norm={self.clip_grad_norm!r} with consistency={self.consistency}: "
+                "the servers clip a round by the norm of its mean, and a backup round's mean is over "
+                "the pushes that made it, known only once it closed; use update_on='worker'"
+            )
         if self.clip_grad_norm is not None and sends_updates:
             raise ValueError(
                 f"Strategy.clip_grad_norm={self.clip_grad_norm!r} with compression='topk': each "
