@@ -190,8 +190,9 @@ class Handle:
     bounded modes; pushes applied, in async mode)."""
     what: str = "request"
     """What the caller waits for ("pushpull of key 'w'"), for the messages of a long wait."""
-    diagnose: Callable[[list[int]], WaitDiagnosis] | None = None
-    """Given the indices of the futures not yet answered: what they wait for and on whom."""
+    diagnose: Callable[[list[int]], WaitDiagnosis | str] | None = None
+    """Given the indices of the futures not yet answered: what they wait for and on whom (text, or a
+    WaitDiagnosis that also names the workers awaited)."""
     warn_after_s: float | None = None
     """Log what the wait is for after this long, and again every warn_after_s (None: never)."""
     replies: list[dict] = field(default_factory=list)
@@ -255,7 +256,8 @@ class Handle:
         if self.diagnose is None:
             return WaitDiagnosis(unanswered)
         try:
-            return self.diagnose(pending)
+            found = self.diagnose(pending)
+            return found if isinstance(found, WaitDiagnosis) else WaitDiagnosis(str(found))
         except Exception as exc:  # the diagnosis is a courtesy: the wait's own error must still come
             logger.debug("diagnosing a long wait failed", exc_info=True)
             return WaitDiagnosis(f"{unanswered} (asking why failed: {exc!r})")
