@@ -2,9 +2,10 @@
 
     server_loss.py ROUNDS DIR [REPLICATION]
 
-With JobConfig.replication=2 (or REPLICATION): configure, init of three keys (one sliced over the servers), a server
-SGD with momentum, a key's own learning rate (set_hyperparameters), ROUNDS sync rounds of known
-pushes, a checkpoint (save_state) halfway, a last pull, and the end (the workers leave the rounds).
+With JobConfig.replication=2 (or REPLICATION): configure, init of three keys (one sliced over the
+servers), a server SGD with momentum, a key's own learning rate (set_hyperparameters), ROUNDS sync
+rounds of known pushes, a checkpoint (save_state) halfway, a last pull, and the end (the workers
+leave the rounds).
 A server may die at any of these moments (kvstore/server/faults.py). Each worker replays every
 worker's pushes through the single-process ReferenceStore (the uninterrupted run) and checks the
 checkpoint and the last pull against it exactly; it prints `exact ok`.
