@@ -1,7 +1,8 @@
 """A port already taken ends a command with one line naming the port and the setting that changes
 it, never a traceback: `paratrain launch --dashboard-port`, `paratrain serve --port`, and the
 scheduler that rank 0 runs at MASTER_PORT+1 under torchrun (whose agent then stops the other ranks
-at once, rather than their waiting out the 60 s connect timeout)."""
+at once, rather than their waiting out the 60 s connect timeout), and, with no agent, the other
+ranks that find a program there that is no scheduler."""
 
 from __future__ import annotations
 
@@ -16,8 +17,12 @@ import pytest
 from click.testing import CliRunner
 
 from paratrain import checkpoint
+from paratrain.errors import TransportError
 from paratrain.launch.cli import main
 from paratrain.testing import free_port, free_port_run
+from paratrain.transport.client import RpcClient
+from paratrain.transport.config import TransportConfig
+from paratrain.transport.handshake import NoGreeting
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "tests" / "serve_models.py"
@@ -133,3 +138,16 @@ def test_ranks_started_without_an_agent_each_say_the_scheduler_port_is_taken_wit
                 rank.wait()
     for rank, output in zip(ranks, outputs, strict=True):
         assert rank.returncode == 1 and line in output and "Traceback" not in output, output
+
+
+def test_a_silent_listener_is_final_only_where_the_client_says_so(taken) -> None:
+    """The scheduler's link gives up on a listener that never greets; other clients keep trying
+    until their connect timeout (a stalled server may still come back)."""
+    quick = TransportConfig(connect_timeout_s=0.6, handshake_timeout_s=0.2)
+    with pytest.raises(
+        NoGreeting, match="accepted the connection but sent no paratrain greeting within 0.2 s"
+    ):
+        RpcClient("127.0.0.1", taken, b"s" * 32, config=quick, silence_is_final=True)
+    with pytest.raises(TransportError, match="within 0.6 s") as raised:
+        RpcClient("127.0.0.1", taken, b"s" * 32, config=quick)
+    assert not isinstance(raised.value, NoGreeting)

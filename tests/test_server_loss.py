@@ -1,6 +1,6 @@
 """A replicated server lost at any moment of the job's life (`--server-losses`): before it
-registered, once the job started, during configure, init, set_optimizer, set_hyperparameters, a
-round, a checkpoint and at the end. Each job (tests/jobs/server_loss.py) ends with every key and
+registered, once the job started, during init, set_optimizer, set_hyperparameters, a checkpoint
+and at the end. Each job (tests/jobs/server_loss.py) ends with every key and
 the checkpoint exactly the uninterrupted run's (the single-process reference)."""
 
 from __future__ import annotations
@@ -83,14 +83,14 @@ def test_a_server_lost_before_it_registered_is_nowhere_and_not_waited_for() -> N
 
 # (server, moment): the server SIGKILLs itself there (kvstore/server/faults.py). Servers 0..2, each
 # the primary of some slices and the backup of another's. A configure, join or stats call is sent as
-# set_optimizer is; the uninterrupted run is the reference each job replays.
+# set_optimizer is; the uninterrupted run is the reference each job replays. Mid-round deaths are
+# test_replication.py's (a server killed at a random round of the counting job).
 MOMENTS = [
     (1, "start"),  # before it registered
     (2, "started"),  # registered, before any request
     (1, "init"),
     (2, "set_optimizer"),
     (0, "set_hyper"),
-    (1, "pushpull 3"),  # mid-round
     (2, "get_state"),  # during the checkpoint
     (0, "leave"),  # at the end
 ]

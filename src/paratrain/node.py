@@ -22,7 +22,7 @@ from paratrain.cluster.config import JobConfig
 from paratrain.cluster.context import Context
 from paratrain.cluster.scheduler import Scheduler
 from paratrain.cluster.spec import ClusterSpec, spec_from_env
-from paratrain.transport.handshake import NoGreeting
+from paratrain.transport.handshake import NoGreeting, NotParatrain
 from paratrain.transport.ports import TAKEN, PortUnavailable, binding, unavailable
 from paratrain.transport.rpc import RpcServer
 
@@ -130,12 +130,12 @@ def _scheduler_port_setting(spec: ClusterSpec) -> str:
 
 
 def _link(spec: ClusterSpec, config: JobConfig, report: Callable[[], dict]) -> SchedulerLink:
-    """The link to the scheduler. A listener there that sends no paratrain greeting is another
-    program on the scheduler's port (the rank that runs the scheduler found it taken and said so):
-    this rank says the same, in one line, rather than wait out connect_timeout_s."""
+    """The link to the scheduler. A listener there that sends no paratrain greeting, or another
+    one, is another program on the scheduler's port (the rank that runs the scheduler found it
+    taken and said so): this rank says the same, in one line, rather than wait out connect_timeout_s."""
     try:
         return SchedulerLink(spec, config, report=report)
-    except NoGreeting as exc:
+    except (NoGreeting, NotParatrain) as exc:
         port_taken = unavailable(
             spec.scheduler_host, spec.scheduler_port, TAKEN, _scheduler_port_setting(spec)
         )

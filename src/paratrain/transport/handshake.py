@@ -27,6 +27,10 @@ class HandshakeClosed(TransportError):
     drops handshakes: trying again may succeed)."""
 
 
+class NotParatrain(TransportError):
+    """The peer's greeting is not paratrain's: another program listens on that port."""
+
+
 class NoGreeting(HandshakeClosed):
     """The peer accepted the connection but sent no paratrain greeting within the handshake
     timeout: a stalled endpoint, or another program listening on that port."""
@@ -78,7 +82,7 @@ def connect(sock: socket.socket, secret: bytes) -> tuple[bytes, bytes]:
                 f"peer speaks paratrain wire version {hello[6:8]!r}, this process {MAGIC[6:]!r}: "
                 "run one paratrain version on every host"
             )
-        raise TransportError(f"peer is not a paratrain endpoint (greeting {hello[:8]!r})")
+        raise NotParatrain(f"peer is not a paratrain endpoint (greeting {hello[:8]!r})")
     server_nonce = hello[len(MAGIC) :]
     client_nonce = os.urandom(NONCE_BYTES)
     sock.sendall(client_nonce + _hmac(secret, b"client", server_nonce, client_nonce))

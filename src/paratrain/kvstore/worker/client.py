@@ -332,7 +332,8 @@ class DistKVStore(SparseAPI):
 
         def send(with_values: bool) -> None:
             sent: list[tuple[int, dict, Future | Spared]] = []
-            live = set(self._servers.live())
+            # Without copies a dead server is the call's error (the scheduler ends the job).
+            live = set(self._servers.live() if self._servers.replication > 1 else range(len(self._clients)))
             for s, meta in frames:  # to every copy of the slices (only the primary: no replication)
                 chain = self._servers.chain(s)
                 tensors = (

@@ -519,7 +519,7 @@ def _tell_scheduler(address: str, secret: bytes, role: str, rank: int, reason: s
         finally:
             client.close()
     except Exception as exc:  # the scheduler is gone or busy: its start timeout still ends the job
-        logger.warning("could not tell the scheduler that %s %d %s: %s", role, rank, reason, exc)
+        logger.info("could not tell the scheduler that %s %d %s: %s", role, rank, reason, exc)
 
 
 def _listen(host: str) -> socket.socket:
