@@ -33,11 +33,11 @@ hold (one memcpy), then sends the usual `replicate` frame with `buffer: b` and w
 buffer b its value (no copy) and replies. A primary that dies mid-copy never leaves the backup a
 torn value: the backup's value is the buffer of the last frame it took, and the primary writes only
 into the other one, and only once the backup replied to its previous frame. When the previous
-frame is not answered yet (async pushes applied back to back), the copy goes over TCP as before. A
+frame is not answered yet (async pushes applied back to back), the copy goes over TCP. A
 backup never gives its buffers to its pool of push buffers (ShardState.recycle), so a late write
 of a primary the job lost (fence.py) never lands in a buffer the backup uses for something else;
 frames from such a sender are refused anyway. Memory: a backup holds two sets of buffers per slice
-it mirrors (its value is in one of them), where it held one value before.
+it mirrors (its value is in one of them), where a copy over TCP needs one.
 
 In both, the primary's acknowledgements wait for the backup's reply, as over TCP. A backup that
 refuses or cannot be mapped gets copies over TCP (mirroring). Before its first loan a backup is
