@@ -47,6 +47,7 @@ namespace on the same host) is lent nothing and gets its copies as with mirrorin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -158,7 +159,12 @@ class Mirrors:
         self._lock = threading.Lock()  # one `mirror` call and map per backup and slice
 
     def send(
-        self, server: int, client: RpcClient, shard: ShardState, meta: dict, tensors: list[torch.Tensor]
+        self,
+        server: int,
+        client: RpcClient,
+        shard: ShardState,
+        copy: protocol.Replicate,
+        tensors: list[torch.Tensor],
     ) -> Future:
         """Send one slice's copy (holds shard.cond): lend the value where the shard allows it, else
         the value through the backup's buffer where one is free, else in the frame."""
@@ -171,9 +177,9 @@ class Mirrors:
                 self._lends[(shard.key, shard.start, shard.stop)] = lends
             region, b = shard.region, shard.value_buffer
             lent = [*self._own_arena(shard), region.offset, region.count, b]
-            future = client.request("replicate", meta | {"lent": lent}, tensors[1:])
+            future = client.request(*dataclasses.replace(copy, lent=lent).wire(), tensors[1:])
         else:
-            b, future = None, self._copy(server, client, shard, meta, tensors)
+            b, future = None, self._copy(server, client, shard, copy, tensors)
         if lend is not None:
             lend.pending.append((b, future))
             shard.lent = frozenset(self._lent(shard))
@@ -205,7 +211,7 @@ class Mirrors:
             )
         return maps
 
-    def defer(self, server: int, shard: ShardState, meta: dict, batch: Batch) -> Part:
+    def defer(self, server: int, shard: ShardState, copy: protocol.Replicate, batch: Batch) -> Part:
         """Lend the value to `server` in `batch`'s next frame to it, sent by Batch.flush (holds
         shard.cond; shard.lendable()): the buffer counts as lent from now on."""
         assert shard.region is not None
@@ -216,7 +222,8 @@ class Mirrors:
             lend = lends[server] = Lend()
         region, b = shard.region, shard.value_buffer
         metas, parts = batch.frames.setdefault(server, ([], []))
-        metas.append(meta | {"lent": [*self._own_arena(shard), region.offset, region.count, b]})
+        lent = [*self._own_arena(shard), region.offset, region.count, b]
+        metas.append(dataclasses.replace(copy, lent=lent).to_meta())
         parts.append(part := Part(len(parts)))
         lend.pending.append((b, part))
         shard.lent = frozenset(self._lent(shard))
@@ -253,30 +260,33 @@ class Mirrors:
         return [os.getpid(), fd, self._tokens[fd]]
 
     def _copy(
-        self, server: int, client: RpcClient, shard: ShardState, meta: dict, tensors: list[torch.Tensor]
+        self,
+        server: int,
+        client: RpcClient,
+        shard: ShardState,
+        copy: protocol.Replicate,
+        tensors: list[torch.Tensor],
     ) -> Future:
         link = self._link(server, client, shard)
         b = link.free()
         if b is None:
-            future = client.request("replicate", meta, tensors)
+            future = client.request(*copy.wire(), tensors)
         else:
             assert link.region is not None
             buffers = link.region.buffers[b * link.slots : (b + 1) * link.slots]
             buffers[0].copy_(tensors[0])
             mirrored: list[str] = []
             rest: list[torch.Tensor] = []
-            for name, tensor in zip(meta["state"], tensors[1:], strict=True):
+            names = copy.state or []
+            for name, tensor in zip(names, tensors[1:], strict=True):
                 if len(mirrored) + 1 < link.slots and fits(tensor, tensors[0]):
                     buffers[len(mirrored) + 1].copy_(tensor)
                     mirrored.append(name)
                 else:
                     rest.append(tensor)
-            meta = meta | {
-                "buffer": b,
-                "mirrored": mirrored,
-                "state": [n for n in meta["state"] if n not in mirrored],
-            }
-            future = client.request("replicate", meta, rest)
+            rest_names = [n for n in names if n not in mirrored]
+            through = dataclasses.replace(copy, state=rest_names, buffer=b, mirrored=mirrored)
+            future = client.request(*through.wire(), rest)
             link.held = b
         link.last = future
         return future
