@@ -130,23 +130,12 @@ class Push(Slices, Message, op="push", omit_defaults=True):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PushPull(Slices, Message, op="pushpull", omit_defaults=True):
-    """A push and a pull of the same slices in one frame."""
+class PushPull(Push, op="pushpull"):
+    """A push and a pull of the same slices in one frame: the versions the pull waits for are
+    required (`read`: per slice, the worker copies it out of shared memory itself, and the reply
+    carries none)."""
 
-    keys: list
-    starts: list[int]
-    stops: list[int]
-    rank: int
-    clocks: list[int]
     min_versions: list[int]
-    more: bool = False
-    weight: int = 1
-    compression: dict | None = None
-    added: list[bool] | None = None
-    pull_compression: dict | None = None
-    read: list[bool] | None = None
-    """Per slice: the worker copies it out of shared memory itself (the reply carries none)."""
-    dead: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -136,7 +136,7 @@ def _compile(cls: type[Message]) -> Codec:
             f"    if v is not None and v != d{i}:" if omit else "    if v is not None:",
         ]
         encode.append(f"        m[{name!r}] = v.to_meta()" if nested else f"        m[{name!r}] = v")
-    slots = [cls.__dict__.get(f.name) for f in fields]
+    slots = [getattr(cls, f.name, None) for f in fields]  # a slot's descriptor, inherited or not
     if all(isinstance(slot, types.MemberDescriptorType) for slot in slots) and not hasattr(
         cls, "__post_init__"
     ):

@@ -60,6 +60,7 @@ import torch
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore import protocol
 from paratrain.kvstore.api import KVError
+from paratrain.kvstore.protocol import Replicate
 from paratrain.kvstore.shared import TOKEN_BYTES, ArenaMap, Region
 from paratrain.transport.client import Future, Reply, RpcClient
 from paratrain.transport.tensors import DTYPES
@@ -159,12 +160,7 @@ class Mirrors:
         self._lock = threading.Lock()  # one `mirror` call and map per backup and slice
 
     def send(
-        self,
-        server: int,
-        client: RpcClient,
-        shard: ShardState,
-        copy: protocol.Replicate,
-        tensors: list[torch.Tensor],
+        self, server: int, client: RpcClient, shard: ShardState, copy: Replicate, tensors: list[torch.Tensor]
     ) -> Future:
         """Send one slice's copy (holds shard.cond): lend the value where the shard allows it, else
         the value through the backup's buffer where one is free, else in the frame."""
@@ -211,7 +207,7 @@ class Mirrors:
             )
         return maps
 
-    def defer(self, server: int, shard: ShardState, copy: protocol.Replicate, batch: Batch) -> Part:
+    def defer(self, server: int, shard: ShardState, copy: Replicate, batch: Batch) -> Part:
         """Lend the value to `server` in `batch`'s next frame to it, sent by Batch.flush (holds
         shard.cond; shard.lendable()): the buffer counts as lent from now on."""
         assert shard.region is not None
@@ -260,12 +256,7 @@ class Mirrors:
         return [os.getpid(), fd, self._tokens[fd]]
 
     def _copy(
-        self,
-        server: int,
-        client: RpcClient,
-        shard: ShardState,
-        copy: protocol.Replicate,
-        tensors: list[torch.Tensor],
+        self, server: int, client: RpcClient, shard: ShardState, copy: Replicate, tensors: list[torch.Tensor]
     ) -> Future:
         link = self._link(server, client, shard)
         b = link.free()

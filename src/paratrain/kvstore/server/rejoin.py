@@ -78,22 +78,11 @@ def send_state(kv: KVServer, request: Request, timeout_s: float) -> None:
 def installation(
     shard: ShardState, optimizer: tuple[str, dict] | None
 ) -> tuple[protocol.Install, list[torch.Tensor]]:
-    """An `install` frame: where the slice lies and what `replicate` carries (holds shard.cond)."""
+    """An `install` frame: what `replicate` carries and where the slice lies (holds shard.cond)."""
     copy, tensors = shard.replica()
-    install = protocol.Install(
-        key=shard.key,
-        start=shard.start,
-        stop=shard.stop,
-        version=shard.version,
-        applied=copy.applied,
-        state=copy.state,
-        numel=shard.numel,
-        shape=shard.shape,
-        dtype=shard.dtype,
-        chain=shard.chain,
-        optimizer=list(optimizer or ()),
-    )
-    return install, tensors
+    where = {"numel": shard.numel, "shape": shard.shape, "dtype": shard.dtype, "chain": shard.chain}
+    meta = copy.to_meta() | where | {"optimizer": list(optimizer or ())}
+    return protocol.Install.from_meta(meta), tensors  # each field checked here, as a receiver would
 
 
 # -- on the restarted server ---------------------------------------------------------------------
