@@ -511,12 +511,65 @@ def test_frames_of_compressed_keys_are_filled_by_their_compressed_bytes():
     store._compression = WorkerCompression(CompressionConfig("2bit", threshold=0.5))
 
     def frames(compressed: bool) -> list[list]:
-        found = store._frames(list(range(8)), lambda key, info, piece: {}, 4 << 10, compressed)
-        return [meta["keys"] for _, meta in found]
+        found = store._frames(list(range(8)), 4 << 10, compressed)
+        return [frame.keys for _, frame in found]
 
     # 16 KiB of float32 each, over the 4 KiB: a frame of its own raw; 1 KiB in 2bit: four a frame.
     assert frames(compressed=False) == [[k] for k in range(8)]
     assert frames(compressed=True) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     store._keys[8] = KeyInfo([10], torch.float32, [Slice(0, 0, 10)])  # under min_elements: sent raw
-    found = store._frames([8, 0], lambda key, info, piece: {}, 1040, True)  # 40 + 1024 B: two frames
-    assert [meta["keys"] for _, meta in found] == [[8], [0]]
+    found = store._frames([8, 0], 1040, True)  # 40 + 1024 B: two frames
+    assert [(frame.keys, frame.more) for _, frame in found] == [([8], True), ([0], False)]
+
+
+def test_the_worker_builds_its_frames_as_typed_messages_with_the_wire_form_unchanged():
+    """Push, pushpull and pull frames are built from protocol.py's messages; their maps carry the
+    fields in the order they always had, and a field at its default (weight 1, more False) not at
+    all, so frames keep their bytes."""
+    from paratrain.kvstore.api import KVStoreConfig
+    from paratrain.kvstore.placement import Slice
+    from paratrain.kvstore.worker.client import DistKVStore, KeyInfo
+
+    sent = []
+
+    class Recorder:
+        replication = 1
+
+        def in_place(self, server):
+            return False
+
+        def request(self, server, op, meta, tensors=(), out=None, payload=None):
+            sent.append((server, op, list(meta.items()), len(tensors)))
+
+    store = DistKVStore.__new__(DistKVStore)  # no servers: what the requests would carry
+    store.config = KVStoreConfig(consistency="sync", frame_bytes=16)
+    store.rank, store._clients, store._timeout_s, store._joined = 1, [None, None], 1.0, False
+    store._servers, store._compression, store._weight, store._frame_bytes = Recorder(), None, 1, 16
+    store._keys = {k: KeyInfo([4], torch.float32, [Slice(0, 0, 4)]) for k in ("a", "b")}
+    store._keys["c"] = KeyInfo([4], torch.float32, [Slice(1, 0, 4)])
+    store.push(["a", "b", "c"], [torch.ones(4)] * 3)
+    where = [("starts", [0]), ("stops", [4]), ("rank", 1), ("clocks", [0]), ("min_versions", [1])]
+    assert sent == [
+        (1, "push", [("keys", ["c"]), *where], 1),  # from server `rank` on (_interleaved)
+        (0, "push", [("keys", ["a"]), *where, ("more", True)], 1),
+        (0, "push", [("keys", ["b"]), *where], 1),
+    ]
+    sent.clear()
+    store._weight = 3
+    store.pushpull_async("c", torch.ones(4), torch.empty(4))
+    store.pull_async("c", torch.empty(4))
+    clock = [("clocks", [1]), ("min_versions", [2])]
+    assert sent == [
+        (
+            1,
+            "pushpull",
+            [("keys", ["c"]), ("starts", [0]), ("stops", [4]), ("rank", 1), *clock, ("weight", 3)],
+            1,
+        ),
+        (
+            1,
+            "pull",
+            [("keys", ["c"]), ("starts", [0]), ("stops", [4]), ("rank", 1), ("min_versions", [2])],
+            0,
+        ),
+    ]

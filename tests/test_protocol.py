@@ -109,3 +109,27 @@ def test_a_registration_describes_its_node_before_it_has_a_rank():
     assert register.describe() == "worker ? (host h, pid 12)"
     with pytest.raises(MessageError, match="'register' field rank='2' is not int or NoneType"):
         cluster.Register.from_meta({**register.to_meta(), "rank": "2"})
+
+
+def test_a_message_is_made_alike_before_and_after_its_codec_and_stays_frozen():
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class Frame(Message, op="frame", omit_defaults=True):
+        keys: list
+        weight: int = 1
+        more: bool = False
+        read: list = dataclasses.field(default_factory=list)
+
+    before = Frame(keys=[1])
+    assert before.to_meta() == {"keys": [1], "read": []}  # at their defaults: off the wire
+    after = Frame(keys=[1])  # made by the codec's __init__ now
+    assert after == before and after.read is not before.read
+    assert Frame(keys=[2], weight=3, more=True).wire() == (
+        "frame",
+        {"keys": [2], "weight": 3, "more": True, "read": []},
+    )
+    with pytest.raises(TypeError):
+        Frame(keys=[1], wieght=2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        Frame()  # type: ignore[call-arg]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        after.weight = 2  # type: ignore[misc]

@@ -78,7 +78,7 @@ class Pair:
 
     def _forward(self, state: ShardState) -> None:
         self.tick()  # dies before the backup has the update
-        meta, tensors = state.replica()
+        meta, tensors = replica_meta(state)
         names = meta["state"]
         self.backup.restore(
             meta["version"],
@@ -159,15 +159,21 @@ def test_a_primary_dying_at_any_step_loses_no_acknowledged_push_and_applies_none
         assert pair.serving().durable == pair.serving().version
 
 
+def replica_meta(shard: ShardState) -> tuple[dict, list[torch.Tensor]]:
+    """A slice's `replicate` frame as its backup reads it: the map and the tensors."""
+    copy, tensors = shard.replica()
+    return copy.to_meta(), tensors
+
+
 def test_a_backup_takes_only_newer_state_and_repeats_are_recognised() -> None:
     rules = Rules(Async(), frozenset({0, 1}))
     primary, backup = Pair._shard(rules), Pair._shard(rules)
     primary.on_applied = lambda state: state.replicated(state.version)
     primary.push(Push(0, 0, grad()))
     primary.push(Push(1, 0, grad()))
-    meta, tensors = primary.replica()
+    meta, tensors = replica_meta(primary)
     primary.push(Push(1, 2, grad()))  # clock 1 failed over and comes later
-    meta, tensors = primary.replica()
+    meta, tensors = replica_meta(primary)
     assert meta["version"] == 3 and sorted(meta["applied"]) == [[0, 1, []], [1, 1, [2]]]
     applied = {0: Clocks(1), 1: Clocks(1, {2})}
     backup.restore(3, tensors[0].clone(), dict(zip(meta["state"], tensors[1:], strict=True)), applied)
@@ -196,7 +202,7 @@ def test_an_async_copy_never_carries_a_clock_without_its_update() -> None:
     copies: list[tuple[dict, list[torch.Tensor]]] = []
 
     def forward(state: ShardState) -> None:
-        meta, tensors = state.replica()
+        meta, tensors = replica_meta(state)
         copies.append((meta, [t.clone() for t in tensors]))
         state.replicated(state.version)
 
@@ -250,8 +256,8 @@ def test_a_restarted_server_installs_the_state_then_takes_updates_and_serves_alo
     )
     assert restarted.shard_list() == []  # dropped: not installed yet
     with shard.cond:
-        install_meta, tensors = installation(shard, live.optimizer_of("w"))
-    install(restarted, frame("install", install_meta, [t.clone() for t in tensors]))
+        installing, tensors = installation(shard, live.optimizer_of("w"))
+    install(restarted, frame("install", installing.to_meta(), [t.clone() for t in tensors]))
     copy = restarted.shard_list()[0]
     assert copy.chain == [1, 0] and copy.version == shard.version == 4
     assert copy.optimizer.param_groups[0]["lr"] == shard.optimizer.param_groups[0]["lr"] == 0.5
@@ -261,7 +267,7 @@ def test_a_restarted_server_installs_the_state_then_takes_updates_and_serves_alo
         shard.optimizer.state[shard.param]["momentum_buffer"],
     )
     shard.push(Push(1, 0, grad()))  # forwarded in order after the install
-    forward_meta, tensors = shard.replica()
+    forward_meta, tensors = replica_meta(shard)
     restarted._replicate(frame("replicate", forward_meta, [t.clone() for t in tensors]))
     restarted.replicator.catching_up = False
     with pytest.raises(KVError, match="not on server 1"):
@@ -434,8 +440,7 @@ def test_a_same_host_backup_takes_values_through_its_buffers_and_never_holds_the
     def forward(value: float) -> Future:
         shard.value.fill_(value)
         shard.version += 1
-        state, tensors = shard.replica()
-        return mirrors.send(1, link, shard, state | {"sender": 0}, tensors)
+        return mirrors.send(1, link, shard, *shard.replica(sender=0))
 
     first = forward(1.0)
     assert link.sent[-1][0]["buffer"] == 0 and link.sent[-1][1] == []  # no value in the frame
@@ -468,8 +473,7 @@ def test_a_same_host_backup_takes_the_optimizer_state_through_its_buffers_too() 
     mirrors, link = Mirrors(0), Loopback(backup)
     for clock in range(3):
         shard.push(Push(0, clock, torch.arange(3.0)))
-        state, tensors = shard.replica()
-        mirrors.send(1, link, shard, state | {"sender": 0}, tensors)._set(Reply({}), None)
+        mirrors.send(1, link, shard, *shard.replica(sender=0))._set(Reply({}), None)
         assert link.sent[-1][0]["mirrored"] == ["momentum_buffer"] and link.sent[-1][1] == []
         assert torch.equal(copy.value, shard.value) and copy.version == shard.version == clock + 1
         momentum = [s.optimizer.state[s.param]["momentum_buffer"] for s in (shard, copy)]
@@ -495,7 +499,7 @@ def test_a_same_host_backup_holds_the_primarys_own_buffer_which_no_round_writes_
     shard, copy = primary.adopt(meta), backup.adopt(meta)
     shard.share(primary.arena().region(3, torch.float32, 3))  # a value and two round buffers
     mirrors, link = Mirrors(0), Loopback(backup)
-    shard.on_applied = lambda s: mirrors.send(1, link, s, s.replica()[0] | {"sender": 0}, s.replica()[1])
+    shard.on_applied = lambda s: mirrors.send(1, link, s, *s.replica(sender=0))
     region = shard.region
 
     def round_(clock: int, value: float) -> None:
@@ -552,7 +556,7 @@ def test_a_backup_that_cannot_map_the_primarys_memory_gets_copies_instead_of_loa
 
     monkeypatch.setattr(mirror.ArenaMap, "open", staticmethod(open_unless_hidden))
     mirrors, link = Mirrors(0), Loopback(backup)
-    shard.on_applied = lambda s: mirrors.send(1, link, s, s.replica()[0] | {"sender": 0}, s.replica()[1])
+    shard.on_applied = lambda s: mirrors.send(1, link, s, *s.replica(sender=0))
     for clock in range(3):
         shard.push(Push(0, clock, torch.full((3,), clock + 1.0)))
         assert "lent" not in link.sent[-1][0] and copy.value.eq(clock + 1).all()
@@ -578,7 +582,7 @@ def test_the_lent_slices_of_one_push_go_to_a_backup_in_one_frame_answered_per_sl
     batch, mirrors = Batch(), Mirrors(0)
     for i, (shard, _) in enumerate(pairs):
         shard.push(Push(0, 0, torch.full((4,), i + 1.0)))
-        parts = mirrors.defer(1, shard, shard.replica()[0] | {"sender": 0}, batch)
+        parts = mirrors.defer(1, shard, shard.replica()[0], batch)
         assert shard.lent == {shard.value_buffer} and not parts.done()  # lent before it is sent
     ((metas, parts_sent),) = batch.frames.values()
     reply = backup._replicate(frame("replicate", {"sender": 0, "slices": metas}, []))

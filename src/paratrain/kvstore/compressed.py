@@ -30,6 +30,7 @@ import torch
 
 from paratrain.checkpoint import load_file, save_file
 from paratrain.compression import Codec, CompressionConfig, compressible, make_codec
+from paratrain.kvstore.protocol import Slices
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +87,11 @@ class WorkerCompression:
                 residual = self.residuals[(key, start)] = torch.zeros_like(piece)
         return self.codec.encode(piece, residual)
 
-    def decode_reply(self, meta: dict, reply: Any, views: dict[Any, torch.Tensor]) -> None:
+    def decode_reply(self, request: Slices, reply: Any, views: dict[Any, torch.Tensor]) -> None:
         """Copy one pull reply's slices into the flat outs (`views`), decoding compressed ones."""
         tensors = iter(reply.tensors)
-        flags = reply.meta.get("compressed") or [False] * len(meta["keys"])
-        for k, a, b, packed in zip(meta["keys"], meta["starts"], meta["stops"], flags, strict=True):
+        flags = reply.meta.get("compressed") or [False] * len(request.keys)
+        for k, a, b, packed in zip(request.keys, request.starts, request.stops, flags, strict=True):
             if packed:
                 self.codec.decode([next(tensors) for _ in range(self.codec.parts)], views[k][a:b])
             else:

@@ -4,8 +4,9 @@ by one table (`KVServer`'s, server/server.py; the sparse ops by `SparseTables`',
 What each one does is told where it is handled (server/server.py's and server/sparse.py's module
 docstrings); here is only its form. Dense requests address slices by parallel lists (`keys`,
 `starts`, `stops`: slice i is elements [starts[i], stops[i]) of keys[i]), each slice one flat
-tensor of the payload. Workers build push and pull frames as maps field by field (their frames
-grow as slices are placed: worker/client.py); these classes are what a server reads them as.
+tensor of the payload. The frames sent most (init, push, pull, pushpull) are keyword-only, their
+fields declared in the order they travel, and leave fields at their defaults off the wire
+(`omit_defaults`): a push carries only what it sets.
 """
 
 from __future__ import annotations
@@ -111,67 +112,57 @@ class Leave(Message, op="leave"):
 # -- dense keys ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Init(Slices, Message, op="init"):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Init(Slices, Message, op="init", omit_defaults=True):
     keys: list
     starts: list[int]
     stops: list[int]
+    rank: int = -1
     shapes: list[list[int]]
     dtypes: list[str]
     numels: list[int]
     chain: list[int] | None = None
     """With replication: the servers holding these slices, primary first."""
-    rank: int = -1
 
 
-@dataclass(frozen=True, slots=True)
-class Push(Slices, Message, op="push"):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Push(Slices, Message, op="push", omit_defaults=True):
     keys: list
     starts: list[int]
     stops: list[int]
-    clocks: list[int]
     rank: int
-    added: list[bool] | None = None
-    """Per slice: the worker added it into the round's shared buffer itself (no payload)."""
-    weight: int = 1
+    clocks: list[int]
+    min_versions: list[int] | None = None
     more: bool = False
     """More frames of this push follow (server/outbox.py)."""
-    compression: dict | None = None
-    dead: list[int] | None = None
-    min_versions: list[int] | None = None
-    read: list[bool] | None = None
-    pull_compression: dict | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class PushPull(Slices, Message, op="pushpull"):
-    """A push and a pull of the same slices in one frame."""
-
-    keys: list
-    starts: list[int]
-    stops: list[int]
-    clocks: list[int]
-    rank: int
-    min_versions: list[int]
-    added: list[bool] | None = None
     weight: int = 1
-    more: bool = False
+    """How many workers' gradients each slice sums (a host's leader pushes its host's sum)."""
     compression: dict | None = None
-    dead: list[int] | None = None
-    read: list[bool] | None = None
-    """Per slice: the worker copies it out of shared memory itself (the reply carries none)."""
+    added: list[bool] | None = None
+    """Per slice: the worker added it into the round's shared buffer itself (no payload)."""
     pull_compression: dict | None = None
+    read: list[bool] | None = None
+    dead: list[int] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Pull(Slices, Message, op="pull"):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PushPull(Push, op="pushpull"):
+    """A push and a pull of the same slices in one frame: the versions the pull waits for are
+    required (`read`: per slice, the worker copies it out of shared memory itself, and the reply
+    carries none)."""
+
+    min_versions: list[int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pull(Slices, Message, op="pull", omit_defaults=True):
     keys: list
     starts: list[int]
     stops: list[int]
-    min_versions: list[int]
     rank: int = -1
-    read: list[bool] | None = None
+    min_versions: list[int]
     pull_compression: dict | None = None
+    read: list[bool] | None = None
     dead: list[int] | None = None
 
 
@@ -212,21 +203,27 @@ class Stats(Message, op="stats"):
 # -- replication (server to server) ----------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Replicate(Message, op="replicate"):
     """A slice's state from its primary to a backup (server/replica.py), or several lent ones
-    (`slices`, server/mirror.py)."""
+    (`slices`: each a Replicate's map without `sender`, server/mirror.py)."""
 
-    sender: int | None = None
     key: Any = None
     start: int | None = None
     stop: int | None = None
     version: int | None = None
     applied: Any = None
+    """[[worker, below, [clocks ahead]], ...]: the async pushes applied (rules.Clocks)."""
     state: list[str] | None = None
-    slices: list[dict] | None = None
-    lent: Any = None
+    """The optimizer state tensors' names, in the payload after the value."""
+    sender: int | None = None
+    lent: list | None = None
+    """The value is this buffer of the primary's memory (server/mirror.py, Borrowed.value)."""
     buffer: int | None = None
+    """The value is in this set of the backup's own buffers (server/mirror.py)."""
+    mirrored: list[str] | None = None
+    """The state tensors in that set too, not in the payload."""
+    slices: list[dict] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,21 +246,23 @@ class Rejoin(Message, op="rejoin"):
     dead: list[int] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Install(Message, op="install"):
-    """A slice's whole state, to a restarted server (made there if new)."""
+    """A slice's whole state, to a restarted server (made there if new): what `replicate` carries,
+    and where the slice lies."""
 
     key: Any
     start: int
     stop: int
+    version: int
+    applied: Any = None
+    state: list[str] | None = None
     numel: int
     shape: list[int]
     dtype: str
     chain: list[int]
-    version: int
-    applied: Any = None
-    state: list[str] | None = None
     optimizer: list | None = None
+    """[path, hyperparameters] of the servers' optimizer, with the slice's own; [] for none."""
 
 
 # -- sparse tables ---------------------------------------------------------------------------------

@@ -159,6 +159,19 @@ def early_exit_deadline(early: Sequence[Any], exit_grace_s: float) -> float | No
     return min(times) + exit_grace_s if times else None
 
 
+def earliest(*deadlines: float | None) -> float | None:
+    return min((d for d in deadlines if d is not None), default=None)
+
+
+def no_exit_outcome(early: Sequence[Any], failed: list, early_end: float | None) -> str:
+    """A supervisor's wait for the next exit ended with none: "failed" once the early exits
+    (early_exit_deadline) outlived their grace (they join `failed`), else "timeout"."""
+    if early_end is not None and time.monotonic() >= early_end:
+        failed.extend(early)
+        return "failed"
+    return "timeout"
+
+
 def only_replacements_left(children: Sequence[Any]) -> bool:
     """In an elastic job: the scheduler ended the job (it exited 0) and every worker still running
     is a replacement (one that had joined would have kept the scheduler going), which finds the

@@ -33,11 +33,11 @@ hold (one memcpy), then sends the usual `replicate` frame with `buffer: b` and w
 buffer b its value (no copy) and replies. A primary that dies mid-copy never leaves the backup a
 torn value: the backup's value is the buffer of the last frame it took, and the primary writes only
 into the other one, and only once the backup replied to its previous frame. When the previous
-frame is not answered yet (async pushes applied back to back), the copy goes over TCP as before. A
+frame is not answered yet (async pushes applied back to back), the copy goes over TCP. A
 backup never gives its buffers to its pool of push buffers (ShardState.recycle), so a late write
 of a primary the job lost (fence.py) never lands in a buffer the backup uses for something else;
 frames from such a sender are refused anyway. Memory: a backup holds two sets of buffers per slice
-it mirrors (its value is in one of them), where it held one value before.
+it mirrors (its value is in one of them), where a copy over TCP needs one.
 
 In both, the primary's acknowledgements wait for the backup's reply, as over TCP. A backup that
 refuses or cannot be mapped gets copies over TCP (mirroring). Before its first loan a backup is
@@ -47,6 +47,7 @@ namespace on the same host) is lent nothing and gets its copies as with mirrorin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -59,6 +60,7 @@ import torch
 from paratrain.errors import RemoteError, TransportError
 from paratrain.kvstore import protocol
 from paratrain.kvstore.api import KVError
+from paratrain.kvstore.protocol import Replicate
 from paratrain.kvstore.shared import TOKEN_BYTES, ArenaMap, Region
 from paratrain.transport.client import Future, Reply, RpcClient
 from paratrain.transport.tensors import DTYPES
@@ -158,7 +160,7 @@ class Mirrors:
         self._lock = threading.Lock()  # one `mirror` call and map per backup and slice
 
     def send(
-        self, server: int, client: RpcClient, shard: ShardState, meta: dict, tensors: list[torch.Tensor]
+        self, server: int, client: RpcClient, shard: ShardState, copy: Replicate, tensors: list[torch.Tensor]
     ) -> Future:
         """Send one slice's copy (holds shard.cond): lend the value where the shard allows it, else
         the value through the backup's buffer where one is free, else in the frame."""
@@ -171,9 +173,9 @@ class Mirrors:
                 self._lends[(shard.key, shard.start, shard.stop)] = lends
             region, b = shard.region, shard.value_buffer
             lent = [*self._own_arena(shard), region.offset, region.count, b]
-            future = client.request("replicate", meta | {"lent": lent}, tensors[1:])
+            future = client.request(*dataclasses.replace(copy, lent=lent).wire(), tensors[1:])
         else:
-            b, future = None, self._copy(server, client, shard, meta, tensors)
+            b, future = None, self._copy(server, client, shard, copy, tensors)
         if lend is not None:
             lend.pending.append((b, future))
             shard.lent = frozenset(self._lent(shard))
@@ -205,7 +207,7 @@ class Mirrors:
             )
         return maps
 
-    def defer(self, server: int, shard: ShardState, meta: dict, batch: Batch) -> Part:
+    def defer(self, server: int, shard: ShardState, copy: Replicate, batch: Batch) -> Part:
         """Lend the value to `server` in `batch`'s next frame to it, sent by Batch.flush (holds
         shard.cond; shard.lendable()): the buffer counts as lent from now on."""
         assert shard.region is not None
@@ -216,7 +218,8 @@ class Mirrors:
             lend = lends[server] = Lend()
         region, b = shard.region, shard.value_buffer
         metas, parts = batch.frames.setdefault(server, ([], []))
-        metas.append(meta | {"lent": [*self._own_arena(shard), region.offset, region.count, b]})
+        lent = [*self._own_arena(shard), region.offset, region.count, b]
+        metas.append(dataclasses.replace(copy, lent=lent).to_meta())
         parts.append(part := Part(len(parts)))
         lend.pending.append((b, part))
         shard.lent = frozenset(self._lent(shard))
@@ -253,30 +256,28 @@ class Mirrors:
         return [os.getpid(), fd, self._tokens[fd]]
 
     def _copy(
-        self, server: int, client: RpcClient, shard: ShardState, meta: dict, tensors: list[torch.Tensor]
+        self, server: int, client: RpcClient, shard: ShardState, copy: Replicate, tensors: list[torch.Tensor]
     ) -> Future:
         link = self._link(server, client, shard)
         b = link.free()
         if b is None:
-            future = client.request("replicate", meta, tensors)
+            future = client.request(*copy.wire(), tensors)
         else:
             assert link.region is not None
             buffers = link.region.buffers[b * link.slots : (b + 1) * link.slots]
             buffers[0].copy_(tensors[0])
             mirrored: list[str] = []
             rest: list[torch.Tensor] = []
-            for name, tensor in zip(meta["state"], tensors[1:], strict=True):
+            names = copy.state or []
+            for name, tensor in zip(names, tensors[1:], strict=True):
                 if len(mirrored) + 1 < link.slots and fits(tensor, tensors[0]):
                     buffers[len(mirrored) + 1].copy_(tensor)
                     mirrored.append(name)
                 else:
                     rest.append(tensor)
-            meta = meta | {
-                "buffer": b,
-                "mirrored": mirrored,
-                "state": [n for n in meta["state"] if n not in mirrored],
-            }
-            future = client.request("replicate", meta, rest)
+            rest_names = [n for n in names if n not in mirrored]
+            through = dataclasses.replace(copy, state=rest_names, buffer=b, mirrored=mirrored)
+            future = client.request(*through.wire(), rest)
             link.held = b
         link.last = future
         return future

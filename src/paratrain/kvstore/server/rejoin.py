@@ -66,7 +66,8 @@ def send_state(kv: KVServer, request: Request, timeout_s: float) -> None:
             with shard.cond:  # forwards wait: the install goes out first, then they do
                 if replicator.serves(shard.chain, without=rank):
                     optimizer = kv.optimizer_of(shard.key) if kv.optimizer_spec else None
-                    sent.append(client.request("install", *installation(shard, optimizer)))
+                    install, tensors = installation(shard, optimizer)
+                    sent.append(client.request(*install.wire(), tensors))
     sent += sparse_replica.send_tables(kv.tables.all_tables(), replicator, rank, client)  # their rows
     for future in sent:
         future.wait(timeout_s)
@@ -74,11 +75,14 @@ def send_state(kv: KVServer, request: Request, timeout_s: float) -> None:
     request.reply({"configuration": kv.configuration, "slices": len(sent)})
 
 
-def installation(shard: ShardState, optimizer: tuple[str, dict] | None) -> tuple[dict, list[torch.Tensor]]:
-    """An `install` frame: where the slice lies and what `replicate` carries (holds shard.cond)."""
-    meta, tensors = shard.replica()
+def installation(
+    shard: ShardState, optimizer: tuple[str, dict] | None
+) -> tuple[protocol.Install, list[torch.Tensor]]:
+    """An `install` frame: what `replicate` carries and where the slice lies (holds shard.cond)."""
+    copy, tensors = shard.replica()
     where = {"numel": shard.numel, "shape": shard.shape, "dtype": shard.dtype, "chain": shard.chain}
-    return meta | where | {"optimizer": list(optimizer or ())}, tensors
+    meta = copy.to_meta() | where | {"optimizer": list(optimizer or ())}
+    return protocol.Install.from_meta(meta), tensors  # each field checked here, as a receiver would
 
 
 # -- on the restarted server ---------------------------------------------------------------------

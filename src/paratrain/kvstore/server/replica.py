@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from paratrain.errors import RemoteError, TransportError
+from paratrain.kvstore import protocol
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.server.mirror import Batch, Borrowed, Mirrors, restored
 from paratrain.kvstore.server.outbox import Outbox
@@ -193,16 +194,15 @@ class Replicator:
         if backups and self._outboxes:  # after the lent slices waiting (a reclaim's copy: same version)
             self.send_all()
         if backups:
-            meta, tensors = shard.replica()
-            meta["sender"] = self.rank  # backups refuse copies from a server the job lost (fence.py)
+            copy, tensors = shard.replica(sender=self.rank)
             for server in backups:
                 client = None
                 try:
                     client = self._client(server)
                     if self._mirrored(server):
-                        future = self._mirrors.send(server, client, shard, meta, tensors)
+                        future = self._mirrors.send(server, client, shard, copy, tensors)
                     else:
-                        future = client.request("replicate", meta, tensors)
+                        future = client.request(*copy.wire(), tensors)
                     sent.append((server, client, future))
                 except (TransportError, OSError) as exc:
                     self._lost(server, exc, client)
@@ -213,13 +213,13 @@ class Replicator:
         self._sent.put((shard, shard.version, sent))
 
     def _defer(self, shard: ShardState, backups: list[int], batch: Batch) -> None:
-        meta, _ = shard.replica()  # no optimizer: the value is all, and it is lent
+        copy, _ = shard.replica()  # no optimizer: the value is all, and it is lent
         parts = []
         for server in backups:
             client = None
             try:
                 client = self._client(server)
-                parts.append((server, client, self._mirrors.defer(server, shard, meta, batch)))
+                parts.append((server, client, self._mirrors.defer(server, shard, copy, batch)))
             except (TransportError, OSError) as exc:
                 self._lost(server, exc, client)
         if not parts:
@@ -281,7 +281,9 @@ class Replicator:
             whole._set(None, TransportError(f"server {server} is dead"))
             return whole
         try:
-            return self._client(server).request("replicate", {"sender": self.rank, "slices": metas}, [])
+            return self._client(server).request(
+                *protocol.Replicate(sender=self.rank, slices=metas).wire(), []
+            )
         except (TransportError, OSError) as exc:
             whole._set(None, exc)
             self._lost(server, exc)

@@ -1,16 +1,16 @@
 """Pull replies leave a server from one sender thread per worker connection, in order.
 
 Why not from the thread that made the pull ready: that is the connection thread of whichever
-worker's push completed the round, and it used to send the round's values to every waiting worker
-itself, with blocking sends on link-limited sockets. Meanwhile it read nothing from its own worker
-(whose pushes to this server stalled behind other workers' replies), and one worker with a full
-socket held back the replies to all the others: a per-frame trace of the 64 MB push+pull of
-benchmarks/hosts.py (4 workers, 4 servers, 1 Gbit/s links) found each server's connection threads
-blocked in reply sends 0.2-0.4 s of each 0.75 s iteration. With these senders, the same job on
-250 Mbit/s links (where the 2 shared cores do not bind) took 3.31-3.40 s per iteration against
-3.57-3.70 s before, in 4 interleaved jobs each. On 1 Gbit/s links, with the cores loaded by other
-programs: 0.82-0.96 s against 0.88-1.12 s, faster in each of 3 interleaved pairs (medians 0.873 and
-0.914 s); earlier pairs there were inside the noise.
+worker's push completed the round. Sending the round's values to every waiting worker from there,
+with blocking sends on link-limited sockets, it would read nothing from its own worker meanwhile
+(whose pushes to this server stall behind other workers' replies), and one worker with a full
+socket would hold back the replies to all the others: a per-frame trace of the 64 MB push+pull of
+benchmarks/hosts.py (4 workers, 4 servers, 1 Gbit/s links) sending so found each server's
+connection threads blocked in reply sends 0.2-0.4 s of each 0.75 s iteration. The same job on
+250 Mbit/s links (where the 2 shared cores do not bind) took 3.31-3.40 s per iteration with these
+senders against 3.57-3.70 s without, in 4 interleaved jobs each. On 1 Gbit/s links, with the cores
+loaded by other programs: 0.82-0.96 s against 0.88-1.12 s, faster in each of 3 interleaved pairs
+(medians 0.873 and 0.914 s); other interleaved pairs there were inside the noise.
 
 A reply job runs on its connection's sender; it must not raise (it logs and cleans up itself). The
 sender ends when the connection does (`close`).

@@ -36,8 +36,8 @@ def zeros(shape: int | tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
     asked to back with 2 MiB pages (madvise MADV_HUGEPAGE: taken where transparent huge pages are
     "madvise", the usual default, or "always"). A table's rows, optimizer state and id index are read
     and written at random, a few thousand rows a step out of millions: with 4 KiB pages nearly every
-    row costs a TLB miss as well as a cache miss. torch's allocator does not ask (the rows and state
-    were torch.zeros); numpy asks only for the aligned middle of its own large arrays.
+    row costs a TLB miss as well as a cache miss. torch's allocator does not ask (torch.zeros rows
+    get 4 KiB pages); numpy asks only for the aligned middle of its own large arrays.
     benchmarks/sparse_storage.py: an Adagrad update of 4,200 random rows of a 500,000-row shard in
     0.71-0.73x the time of torch.zeros rows. Where the kernel gives none, these are plain pages."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)

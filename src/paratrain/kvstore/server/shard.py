@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from paratrain.kvstore import optim
+from paratrain.kvstore import optim, protocol
 from paratrain.kvstore.api import KVError
 from paratrain.kvstore.server.rules import Clocks, Push, Rules
 from paratrain.kvstore.shared import Region
@@ -578,13 +578,21 @@ class ShardState:
         assert self.param is not None  # an optimizer has its parameter
         return optim.state_tensors(self.optimizer, self.param)
 
-    def replica(self) -> tuple[dict, list[torch.Tensor]]:
+    def replica(self, sender: int | None = None) -> tuple[protocol.Replicate, list[torch.Tensor]]:
         """What a backup needs (holds cond, so nothing changes while it is sent): version, the
-        async pushes applied, the value and the optimizer state, uncopied."""
+        async pushes applied, the value and the optimizer state, uncopied. `sender`: this server
+        (backups refuse copies from a server the job lost: fence.py); None in a frame of several."""
         state = self._optimizer_state()
-        where = {"key": self.key, "start": self.start, "stop": self.stop, "version": self.version}
-        applied = [[rank, c.below, sorted(c.ahead)] for rank, c in self.applied.items()]
-        return where | {"applied": applied, "state": list(state)}, [self.value, *state.values()]
+        copy = protocol.Replicate(
+            key=self.key,
+            start=self.start,
+            stop=self.stop,
+            version=self.version,
+            applied=[[rank, c.below, sorted(c.ahead)] for rank, c in self.applied.items()],
+            state=list(state),
+            sender=sender,
+        )
+        return copy, [self.value, *state.values()]
 
     def restore(
         self, version: int, value: torch.Tensor, state: dict[str, torch.Tensor], applied: dict[int, Clocks]

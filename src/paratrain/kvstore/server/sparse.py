@@ -41,7 +41,7 @@ from paratrain.kvstore import protocol as p
 from paratrain.kvstore.api import TableConfig, TableError
 from paratrain.kvstore.server.sparse_optim import SparseOptimizer, build_optimizer
 from paratrain.kvstore.server.sparse_replica import TableReplicas, adopt, install
-from paratrain.kvstore.server.sparse_table import PendingPull, SparseTable
+from paratrain.kvstore.server.sparse_table import PendingRows, SparseTable
 from paratrain.transport.message import Routes
 
 logger = logging.getLogger(__name__)
@@ -265,7 +265,7 @@ class SparseTables:
     def _pull(self, request: Any, msg: p.SparsePull) -> None:
         table = self._serving(msg)
         ids = self._ids(request, table)
-        pull = PendingPull(request, ids, msg.clock, msg.min_version, msg.train)
+        pull = PendingRows(request, ids, msg.clock, msg.min_version, msg.train)
         pull.rank = msg.rank
         with table.lock:
             ready = self._catch_up(table)
@@ -308,7 +308,7 @@ class SparseTables:
                 table.push(rank, clock, ids, grads, policy, members, apply=not holds)
             if copy is not None:  # acknowledged once its update is on the backups (sparse_replica.py)
                 need = policy.durable_after(clock, table.version)
-                table.pending.append(PendingPull(request, None, clock, need, False))
+                table.pending.append(PendingRows(request, None, clock, need, False))
             ready = [] if holds and not repeat else self._take_ready(table)
         if repeat:
             self._send(ready)

@@ -1,19 +1,19 @@
 """A sync round's sum of pushes, folded in push by push as they arrive (SparseTable's rounds).
 
-Without it, a round's pushes were summed once the last one came: work on the round's critical path,
+Summing a round's pushes once the last one came would put that work on the round's critical path,
 while every worker waits for that round. Folding each push in on arrival leaves only the last one's
-add and the optimizer step for the round's end. The earlier pushes are added while the other workers
-still compute.
+add and the optimizer step for the round's end: the others are added while the other workers still
+compute.
 
 The sum stays the same, to the bit, as the sum in rank order (`kernels.combine` of the pushes sorted
 by rank). A row's gradients are added in the order the pushes are folded in, and float addition is
 commutative but not associative: the two lowest ranks may be folded in either order (0 + a + b equals
 0 + b + a), every later rank only once all lower ranks are in (`may_fold`). A push that comes too
-early waits, stored as before, until the ranks below it are in.
+early waits, stored with the round's pushes (SparseTable.rounds), until the ranks below it are in.
 
 The sum is of the rows' slots when folded. It is used only while no row was evicted since the
 round's first fold, and, if a folded push named rows that were absent then, none was created since
-(`RoundSum.valid`): else the round is summed from its stored pushes as before.
+(`RoundSum.valid`): else the round is summed from its stored pushes, in rank order.
 """
 
 from __future__ import annotations

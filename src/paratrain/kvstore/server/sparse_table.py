@@ -45,7 +45,7 @@ from paratrain.kvstore.server.sparse_fold import RoundSum, fold_order_holds, may
 from paratrain.kvstore.server.sparse_optim import SparseOptimizer, add_rows
 from paratrain.kvstore.server.sparse_replica import TableCopy
 
-__all__ = ["PendingPull", "SparseTable"]
+__all__ = ["PendingRows", "SparseTable"]
 
 COUNTS: tuple[str, ...] = ("pulls", "pushes", "rows_pulled", "rows_pushed", "created", "not_admitted")
 COUNTS += ("dropped", "evicted_age", "evicted_cap")
@@ -60,7 +60,10 @@ Push = tuple[np.ndarray, torch.Tensor, Hint | None]
 
 
 @dataclass
-class PendingPull:
+class PendingRows:
+    """A sparse pull waiting for its table's version to reach `min_version`, then answered with
+    its rows (a dense pull waits on its shards' versions instead: pulls.PendingPull)."""
+
     request: Any
     ids: np.ndarray | None
     """None: a replicated push's acknowledgement, sent once min_version is on the backups."""
@@ -88,7 +91,7 @@ class SparseTable:
         self.version = self.step = 0
         self.next_sweep = 0
         self.rounds: dict[int, dict[int, Push]] = {}
-        self.pending: list[PendingPull] = []
+        self.pending: list[PendingRows] = []
         self.counts = dict.fromkeys(COUNTS, 0)
         self.pulled: dict[int, tuple[np.ndarray, Hint]] = {}  # by rank: its last training pull
         self.evictions = 0  # rows evicted so far: a pull's slots stay valid while this is unchanged

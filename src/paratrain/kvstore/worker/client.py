@@ -16,6 +16,7 @@ Not thread-safe: one thread drives one KVStore (the per-key clocks are the calle
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import logging
 import os
@@ -56,6 +57,9 @@ from paratrain.transport.tensors import dtype_name
 
 logger = logging.getLogger(__name__)
 
+Sent = protocol.Push | protocol.PushPull | protocol.Pull
+"""A call's request to one server, as its Handle keeps it (for `_diagnose`)."""
+
 
 @dataclass
 class KeyInfo:
@@ -70,6 +74,20 @@ class KeyInfo:
     @property
     def numel(self) -> int:
         return sum(s.numel for s in self.slices)
+
+
+@dataclass(slots=True)
+class Frame:
+    """The slices one request carries to one server (`_frames`): parallel lists, which the
+    request's message takes as they are."""
+
+    keys: list
+    starts: list[int]
+    stops: list[int]
+    size: int
+    """Bytes its slices put on the wire."""
+    more: bool = False
+    """More frames of the same call follow to this server (a push's `more`: server/outbox.py)."""
 
 
 def flat_cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -246,17 +264,13 @@ class DistKVStore(SparseAPI):
             raise KVStoreError(f"key {key!r} was never initialized (call kv.init first)") from None
 
     def _frames(
-        self,
-        keys: list,
-        extra: Callable[[Any, KeyInfo, Slice], dict],
-        max_bytes: int | None = None,
-        compressed: bool = False,
-    ) -> list[tuple[int, dict]]:
-        """(server, meta) per frame: parallel lists of the slices `keys` have on that server, plus
-        per-slice extras. With `max_bytes`, a server's slices go in frames of at most that many
-        bytes (whole slices: a bigger one alone), sent in the order `_interleaved` gives;
-        `compressed`: counted as the slices of compressed keys go on the wire (both ways)."""
-        frames: dict[int, list[dict]] = {}
+        self, keys: list, max_bytes: int | None = None, compressed: bool = False
+    ) -> list[tuple[int, Frame]]:
+        """(server, frame) per request: the slices `keys` have on that server. With `max_bytes`, a
+        server's slices go in frames of at most that many bytes (whole slices: a bigger one alone),
+        sent in the order `_interleaved` gives; `compressed`: counted as the slices of compressed
+        keys go on the wire (both ways)."""
+        frames: dict[int, list[Frame]] = {}
         compression = self._compression if compressed else None
         for key in keys:
             info = self._info(key)
@@ -268,21 +282,19 @@ class DistKVStore(SparseAPI):
                 if packed:
                     assert compression is not None
                     size = compression.codec.wire_bytes(piece.numel, itemsize)
-                if not chunks or (max_bytes is not None and chunks[-1]["bytes"] + size > max_bytes):
-                    chunks.append({"keys": [], "starts": [], "stops": [], "rank": self.rank, "bytes": 0})
-                meta = chunks[-1]
-                meta["keys"].append(key)
-                meta["starts"].append(piece.start)
-                meta["stops"].append(piece.stop)
-                meta["bytes"] += size
-                for name, value in extra(key, info, piece).items():
-                    meta.setdefault(name, []).append(value)
-        for chunks in frames.values():
-            for meta in chunks:
-                del meta["bytes"]
+                if chunks and (max_bytes is None or chunks[-1].size + size <= max_bytes):
+                    frame = chunks[-1]
+                    frame.keys.append(key)
+                    frame.starts.append(piece.start)
+                    frame.stops.append(piece.stop)
+                    frame.size += size
+                else:
+                    if chunks:
+                        chunks[-1].more = True
+                    chunks.append(Frame([key], [piece.start], [piece.stop], size))
         return self._interleaved(frames)
 
-    def _interleaved(self, frames: dict[int, list[dict]]) -> list[tuple[int, dict]]:
+    def _interleaved(self, frames: dict[int, list[Frame]]) -> list[tuple[int, Frame]]:
         """Every server's first frame, then every server's second, and so on; each worker starts
         from server `rank`. Workers that push at once then load every server's link from the start
         (not all queueing at server 0), and each server's early frames complete their rounds (and
@@ -292,8 +304,10 @@ class DistKVStore(SparseAPI):
         depth = max((len(chunks) for chunks in frames.values()), default=0)
         return [(s, frames[s][j]) for j in range(depth) for s in order if j < len(frames[s])]
 
-    def _min_version(self, info: KeyInfo) -> int:
-        return self.config.policy.min_version(info.clock)
+    def _min_versions(self, keys: list) -> dict[Any, int]:
+        """Per key: the version a pull of it waits for (from its clock: the policy's rule)."""
+        min_version, infos = self.config.policy.min_version, self._keys
+        return {key: min_version(infos[key].clock) for key in keys}
 
     # -- the API ----------------------------------------------------------------------------------
     def init(self, keys: Keys, values: Any) -> None:
@@ -321,37 +335,24 @@ class DistKVStore(SparseAPI):
                 slices = self._placement.place(numel, value.element_size(), wire)
                 self._keys[key] = KeyInfo(shape, dtype, slices)
         flat = {key: flat_cpu(v) for key, v in zip(keys, values, strict=True)}
-        frames = self._frames(
-            keys,
-            lambda key, info, piece: {
-                "shapes": info.shape,
-                "dtypes": dtype_name(info.dtype),
-                "numels": info.numel,
-            },
-        )
+        inits = [(s, self._init_message(frame)) for s, frame in self._frames(keys)]
 
         def send(with_values: bool) -> None:
-            sent: list[tuple[int, dict, Future | Spared]] = []
+            sent: list[tuple[int, protocol.Init, Future | Spared]] = []
             # Without copies a dead server is the call's error (the scheduler ends the job).
             live = set(self._servers.live() if self._servers.replication > 1 else range(len(self._clients)))
-            for s, meta in frames:  # to every copy of the slices (only the primary: no replication)
+            for s, init in inits:  # to every copy of the slices (only the primary: no replication)
                 chain = self._servers.chain(s)
-                tensors = (
-                    [
-                        flat[k][a:b]
-                        for k, a, b in zip(meta["keys"], meta["starts"], meta["stops"], strict=True)
-                    ]
-                    if with_values
-                    else ()
-                )
+                where = zip(init.keys, init.starts, init.stops, strict=True)
+                tensors = [flat[k][a:b] for k, a, b in where] if with_values else ()
                 for t in chain:
                     if t in live:
-                        copy = dict(meta, chain=chain) if len(chain) > 1 else meta
-                        sent.append((t, meta, self._servers.submit(t, "init", copy, tensors)))
+                        copy = dataclasses.replace(init, chain=chain) if len(chain) > 1 else init
+                        sent.append((t, init, self._servers.submit(t, *copy.wire(), tensors)))
             replies = self._wait([future for _, _, future in sent])
-            for (t, meta, future), reply in zip(sent, replies, strict=True):
+            for (t, init, future), reply in zip(sent, replies, strict=True):
                 if not _lost(future):
-                    self._map_regions(t, meta, reply.meta)
+                    self._map_regions(t, init, reply.meta)
 
         if self._joined:
             send(with_values=False)
@@ -362,14 +363,26 @@ class DistKVStore(SparseAPI):
         if self.rank != 0:
             send(with_values=False)  # checks shape and dtype against worker 0's
 
-    def _map_regions(self, server: int, meta: dict, reply: dict) -> None:
+    def _init_message(self, frame: Frame) -> protocol.Init:
+        infos = [self._keys[key] for key in frame.keys]
+        return protocol.Init(
+            keys=frame.keys,
+            starts=frame.starts,
+            stops=frame.stops,
+            rank=self.rank,
+            shapes=[info.shape for info in infos],
+            dtypes=[dtype_name(info.dtype) for info in infos],
+            numels=[info.numel for info in infos],
+        )
+
+    def _map_regions(self, server: int, init: protocol.Init, reply: dict) -> None:
         """Map the slices a same-host server keeps in shared memory (its init reply says where)."""
         if "arena" not in reply:
             return
         try:
             if server not in self._arenas:
                 self._arenas[server] = ArenaMap.open(reply["arena"])
-            slices = zip(meta["keys"], meta["starts"], meta["stops"], reply["regions"], strict=True)
+            slices = zip(init.keys, init.starts, init.stops, reply["regions"], strict=True)
             for key, start, stop, where in slices:
                 info = self._keys[key]
                 if where is not None and start not in info.regions:
@@ -388,29 +401,38 @@ class DistKVStore(SparseAPI):
         futures: list[Any] = []
         after: list[Callable[[], None]] = []
         views = self._out_views(keys, outs, after)
-        frames = self._frames(
-            keys,
-            lambda key, info, piece: {"min_versions": self._min_version(info)},
-            self._frame_bytes,
-            compressed=self._pulls_compressed(),
-        )
+        compression = self._pull_compression()
+        needs = self._min_versions(keys)
         reads: list[tuple[Region, torch.Tensor]] = []
-        for s, meta in frames:
-            packed, first = self._compressed_pull(meta), len(reads)
-            out = None if packed else self._dests(s, meta, views, reads, self._servers.in_place(s))
-            payload = self._payload(meta, None, views, reads, first) if len(reads) > first else None
-            futures.append(self._servers.request(s, "pull", meta, (), out=out, payload=payload))
-            if packed:
-                after.insert(0, self._decoder(meta, futures[-1], views))
-        return self._handle("pull", keys, frames, futures, after, reads)
+        sent: list[tuple[int, Sent]] = []
+        for s, frame in self._frames(keys, self._frame_bytes, compressed=compression is not None):
+            first = len(reads)
+            in_place = self._servers.in_place(s)
+            out, read = (
+                (None, None) if compression is not None else self._dests(frame, views, reads, in_place)
+            )
+            pull = protocol.Pull(
+                keys=frame.keys,
+                starts=frame.starts,
+                stops=frame.stops,
+                rank=self.rank,
+                min_versions=[needs[key] for key in frame.keys],
+                pull_compression=compression,
+                read=read,
+            )
+            payload = self._payload(pull, None, views, reads, first) if len(reads) > first else None
+            futures.append(self._servers.request(s, *pull.wire(), (), out=out, payload=payload))
+            sent.append((s, pull))
+            if compression is not None:
+                after.insert(0, self._decoder(pull, futures[-1], views))
+        return self._handle("pull", keys, sent, futures, after, reads)
 
     def _handle(
-        self, op: str, keys: list, frames: list[tuple[int, dict]], futures: list, after: list, reads: list
+        self, op: str, keys: list, sent: list[tuple[int, Sent]], futures: list, after: list, reads: list
     ) -> Handle:
         """A Handle whose long waits say what they wait for: the servers are asked (`_diagnose`).
-        frames: (server, meta) of each request sent, in the order of futures."""
+        sent: (server, message) of each request, in the order of futures."""
         what = f"{op} of key {keys[0]!r}" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
-        sent = list(frames)
         return Handle(
             futures,
             after,
@@ -421,13 +443,13 @@ class DistKVStore(SparseAPI):
             warn_after_s=self.config.wait_warning_s,
         )
 
-    def _diagnose(self, waiting: list[tuple[int, dict]], pulls: bool) -> WaitDiagnosis:
+    def _diagnose(self, waiting: list[tuple[int, Sent]], pulls: bool) -> WaitDiagnosis:
         """Ask the servers that have not replied what the call waits for: the rounds its pulls
         need and the workers that have not pushed them (the servers log the same)."""
         probes = []
-        for s, meta in waiting:
-            needs = meta["min_versions"] if pulls else [0] * len(meta["keys"])
-            query = protocol.Waiting(meta["keys"], meta["starts"], meta["stops"], needs, meta["rank"])
+        for s, request in waiting:
+            needs = request.min_versions if pulls and request.min_versions else [0] * len(request.keys)
+            query = protocol.Waiting(request.keys, request.starts, request.stops, needs, request.rank)
             probes.append((self._clients[self._servers.serving(s)], *query.wire()))
         return explain_wait(probes, self._timeout_s)
 
@@ -464,50 +486,70 @@ class DistKVStore(SparseAPI):
         clocks = {key: self._info(key).clock for key in keys}
         for key in keys:
             self._info(key).clock += 1
-        frames = self._frames(
-            keys,
-            lambda key, info, piece: {"clocks": clocks[key], "min_versions": self._min_version(info)},
-            self._frame_bytes,
-            compressed=outs is None or self._pulls_compressed(),  # a pushpull's replies too
-        )
-        last = {s: meta for s, meta in frames}
-        for s, meta in frames:
-            if meta is not last[s]:  # more of this push follows to that server (server/outbox.py)
-                meta["more"] = True
+        needs = self._min_versions(keys)
+        kind = protocol.Push if views is None else protocol.PushPull
+        pull_compression = None if views is None else self._pull_compression()
+        compression = None if self._compression is None else self._compression.wire
+        # A joiner's clocks are its own (the server shifts them): it never adds in place. Where
+        # the policy does not add in place, the server applies each push itself.
+        adds = not self._joined and self.config.policy.adds_in_place()
         futures: list[Any] = []
         reads: list[tuple[Region, torch.Tensor]] = []
-        if self._weight != 1:
-            for _, meta in frames:
-                meta["weight"] = self._weight
-        adds = self.config.policy.adds_in_place()  # else the server applies each push itself
-        for s, meta in frames:
-            tensors, added, in_place = [], [], self._servers.in_place(s)
-            slices = zip(meta["keys"], meta["starts"], meta["stops"], meta["clocks"], strict=True)
-            for k, a, b, clock in slices:
-                if self._compression is not None:  # never through shared memory (compressed.py)
-                    meta["compression"] = self._compression.wire
-                    added.append(False)
-                    tensors += self._compression.encode(k, a, flat[k][a:b], self._keys[k].numel)
-                    continue
-                region = self._keys[k].regions.get(a) if in_place else None
-                piece = flat[k][a:b]
-                # A joiner's clocks are its own (the server shifts them): it never adds in place.
-                added.append(adds and not self._joined and region is not None and region.add(clock, piece))
-                if not added[-1]:
-                    tensors.append(piece)
-            if any(added):
-                meta["added"] = added
-            op = "push" if views is None else "pushpull"
-            packed = views is not None and self._compressed_pull(meta)
+        sent: list[tuple[int, Sent]] = []
+        compressed = views is None or pull_compression is not None  # a pushpull's replies too
+        for s, frame in self._frames(keys, self._frame_bytes, compressed):
+            in_place = self._servers.in_place(s)
+            tensors, added, frame_clocks = self._pushed(frame, clocks, flat, adds and in_place)
             first = len(reads)
-            out = self._dests(s, meta, views, reads, in_place) if views is not None and not packed else None
-            payload = (
-                self._payload(meta, flat, views, reads, first) if any(added) or len(reads) > first else None
+            out, read = (
+                self._dests(frame, views, reads, in_place)
+                if views is not None and pull_compression is None
+                else (None, None)
             )
-            futures.append(self._servers.request(s, op, meta, tensors, out=out, payload=payload))
-            if packed:
-                after.insert(0, self._decoder(meta, futures[-1], views))
-        return self._handle("push" if views is None else "pushpull", keys, frames, futures, after, reads)
+            push = kind(
+                keys=frame.keys,
+                starts=frame.starts,
+                stops=frame.stops,
+                rank=self.rank,
+                clocks=frame_clocks,
+                min_versions=[needs[key] for key in frame.keys],
+                more=frame.more,
+                weight=self._weight,
+                compression=compression,
+                added=added,
+                pull_compression=pull_compression,
+                read=read,
+            )
+            payload = self._payload(push, flat, views, reads, first) if added or len(reads) > first else None
+            futures.append(self._servers.request(s, *push.wire(), tensors, out=out, payload=payload))
+            sent.append((s, push))
+            if pull_compression is not None:
+                after.insert(0, self._decoder(push, futures[-1], views))
+        return self._handle(kind.op, keys, sent, futures, after, reads)
+
+    def _pushed(
+        self, frame: Frame, clocks: dict, flat: dict, adds: bool
+    ) -> tuple[list[torch.Tensor], list[bool] | None, list[int]]:
+        """What a frame pushes: (its payload; per slice whether this worker added it into the
+        open round's shared buffer of a same-host server itself, so it is not in the payload,
+        None: none was; per slice its clock). `adds`: it may add them there."""
+        tensors: list[torch.Tensor] = []
+        added: list[bool] = []
+        pushed: list[int] = []
+        compression = self._compression
+        for k, a, b in zip(frame.keys, frame.starts, frame.stops, strict=True):
+            clock = clocks[k]
+            pushed.append(clock)
+            if compression is not None:  # never through shared memory (compressed.py)
+                added.append(False)
+                tensors += compression.encode(k, a, flat[k][a:b], self._keys[k].numel)
+                continue
+            region = self._keys[k].regions.get(a) if adds else None
+            piece = flat[k][a:b]
+            added.append(region is not None and region.add(clock, piece))
+            if not added[-1]:
+                tensors.append(piece)
+        return tensors, added if any(added) else None, pushed
 
     def _spec(self, key: Any) -> tuple[list[int], torch.dtype]:
         info = self._info(key)
@@ -527,30 +569,31 @@ class DistKVStore(SparseAPI):
                 after.append(lambda out=out, staging=staging: out.copy_(staging.view(out.shape)))
         return views
 
-    def _dests(self, server: int, meta: dict, views: dict, reads: list, in_place: bool) -> list[torch.Tensor]:
-        """Where a pull's slices from `server` land: slices it keeps in shared memory are marked
-        (meta "read") and queued on `reads`; the rest come in the reply, into the returned tensors."""
+    def _dests(
+        self, frame: Frame, views: dict, reads: list, in_place: bool
+    ) -> tuple[list[torch.Tensor], list[bool] | None]:
+        """Where a pull's slices land: (the tensors the reply's slices go into, and which slices
+        the server keeps in shared memory, None: none). Those are queued on `reads`: the worker
+        copies them out itself, and the request says so (its `read`)."""
         dests, read = [], []
-        for k, a, b in zip(meta["keys"], meta["starts"], meta["stops"], strict=True):
+        for k, a, b in zip(frame.keys, frame.starts, frame.stops, strict=True):
             region = self._keys[k].regions.get(a) if in_place else None
             read.append(region is not None)
             if region is not None:
                 reads.append((region, views[k][a:b]))
             else:
                 dests.append(views[k][a:b])
-        if any(read):
-            meta["read"] = read
-        return dests
+        return dests, read if any(read) else None
 
     def _payload(
-        self, meta: dict, flat: dict | None, views: dict | None, reads: list, first: int
+        self, request: Sent, flat: dict | None, views: dict | None, reads: list, first: int
     ) -> Payload | None:
-        """The frame as a backup needs it, should the same-host primary die before replying: every
-        push in it (`flat`: the pushed values), every pulled value in the reply (failover.py)."""
+        """The request as a backup needs it, should the same-host primary die before replying:
+        every push in it (`flat`: the pushed values), every pulled value in the reply (failover.py)."""
         if self._servers.replication == 1:
             return None
-        where = list(zip(meta["keys"], meta["starts"], meta["stops"], strict=True))
-        plain = {k: v for k, v in meta.items() if k not in ("added", "read")}
+        where = list(zip(request.keys, request.starts, request.stops, strict=True))
+        plain = {k: v for k, v in request.to_meta().items() if k not in ("added", "read")}  # no shared memory
         tensors = [flat[k][a:b] for k, a, b in where] if flat is not None else []
         out = [views[k][a:b] for k, a, b in where] if views is not None else None
         return Payload(plain, tensors, out, reads, reads[first:])
@@ -575,19 +618,18 @@ class DistKVStore(SparseAPI):
         policy = self.config.policy
         return self._compression is not None and not self._server_optimizer and policy.adds_in_place()
 
-    def _compressed_pull(self, meta: dict) -> bool:
-        """Whether a frame's pulled values come compressed (_pulls_compressed); marks the frame so."""
+    def _pull_compression(self) -> dict | None:
+        """How pulled values come compressed (a request's `pull_compression`); None: plain."""
         if not self._pulls_compressed():
-            return False
+            return None
         assert self._compression is not None
-        meta["pull_compression"] = self._compression.wire
-        return True
+        return self._compression.wire
 
-    def _decoder(self, meta: dict, future: Any, views: dict | None) -> Callable[[], None]:
+    def _decoder(self, request: Sent, future: Any, views: dict | None) -> Callable[[], None]:
         compression = self._compression
         assert compression is not None
         assert views is not None
-        return lambda: compression.decode_reply(meta, future.wait(0), views)
+        return lambda: compression.decode_reply(request, future.wait(0), views)
 
     def set_optimizer(self, optimizer: str | type, **hyperparameters: Any) -> None:
         """Run `optimizer` (a torch.optim class or its path) on the servers, once per round."""

@@ -47,8 +47,10 @@ from paratrain.launch.report import (
     _failure_report,
     _interrupted_report,
     blame,
+    earliest,
     early_exit_deadline,
     interrupted_exit_code,
+    no_exit_outcome,
     only_replacements_left,
     workers_running,
     write_outcome,
@@ -177,10 +179,6 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
 
 
-def _earliest(*deadlines: float | None) -> float | None:
-    return min((d for d in deadlines if d is not None), default=None)
-
-
 class _Job:
     """The children of one job and the main loop that reacts to their exits."""
 
@@ -292,12 +290,9 @@ class _Job:
         """Waits for the job to end; returns ok, failed, timeout, grace or interrupted."""
         while self._workers_running():
             early_end = self._early_exit_deadline()
-            event = self._next_event(_earliest(self.deadline, early_end))
+            event = self._next_event(earliest(self.deadline, early_end))
             if event is None:
-                if early_end is not None and time.monotonic() >= early_end:
-                    self.failed.extend(self.early)
-                    return "failed"
-                return "timeout"
+                return no_exit_outcome(self.early, self.failed, early_end)
             if isinstance(event, Interrupt):
                 return "interrupted"
             if not self._record(event):

@@ -35,7 +35,9 @@ from paratrain.launch.report import (
     _exit_reason,
     _signal_name,
     blame,
+    earliest,
     early_exit_deadline,
+    no_exit_outcome,
     only_replacements_left,
     workers_running,
 )
@@ -167,14 +169,11 @@ class Supervisor:
         """Waits for the job to end; returns ok, failed, timeout, grace or interrupted."""
         while self._workers_running():
             early_end = self._early_exit_deadline()
-            ended = self._next_exits(_earliest(self.deadline, early_end))
+            ended = self._next_exits(earliest(self.deadline, early_end))
             if self.interrupts.pending:
                 return "interrupted"
             if ended is None:
-                if early_end is not None and time.monotonic() >= early_end:
-                    self.failed.extend(self.early)
-                    return "failed"
-                return "timeout"
+                return no_exit_outcome(self.early, self.failed, early_end)
             for child in ended:
                 if not self._record(child):
                     return self._after_failure()
@@ -420,7 +419,3 @@ def first_line(exc: BaseException) -> str:
     if len(lines) > 1:
         text = f"{text} ... {lines[-1]}"
     return f"{type(exc).__name__}: {text}"
-
-
-def _earliest(*deadlines: float | None) -> float | None:
-    return min((d for d in deadlines if d is not None), default=None)
