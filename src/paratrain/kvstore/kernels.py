@@ -37,15 +37,16 @@ def jit(func: _F) -> _F:
 
     @functools.wraps(func)
     def first_call(*args: Any) -> Any:
-        _compile_all()
+        compile_all()
         return globals()[func.__name__](*args)
 
     return first_call  # type: ignore[return-value]
 
 
-def _compile_all() -> None:
+def compile_all() -> None:
     """Binds every kernel's name here to its numba dispatcher, all at once: a kernel that calls
-    another (mix64) finds a dispatcher under that name when numba compiles it."""
+    another (mix64) finds a dispatcher under that name when numba compiles it. A new table calls
+    it, so that numba's import is not paid inside the deadline of the table's first round."""
     global _compiled
     with _compiling:
         if _compiled:
