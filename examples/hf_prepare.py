@@ -13,7 +13,6 @@ import argparse
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import paratrain
 
@@ -26,6 +25,9 @@ parser.add_argument("--batch-size", type=int, default=16, help="per worker")
 args = parser.parse_args()
 
 ctx = paratrain.init()  # the scheduler and the servers serve in here and exit
+# Imported after init: the scheduler and the servers never load transformers (seconds of CPU each).
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+
 torch.manual_seed(0)
 VOCAB, LENGTH = 64, 16
 config = GPT2Config(

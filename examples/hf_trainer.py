@@ -16,7 +16,6 @@ import os
 
 import torch
 from torch.utils.data import Dataset, Subset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import paratrain
 
@@ -27,6 +26,9 @@ parser.add_argument("--out", default="hf-trainer-out")
 args = parser.parse_args()
 
 ctx = paratrain.init()
+# Imported after init: the scheduler and the servers never load transformers (seconds of CPU each).
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
 torch.manual_seed(0)
 VOCAB, LENGTH = 64, 16
 config = GPT2Config(

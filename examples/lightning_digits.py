@@ -11,7 +11,6 @@ Every worker prints "accuracy A" on the test split at the end.
 
 import argparse
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -29,6 +28,8 @@ parser.add_argument("--lr", type=float, default=3e-3)
 args = parser.parse_args()
 
 ctx = paratrain.init()  # the scheduler and the servers serve in here and exit
+# Imported after init: the scheduler and the servers never load Lightning (seconds of CPU each).
+import lightning.pytorch as pl  # noqa: E402
 
 
 class DigitsModule(pl.LightningModule):

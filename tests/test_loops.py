@@ -5,6 +5,7 @@ these are the process-free checks, and one job that shows a clip under ps is not
 """
 
 import copy
+import os
 import re
 import subprocess
 import sys
@@ -354,7 +355,12 @@ def _perplexities(lines: list[str]) -> list[float]:
 
 def test_the_gpt_recipe_learns_alone_under_fsdp_and_tensor_parallel_alike():
     alone = subprocess.run(
-        [sys.executable, str(GPT), *GPT_ARGS], capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, str(GPT), *GPT_ARGS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # one torch thread, as each job process has here
     )
     [reference] = _perplexities(alone.stdout.splitlines())
     assert reference < 64, reference  # 256 equally likely bytes: 256

@@ -15,7 +15,6 @@ import math
 
 import torch
 
-from paratrain.compression import kernels
 from paratrain.compression.api import CompressionConfig
 
 COMPRESSIBLE = (torch.float32, torch.float64)
@@ -48,11 +47,15 @@ class Codec:
 
 class TwoBit(Codec):
     def __init__(self, threshold: float) -> None:
+        # Imported here: numba costs a process ~0.4 CPU-s to import, and most jobs never pack 2 bits.
+        from paratrain.compression import kernels
+
         self.threshold = float(threshold)
+        self._kernels = kernels
 
     def encode(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> list[torch.Tensor]:
         out = torch.empty((x.numel() + 3) // 4, dtype=torch.uint8)
-        kernels.encode_2bit(
+        self._kernels.encode_2bit(
             x.numpy(),
             (x if residual is None else residual).numpy(),
             self.threshold,
@@ -67,7 +70,7 @@ class TwoBit(Codec):
             raise ValueError(
                 f"2bit payload of {codes.dtype}[{codes.numel()}] is not for {out.numel()} elements"
             )
-        kernels.decode_2bit(codes.numpy(), self.threshold, add, out.numpy())
+        self._kernels.decode_2bit(codes.numpy(), self.threshold, add, out.numpy())
         return out
 
     def wire_bytes(self, numel: int, itemsize: int = 4) -> int:

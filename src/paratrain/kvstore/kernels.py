@@ -17,12 +17,48 @@ hyperparameters arrive as float32 scalars), so tables match torch.optim to round
 
 from __future__ import annotations
 
-import numba
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import numpy as np
 
-# error_model="numpy": x / 0 gives inf or nan as in torch, and without a zero check per division
-# the float loops vectorize (7x faster here).
-jit = numba.njit(nogil=True, cache=True, error_model="numpy")
+_F = TypeVar("_F", bound=Callable[..., Any])
+_PLAIN: dict[str, Callable[..., Any]] = {}
+_compiling = threading.Lock()
+_compiled = False
+
+
+def jit(func: _F) -> _F:
+    """`func`, compiled by numba on the first call of any kernel here. Importing numba costs a
+    process about 0.25 CPU-s, and a server whose job has no sparse table never calls a kernel."""
+    _PLAIN[func.__name__] = func
+
+    @functools.wraps(func)
+    def first_call(*args: Any) -> Any:
+        compile_all()
+        return globals()[func.__name__](*args)
+
+    return first_call  # type: ignore[return-value]
+
+
+def compile_all() -> None:
+    """Binds every kernel's name here to its numba dispatcher, all at once: a kernel that calls
+    another (mix64) finds a dispatcher under that name when numba compiles it. A new table calls
+    it, so that numba's import is not paid inside the deadline of the table's first round."""
+    global _compiled
+    with _compiling:
+        if _compiled:
+            return
+        import numba
+
+        # error_model="numpy": x / 0 gives inf or nan as in torch, and without a zero check per
+        # division the float loops vectorize (7x faster here).
+        njit = numba.njit(nogil=True, cache=True, error_model="numpy")
+        globals().update({name: njit(func) for name, func in _PLAIN.items()})
+        _compiled = True
+
 
 EMPTY, REMOVED = -1, -2
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)

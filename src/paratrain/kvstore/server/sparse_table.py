@@ -80,6 +80,7 @@ class SparseTable:
     """One table's shard on one server. Every method but `__init__` expects `lock` to be held."""
 
     def __init__(self, key: Any, dim: int, config: TableConfig, optimizer: SparseOptimizer | None) -> None:
+        kernels.compile_all()
         self.key, self.dim, self.config = key, dim, config
         self.lock = threading.Lock()
         self.optimizer = optimizer
