@@ -76,6 +76,25 @@ def test_sharded_checkpoint_round_trips_and_runs_no_code_on_load(tmp_path, capsy
     assert "this ran" not in capsys.readouterr().out
 
 
+def test_a_gradient_shard_skips_and_clips_by_what_every_shard_adds_up_to():
+    # Under fsdp each worker's gate sees its own shard; `agree` sums [overflow, squared norm] over the
+    # workers. Here the other worker's shard holds an inf (its sum: [1, 0]), then a norm of 4.
+    from paratrain.train.gradients import GradientGate
+    from paratrain.train.precision import LossScaler
+
+    param = nn.Parameter(torch.zeros(2))
+    param.grad = torch.tensor([3.0, 0.0])
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    gate = GradientGate(LossScaler(init_scale=1.0), clip=2.5)
+    gate.agree = lambda values: values + torch.tensor([1.0, 0.0])
+    assert gate.step(optimizer, optimizer.step) is None and gate.skipped == 1
+    assert torch.equal(param, torch.zeros(2)) and gate.scaler.scale == 0.5
+    param.grad = torch.tensor([1.5, 0.0])  # scaled by 0.5: 3 once unscaled
+    gate.agree = lambda values: values + torch.tensor([0.0, 16.0])
+    gate.step(optimizer, optimizer.step)  # the global norm is 5 (3 here, 4 there): halved to 2.5
+    assert gate.last_norm == pytest.approx(5.0) and param.detach().tolist() == pytest.approx([-1.5, 0.0])
+
+
 # -- jobs: parity with the single-process reference ------------------------------------------------
 @pytest.mark.parametrize(
     ("workers", "strategy", "options"),
