@@ -346,6 +346,7 @@ def test_server_counts_how_stale_each_push_is_and_reports_it() -> None:
 
 def test_ddp_all_reduce_ranges_keep_ddp_gradients(tmp_path: Path) -> None:
     """While tracing, a DDP model's buckets go through a timing comm hook: same gradients."""
+    import gc
     from types import SimpleNamespace
 
     import torch
@@ -356,19 +357,26 @@ def test_ddp_all_reduce_ranges_keep_ddp_gradients(tmp_path: Path) -> None:
     from paratrain.testing import free_port
     from paratrain.train.observe import StepObserver
 
+    def traced_gradient(plain: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # The DDP model (and its reducer, which holds the process group) is gone when this returns,
+        # before the group is destroyed: the order torch expects (the other order once hung in
+        # Gloo's destructor here).
+        traced = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+        traced.module.load_state_dict(plain.state_dict())
+        StepObserver(SimpleNamespace(rank=0, link=None, distributed=True), None).attach(traced)
+        traced(x).sum().backward()
+        return traced.module.weight.grad
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
         plain, x = nn.Linear(4, 2), torch.randn(3, 4)
-        traced = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
-        traced.module.load_state_dict(plain.state_dict())
         open_tracer(tmp_path, role="worker", rank=0)
-        StepObserver(SimpleNamespace(rank=0, link=None, distributed=True), None).attach(traced)
         plain(x).sum().backward()
-        traced(x).sum().backward()
-        assert torch.equal(plain.weight.grad, traced.module.weight.grad)
+        assert torch.equal(plain.weight.grad, traced_gradient(plain, x))
     finally:
         close_tracer()
+        gc.collect()  # a DDP model in a reference cycle too
         dist.destroy_process_group()
     names = {e["name"] for e in read_trace(tmp_path / "trace-worker0.json")[1]}
     assert {"all_reduce", "forward"} <= names
