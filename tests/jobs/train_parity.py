@@ -173,7 +173,8 @@ def check_held_save() -> None:
 
 
 computed_in = set()  # the first block's weight dtype in each forward
-unwrap(trainer.model)[0].register_forward_pre_hook(lambda module, args: computed_in.add(module.weight.dtype))
+first_block = next(m for m in unwrap(trainer.model).modules() if isinstance(m, nn.Linear))
+first_block.register_forward_pre_hook(lambda module, args: computed_in.add(module.weight.dtype))
 sched = schedule(optimizer, resumed_at)
 halving = "schedule" in opts
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5) if halving else None
