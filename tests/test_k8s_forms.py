@@ -198,6 +198,7 @@ ctx.barrier(name="probed")
 """
 
 
+@pytest.mark.jobs
 @pytest.mark.timeout(300)
 def test_a_jobsets_pods_run_and_the_scheduler_pod_serves_the_dashboard(tmp_path):
     """Every pod of the JobSet form, started as Kubernetes would start it (tests/test_k8s.py's
