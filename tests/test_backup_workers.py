@@ -186,31 +186,13 @@ def test_the_vocabulary_and_the_wire():
 
 
 def _sync_reference(workers: int, epochs: int) -> float:
-    """Plain sync's accuracy, in this process: one Adam step per round on the workers' mean loss."""
-    from torch import nn
-    from torch.utils.data import DataLoader
-
-    from paratrain.data import ShardedLoader, digits
-
+    """Plain sync's accuracy, in this process, with the job's model."""
     sys.path.insert(0, str(JOBS))
     try:
-        from digits_cnn import make_mlp  # the job's model
+        from digits_cnn import make_mlp, sync_reference_accuracy  # the job's model
     finally:
         sys.path.remove(str(JOBS))
-    torch.set_num_threads(1)
-    model = make_mlp()
-    optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
-    loader = DataLoader(digits(train=True), batch_size=32, shuffle=True)
-    shards = [ShardedLoader.from_loader(loader, workers, rank, seed=0) for rank in range(workers)]
-    for _epoch in range(epochs):
-        for batches in zip(*shards, strict=True):
-            optimizer.zero_grad()
-            loss = sum(nn.functional.cross_entropy(model(x), y) for x, y in batches) / workers
-            loss.backward()
-            optimizer.step()
-    test = digits(train=False)
-    with torch.no_grad():
-        return (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
+    return sync_reference_accuracy(make_mlp(), 5e-3, epochs, workers)
 
 
 def test_a_job_with_a_slowed_worker_drops_its_late_pushes_and_learns_as_sync_does():

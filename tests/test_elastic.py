@@ -272,33 +272,13 @@ def test_a_joiner_with_a_dead_workers_rank_skips_the_rounds_its_predecessor_push
 
 
 def digits_reference(workers: int = 4) -> float:
-    """The test accuracy of the job without failures, in this process: dist_sync with the optimizer
-    on the servers takes one step per round on the mean of the workers' batch losses, each worker
-    reading its shard (the Trainer's ShardedLoader, seed 0)."""
-    from torch import nn
-    from torch.utils.data import DataLoader
-
-    from paratrain.data import ShardedLoader, digits
-
+    """The test accuracy of the job without failures, in this process (digits_cnn.py)."""
     sys.path.insert(0, str(JOB.parent))
     try:
-        from digits_cnn import make_model  # tests/jobs/: the job's model
+        from digits_cnn import make_model, sync_reference_accuracy  # tests/jobs/: the job's model
     finally:
         sys.path.remove(str(JOB.parent))
-    torch.set_num_threads(1)
-    model = make_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    loader = DataLoader(digits(train=True), batch_size=32, shuffle=True)
-    shards = [ShardedLoader.from_loader(loader, workers, rank, seed=0) for rank in range(workers)]
-    for _epoch in range(EPOCHS):
-        for batches in zip(*shards, strict=True):
-            optimizer.zero_grad()
-            loss = sum(nn.functional.cross_entropy(model(x), y) for x, y in batches) / workers
-            loss.backward()
-            optimizer.step()
-    test = digits(train=False)
-    with torch.no_grad():
-        return (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
+    return sync_reference_accuracy(make_model(), LR, EPOCHS, workers)
 
 
 @pytest.mark.timeout(420)
