@@ -138,6 +138,24 @@ def test_fp16_alone_skips_the_overflowing_step_as_grad_scaler_does(clip):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 
+def test_the_last_background_checkpoint_is_committed_when_the_epochs_end(tmp_path):
+    # A script that ends its epoch loop without close() must not lose a checkpoint whose write was
+    # still in flight (under fsdp, checkpoints are written in the background).
+    from concurrent.futures import Future
+
+    from paratrain.train.trainer import _Saving
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model, optimizer, strategy="local", progress=False, **CPU)
+    written, committed = Future(), []
+    written.set_result(None)
+    trainer._saving = _Saving(written, tmp_path, 3, lambda: committed.append(3) or tmp_path)
+    for _epoch in trainer.epochs(2):
+        assert trainer.checkpoint_in_flight == 3 and not committed
+    assert committed == [3] and trainer.checkpoint_in_flight is None
+
+
 def test_a_checkpoint_keeps_the_loss_scale(tmp_path):
     def trainer() -> Trainer:
         model = _model()

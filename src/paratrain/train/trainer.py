@@ -399,11 +399,14 @@ class Trainer:
             for epoch in range(start, count):
                 self.engine.before_epoch(self)
                 yield epoch
-            return
-        epoch = start
-        while (epoch := self._start_epoch(epoch, count)) < count:
-            yield epoch
-            epoch += 1
+        else:
+            epoch = start
+            while (epoch := self._start_epoch(epoch, count)) < count:
+                yield epoch
+                epoch += 1
+        # The last checkpoint may still be written in the background: commit it here, so that a
+        # script that ends without close() does not lose it.
+        self._finish_save(wait=True)
 
     def _start_epoch(self, epoch: int, count: int) -> int:
         """Elastic: the live workers meet before each epoch (and once after the last), agree on it
