@@ -73,8 +73,9 @@ def test_a_serve_port_taken_is_one_line_naming_the_option(tmp_path, taken) -> No
     ), result.output
 
 
-@pytest.mark.timeout(120)
-def test_under_torchrun_a_scheduler_port_taken_is_one_line_and_the_other_ranks_are_stopped(tmp_path) -> None:
+def _init_job(tmp_path) -> tuple[Path, int, dict[str, str], str]:
+    """A script that only calls paratrain.init(), a free MASTER_PORT, the ranks' environment, and
+    the line each rank must print when MASTER_PORT+1 (the scheduler's) is taken."""
     script = tmp_path / "init.py"
     script.write_text("import paratrain\nparatrain.init()\nprint('init done', flush=True)\n")
     master = free_port_run(2)
@@ -84,6 +85,13 @@ def test_under_torchrun_a_scheduler_port_taken_is_one_line_and_the_other_ranks_a
         "PYTHONPATH": str(ROOT / "src"),
         "OMP_NUM_THREADS": "1",
     }
+    line = f"paratrain: port {master + 1} on 127.0.0.1 is taken by another process: the scheduler listens on "
+    return script, master, env, line + "MASTER_PORT+1: choose another MASTER_PORT"
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_a_scheduler_port_taken_is_one_line_and_the_other_ranks_are_stopped(tmp_path) -> None:
+    script, master, env, line = _init_job(tmp_path)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
     torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(master), str(script)]
     with socket.create_server(("127.0.0.1", master + 1)):
@@ -91,8 +99,7 @@ def test_under_torchrun_a_scheduler_port_taken_is_one_line_and_the_other_ranks_a
         done = subprocess.run(torchrun, env=env, capture_output=True, text=True, timeout=55)
     output = done.stdout + done.stderr
     assert done.returncode != 0 and "init done" not in output, output
-    line = f"paratrain: port {master + 1} on 127.0.0.1 is taken by another process: the scheduler listens on "
-    assert line + "MASTER_PORT+1: choose another MASTER_PORT" in output, output
+    assert line in output, output
     assert "SIGTERM" in output, output  # rank 1, stopped by torchrun's agent when rank 0 ended
 
 
@@ -103,21 +110,14 @@ def test_ranks_started_without_an_agent_each_say_the_scheduler_port_is_taken_wit
     """As under srun or by hand: no agent stops the other ranks when rank 0 cannot bind
     MASTER_PORT+1. A rank that finds there a listener that sends no paratrain greeting says the
     same line as rank 0 once the handshake timeout passed, not after the 60 s connect timeout."""
-    script = tmp_path / "init.py"
-    script.write_text("import paratrain\nparatrain.init()\nprint('init done', flush=True)\n")
-    master = free_port_run(2)
+    script, master, env, line = _init_job(tmp_path)
     env = {
-        **os.environ,
-        "PARATRAIN_SECRET": "ab" * 32,
-        "PYTHONPATH": str(ROOT / "src"),
-        "OMP_NUM_THREADS": "1",
+        **env,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(master),
         "WORLD_SIZE": "2",
     }
     env = {k: v for k, v in env.items() if not k.startswith("TORCHELASTIC_")}
-    line = f"paratrain: port {master + 1} on 127.0.0.1 is taken by another process: the scheduler listens on "
-    line += "MASTER_PORT+1: choose another MASTER_PORT"
     with socket.create_server(("127.0.0.1", master + 1)):  # accepts, never greets
         ranks = [
             subprocess.Popen(
